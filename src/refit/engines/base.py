@@ -1,0 +1,75 @@
+"""Engine protocol: the parameters an engine expects, how it loads them, and its weights version state."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from refit.errors import RefitError
+from refit.spec import TensorSpec
+
+
+class State(str, Enum):
+    CURRENT = "current"
+    """Every parameter belongs to `version`."""
+    UPDATING = "updating"
+    """A refit to `target` is under way; parameters are mixed."""
+    FAILED = "failed"
+    """A refit to `target` failed partway; parameters are mixed until a retry succeeds."""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsVersion:
+    state: State
+    version: int | None
+    """Last committed version (None before the first commit)."""
+    target: int | None = None
+    """Version being (or that failed being) installed."""
+    reason: str = ""
+
+
+class Engine(ABC):
+    """The inference side. Subclasses say what they hold and how to load; versioning lives here."""
+
+    def __init__(self) -> None:
+        self._weights = WeightsVersion(State.CURRENT, None)
+
+    @abstractmethod
+    def specs(self) -> list[TensorSpec]:
+        """Names (as the sender calls them), shapes and dtypes of everything the engine holds."""
+
+    @abstractmethod
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy these tensors in; they are views into a reused buffer, so copy before returning."""
+
+    @property
+    def weights(self) -> WeightsVersion:
+        return self._weights
+
+    def begin(self, version: int) -> None:
+        """Called before the first bucket of a refit to `version`."""
+        self._weights = WeightsVersion(State.UPDATING, self._weights.version, version)
+
+    def commit(self, version: int) -> None:
+        """Called after the last bucket arrived and was loaded."""
+        w = self._weights
+        if w.state != State.UPDATING or w.target != version:
+            raise RefitError(f"commit of version {version} without a matching begin (state: {w})")
+        self._weights = WeightsVersion(State.CURRENT, version)
+
+    def fail(self, version: int, reason: str) -> None:
+        """Called when a refit to `version` broke off after `begin`."""
+        self._weights = WeightsVersion(State.FAILED, self._weights.version, version, reason)
+
+    def ensure_current(self, *, allow_failed: bool = False) -> None:
+        """Raise unless the weights are one consistent version (call before generating)."""
+        w = self._weights
+        if w.state == State.CURRENT or (allow_failed and w.state == State.FAILED):
+            return
+        raise RefitError(
+            f"engine weights are {w.state.value} (last committed {w.version}, target {w.target}): {w.reason or 'refit in progress'}. "
+            "Retry the refit of the same version to restore them, or pass allow_failed=True to generate anyway."
+        )

@@ -1,0 +1,39 @@
+"""ModuleEngine: a plain PyTorch module (e.g. a transformers model) as the refit target, copied in place."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from refit.engines.base import Engine
+from refit.packing import copy_all
+from refit.spec import TensorSpec
+
+
+class ModuleEngine(Engine):
+    """Loads into a module's parameters and buffers in place, under no_grad."""
+
+    def __init__(self, module: nn.Module, *, name_map: Mapping[str, str] | None = None) -> None:
+        """`name_map` maps sender names to this module's names where they differ."""
+        super().__init__()
+        self.module = module
+        own = dict(module.state_dict(keep_vars=True))
+        name_map = dict(name_map or {})
+        unknown = sorted(v for v in name_map.values() if v not in own)
+        if unknown:
+            raise ValueError(f"name_map targets names the module does not have: {unknown[:10]}")
+        inverse = {v: k for k, v in name_map.items()}
+        self._targets: dict[str, torch.Tensor] = {inverse.get(n, n): t for n, t in own.items()}
+
+    def specs(self) -> list[TensorSpec]:
+        return [TensorSpec.of(n, t) for n, t in self._targets.items()]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The engine's tensor for a sender name."""
+        return self._targets[name]
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            copy_all([self._targets[n].data for n, _ in tensors], [t for _, t in tensors])

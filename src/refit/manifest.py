@@ -1,0 +1,184 @@
+"""Manifest: the refit info prepared once per epoch (tensor placements in buckets), its digest and JSON form."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from refit.spec import TensorSpec, dtype_from_name, dtype_name
+
+FORMAT = "refit.manifest/1"
+MAX_TENSORS = 1_000_000
+MAX_NAME_CHARS = 1024
+MAX_DIMS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one tensor's bytes sit: from `offset` of `bucket` on, continuing into the next buckets if larger."""
+
+    spec: TensorSpec
+    bucket: int
+    offset: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A byte range of one tensor inside one bucket: tensor bytes [lo, hi) live at bucket offset `at`."""
+
+    entry: int
+    lo: int
+    hi: int
+    at: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Ordered placements plus the bucket geometry; everything a refit needs that does not change per refit."""
+
+    capacity: int
+    """Bytes per bucket buffer."""
+    alignment: int
+    """Every tensor starts at a multiple of this many bytes."""
+    entries: tuple[Placement, ...]
+    """Placements in wire order (sorted by name)."""
+    bucket_nbytes: tuple[int, ...]
+    """Bytes used in each bucket, rounded up to the alignment: what is moved per bucket."""
+    epoch: int = 0
+    """Bumped by the sender whenever a dtype or shape changes; not part of the digest."""
+    _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._index.update((p.name, i) for i, p in enumerate(self.entries))
+        if len(self._index) != len(self.entries):
+            raise ValueError("manifest has duplicate tensor names")
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.bucket_nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (without padding)."""
+        return sum(p.nbytes for p in self.entries)
+
+    def entry(self, name: str) -> Placement:
+        return self.entries[self._index[name]]
+
+    @cached_property
+    def segments(self) -> tuple[tuple[Segment, ...], ...]:
+        """Per bucket, the tensor byte ranges it carries, in order."""
+        out: list[list[Segment]] = [[] for _ in range(self.num_buckets)]
+        for i, p in enumerate(self.entries):
+            lo, bucket, at = 0, p.bucket, p.offset
+            while True:
+                hi = min(p.nbytes, lo + self.capacity - at)
+                out[bucket].append(Segment(i, lo, hi, at))
+                if hi >= p.nbytes:
+                    break
+                lo, bucket, at = hi, bucket + 1, 0
+        return tuple(tuple(s) for s in out)
+
+    @cached_property
+    def last_bucket(self) -> tuple[int, ...]:
+        """Per entry, the bucket holding its final bytes: where it is complete and can be loaded."""
+        last = [0] * len(self.entries)
+        for b, segs in enumerate(self.segments):
+            for s in segs:
+                last[s.entry] = b
+        return tuple(last)
+
+    @property
+    def max_split_nbytes(self) -> int:
+        """Largest tensor that spans buckets (needs a staging tensor on the receiver), 0 if none."""
+        return max((p.nbytes for p in self.entries if p.nbytes > self.capacity - p.offset), default=0)
+
+    def canonical(self) -> dict:
+        return {
+            "format": FORMAT,
+            "capacity": self.capacity,
+            "alignment": self.alignment,
+            "bucket_nbytes": list(self.bucket_nbytes),
+            "tensors": [
+                [p.name, list(p.spec.shape), dtype_name(p.spec.dtype), p.bucket, p.offset, p.nbytes]
+                for p in self.entries
+            ],
+        }
+
+    @cached_property
+    def digest(self) -> bytes:
+        """16 bytes of SHA-256 over the canonical JSON (layout only; the epoch is not in it)."""
+        return hashlib.sha256(_dumps(self.canonical())).digest()[:16]
+
+    def to_json(self) -> bytes:
+        return _dumps({**self.canonical(), "epoch": self.epoch})
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        """Parse and check a manifest; raises ValueError naming the first thing wrong."""
+        try:
+            obj = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"manifest is not valid JSON: {e}") from None
+        return _parse(obj)
+
+
+def _dumps(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _int(obj: dict, key: str, lo: int = 0) -> int:
+    v = obj.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise ValueError(f"manifest field {key!r} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _parse(obj: object) -> Manifest:
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise ValueError(f"not a refit manifest: expected format {FORMAT!r}")
+    capacity, alignment = _int(obj, "capacity", 1), _int(obj, "alignment", 1)
+    tensors, sizes = obj.get("tensors"), obj.get("bucket_nbytes")
+    if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
+        raise ValueError(f"manifest 'tensors' must be a list of at most {MAX_TENSORS} entries")
+    if not isinstance(sizes, list) or not all(isinstance(n, int) and 0 <= n <= capacity for n in sizes):
+        raise ValueError(f"manifest 'bucket_nbytes' must be a list of integers in [0, {capacity}]")
+    entries = tuple(_parse_entry(t) for t in tensors)
+    m = Manifest(capacity, alignment, entries, tuple(sizes), epoch=_int(obj, "epoch"))
+    for p in m.entries:
+        end_bucket = p.bucket + max(0, (p.offset + p.nbytes - 1)) // capacity
+        if p.offset % alignment or end_bucket >= m.num_buckets:
+            raise ValueError(f"manifest places {p.name!r} outside its buckets")
+    return m
+
+
+def _parse_entry(t: object) -> Placement:
+    if not (isinstance(t, list) and len(t) == 6):
+        raise ValueError(f"manifest tensor entry must be [name, shape, dtype, bucket, offset, nbytes], got {t!r:.200}")
+    name, shape, dtype, bucket, offset, nbytes = t
+    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+        raise ValueError(f"manifest tensor name must be a string of at most {MAX_NAME_CHARS} characters")
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(isinstance(d, int) for d in shape)):
+        raise ValueError(f"manifest shape of {name!r} must be a list of at most {MAX_DIMS} integers")
+    if not all(isinstance(v, int) and v >= 0 for v in (bucket, offset, nbytes)):
+        raise ValueError(f"manifest bucket/offset/nbytes of {name!r} must be integers >= 0")
+    spec = TensorSpec(name, tuple(shape), dtype_from_name(dtype) if isinstance(dtype, str) else _bad_dtype(name))
+    if spec.nbytes != nbytes:
+        raise ValueError(f"manifest nbytes of {name!r} is {nbytes}, but shape and dtype give {spec.nbytes}")
+    return Placement(spec, bucket, offset)
+
+
+def _bad_dtype(name: str) -> torch.dtype:
+    raise ValueError(f"manifest dtype of {name!r} must be a string")

@@ -1,0 +1,218 @@
+"""Receiver: the engine side of the protocol (validate the manifest, take buckets in, commit a version)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import torch
+
+from refit import transports
+from refit.budget import bucket_capacity, free_bytes
+from refit.engines.base import Engine
+from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
+from refit.integrity import checksum
+from refit.manifest import Manifest
+from refit.packing import Unpacker
+from refit.settings import Settings
+from refit.stats import RefitStats
+from refit.transports.base import Pending, Transport
+from refit.validation import validate
+from refit.wire import Channel, Header, Kind, parse_json
+
+
+class Receiver:
+    """Runs in the engine's process; `receive()` handles one refit (and any handshake before it)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        rendezvous: dict,
+        *,
+        settings: Settings | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """`rendezvous` is what `Sender.rendezvous()` returned (host, port, token, transport)."""
+        self.engine = engine
+        self.settings = settings or Settings()
+        self.rendezvous = rendezvous
+        name = rendezvous.get("transport")
+        if not isinstance(name, str):
+            raise ValueError("rendezvous must name a transport")
+        self._transport_cls = transports.get(name)
+        self.device = device or transports.default_device(name)
+        self.channel: Channel | None = None
+        self.transport: Transport | None = None
+        self.rank = 0
+        self.manifest: Manifest | None = None
+        self._unpacker: Unpacker | None = None
+
+    def connect(self) -> None:
+        """Connect to the sender, present the token and join the transport."""
+        if self.channel is not None:
+            return
+        host, port = self.rendezvous.get("host"), self.rendezvous.get("port")
+        try:
+            sock = socket.create_connection((host, port), timeout=self.settings.timeout_s)
+        except OSError as e:
+            raise PeerError(f"cannot connect to the sender at {host}:{port}: {e}; is it running?") from None
+        ch = Channel(sock, peer=f"sender ({host}:{port})", timeout_s=self.settings.timeout_s)
+        limit = bucket_capacity(bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio,
+                                free=free_bytes(self.device))  # fmt: skip
+        ch.send(Header(Kind.HELLO), {"token": self.rendezvous.get("token", ""), "capacity": limit})
+        welcome = parse_json(ch.expect(Kind.WELCOME, "rendezvous")[1], "WELCOME")
+        rank, capacity, info = welcome.get("rank"), welcome.get("capacity"), welcome.get("info")
+        if not (isinstance(rank, int) and isinstance(capacity, int) and 0 < capacity <= limit and isinstance(info, dict)):
+            raise IntegrityError(f"WELCOME is malformed or asks for more than this side's limit ({limit} bytes)")
+        self.transport = self._transport_cls.join(info, rank=rank, device=self.device, settings=self.settings)
+        self.rank, self.channel = rank, ch
+        ch.send(Header(Kind.READY))
+
+    def receive(self) -> RefitStats | None:
+        """Handle messages until one refit is committed (returns its stats) or the sender closes (None)."""
+        self.connect()
+        assert self.channel is not None
+        while True:
+            header, payload = self.channel.recv("waiting for the next refit")
+            if header.kind == Kind.MANIFEST:
+                self._handshake(payload)
+            elif header.kind == Kind.BEGIN:
+                return self._refit(header)
+            elif header.kind == Kind.CLOSE:
+                return None
+            else:
+                raise PeerError(f"sender sent {header.kind.name} between refits")
+
+    def serve(self) -> int:
+        """Receive refits until the sender closes; returns how many were committed."""
+        n = 0
+        while self.receive() is not None:
+            n += 1
+        return n
+
+    def _handshake(self, payload: bytes) -> None:
+        assert self.channel is not None and self.transport is not None
+        self.manifest, self._unpacker = None, None
+        try:
+            manifest = Manifest.from_json(payload)
+        except ValueError as e:
+            self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank} rejected the manifest: {e}"})
+            raise IntegrityError(f"sender's manifest is malformed: {e}") from None
+        if manifest.capacity != len(self.transport.buffers[0]):
+            msg = f"manifest capacity {manifest.capacity} differs from the agreed {len(self.transport.buffers[0])}"
+            self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {msg}"})
+            raise IntegrityError(msg)
+        report = validate([p.spec for p in manifest.entries], self.engine.specs())
+        self.channel.send(Header(Kind.REPORT), report.to_json())
+        if not report.ok:
+            raise HandshakeError(report.message())
+        self.manifest = manifest
+        self._unpacker = Unpacker(manifest, self.transport.buffers)
+
+    def _refit(self, begin: Header) -> RefitStats:
+        m, ch = self.manifest, self.channel
+        assert ch is not None
+        if m is None or begin.epoch != m.epoch or begin.digest != m.digest:
+            msg = "refit started for a manifest this receiver has not validated (epoch or digest differs)"
+            ch.send(Header(Kind.ERROR), {"message": msg})
+            raise IntegrityError(msg)
+        t0, version = time.perf_counter(), begin.version
+        stats = RefitStats(version=version, epoch=m.epoch, num_buckets=m.num_buckets, nbytes=m.nbytes)
+        ctrl0 = ch.bytes_sent + ch.bytes_received
+        self.engine.begin(version)
+        try:
+            failure = self._stream(m, begin, stats)
+            ch.expect(Kind.COMMIT, f"commit of version {version}")
+        except RefitError as e:
+            self.engine.fail(version, str(e))
+            raise
+        t = time.perf_counter()
+        if failure is not None:
+            self.engine.fail(version, str(failure))
+            ch.send(Header(Kind.DONE, status=1, version=version), {"message": f"receiver {self.rank}: {failure}"})
+            raise failure
+        self.engine.commit(version)
+        ch.send(Header(Kind.DONE, version=version))
+        stats.add("commit", time.perf_counter() - t)
+        stats.control_bytes = ch.bytes_sent + ch.bytes_received - ctrl0
+        stats.seconds["total"] = time.perf_counter() - t0
+        return stats
+
+    def _stream(self, m: Manifest, begin: Header, stats: RefitStats) -> RefitError | None:
+        """Take every bucket; after a failure keep draining (so the sender never hangs) but load nothing."""
+        assert self.channel is not None and self.transport is not None
+        failure: RefitError | None = None
+        pending: tuple[int, Pending, Header] | None = None
+        for b in range(m.num_buckets):
+            t = time.perf_counter()
+            header, _ = self.channel.expect(Kind.BUCKET, f"refit {begin.version}, bucket {b}")
+            failure = failure or _check_header(header, m, begin, b)
+            handle = self.transport.recv(b % len(self.transport.buffers), m.bucket_nbytes[b])
+            stats.add("recv", time.perf_counter() - t)
+            if pending is not None:
+                failure = self._finish(*pending, stats, failure)
+                pending = None
+            if handle.ready:
+                failure = self._finish(b, handle, header, stats, failure)
+            else:
+                pending = (b, handle, header)
+        if pending is not None:
+            failure = self._finish(*pending, stats, failure)
+        return failure
+
+    def _finish(self, b: int, handle: Pending, header: Header, stats: RefitStats, failure: RefitError | None) -> RefitError | None:
+        """Wait for bucket `b`, verify and load it, then acknowledge it (with status 1 after a failure)."""
+        assert self.channel is not None and self.transport is not None and self._unpacker is not None
+        t = time.perf_counter()
+        handle.wait(self.settings.timeout_s)
+        stats.add("recv", time.perf_counter() - t)
+        slot = b % len(self.transport.buffers)
+        if failure is None:
+            t = time.perf_counter()
+            try:
+                if header.status:
+                    _verify(self.transport.buffers[slot][: header.nbytes], header, b)
+                stats.add("verify", time.perf_counter() - t)
+                t = time.perf_counter()
+                self.engine.load(self._unpacker.unpack(b, slot))
+                stats.add("load", time.perf_counter() - t)
+            except RefitError as e:
+                failure = e
+            except Exception as e:  # the engine's own error, reported to the sender by message
+                failure = RefitError(f"engine failed to load bucket {b}: {type(e).__name__}: {e}")
+        self.channel.send(Header(Kind.ACK, status=int(failure is not None), index=b, version=header.version))
+        return failure
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_header(h: Header, m: Manifest, begin: Header, b: int) -> IntegrityError | None:
+    if h.epoch != m.epoch or h.digest != m.digest:
+        return IntegrityError(f"bucket {b} header is for another manifest (epoch {h.epoch}, expected {m.epoch})")
+    if h.version != begin.version or h.index != b or h.nbytes != m.bucket_nbytes[b]:
+        return IntegrityError(
+            f"bucket {b} header disagrees with the manifest (version {h.version}, index {h.index}, "
+            f"nbytes {h.nbytes}; expected {begin.version}, {b}, {m.bucket_nbytes[b]})"
+        )
+    return None
+
+
+def _verify(buf: torch.Tensor, header: Header, b: int) -> None:
+    got = checksum(buf)
+    if got != header.checksum:
+        raise IntegrityError(
+            f"bucket {b} is corrupted: checksum {got:#018x}, sender computed {header.checksum:#018x}; "
+            "the bytes changed in transit or the buffer was overwritten"
+        )

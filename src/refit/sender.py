@@ -1,0 +1,255 @@
+"""Sender: the trainer side of the protocol (rendezvous, handshake per epoch, pipelined refits)."""
+
+from __future__ import annotations
+
+import hmac
+import socket
+import time
+from collections.abc import Hashable
+
+import torch
+
+from refit import transports
+from refit.budget import NUM_SLOTS, bucket_capacity, free_bytes
+from refit.errors import HandshakeError, PeerError, RefitError
+from refit.integrity import checksum
+from refit.manifest import Manifest
+from refit.packing import Packer
+from refit.planner import forecast, plan
+from refit.settings import Settings
+from refit.source import Source
+from refit.stats import RefitStats
+from refit.transports.base import Pending, Transport
+from refit.validation import Report
+from refit.wire import Channel, Header, Kind, parse_json
+
+
+class Sender:
+    """Pushes a Source's weights to `num_receivers` Receivers over one transport, set up once.
+
+    Call `rendezvous()` for what receivers need to connect, `connect()` (or let the first `refit` do
+    it), then `refit(version)` after every optimizer step.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        *,
+        transport: str = "shm",
+        num_receivers: int = 1,
+        settings: Settings | None = None,
+        device: torch.device | None = None,
+        verify_checksum: bool = False,
+        port: int = 0,
+    ) -> None:
+        if num_receivers < 1:
+            raise ValueError(f"num_receivers ({num_receivers}) must be >= 1")
+        self.source = source
+        self.transport_name = transport
+        self._transport_cls = transports.get(transport)
+        self.num_receivers = num_receivers
+        self.settings = settings or Settings()
+        self.device = device or transports.default_device(transport)
+        self.verify_checksum = verify_checksum
+        self._listener = socket.create_server((self.settings.host, port), backlog=num_receivers + 8)
+        self._listener.settimeout(self.settings.timeout_s)
+        self.channels: list[Channel] = []
+        self.transport: Transport | None = None
+        self.capacity = 0
+        self.manifest: Manifest | None = None
+        self._signature: Hashable = None
+        self._packer: Packer | None = None
+        self._bucket_names: list[list[str]] = []
+        self._epoch = 0
+
+    def rendezvous(self) -> dict:
+        """JSON-able info a Receiver needs: address, token and transport."""
+        host, port = self._listener.getsockname()[:2]
+        return {"host": host, "port": port, "token": self.settings.token, "transport": self.transport_name}
+
+    # -- session setup ---------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Accept every receiver, agree on the bucket capacity, and set up the transport."""
+        if self.transport is not None:
+            return
+        limits = [self._accept(rank) for rank in range(1, self.num_receivers + 1)]
+        own = bucket_capacity(bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio,
+                              free=free_bytes(self.device))  # fmt: skip
+        self.capacity = min([own, *limits])
+        self.transport, info = self._transport_cls.offer(
+            capacity=self.capacity, num_slots=NUM_SLOTS, num_receivers=self.num_receivers,
+            device=self.device, settings=self.settings,
+        )  # fmt: skip
+        for rank, ch in enumerate(self.channels, start=1):
+            ch.send(Header(Kind.WELCOME), {"rank": rank, "capacity": self.capacity, "transport": self.transport_name,
+                                           "info": info})  # fmt: skip
+        self.transport.establish()
+        for ch in self.channels:
+            ch.expect(Kind.READY, "transport setup")
+        self.transport.joined()
+
+    def _accept(self, rank: int) -> int:
+        """Accept one receiver with the right token; return its capacity limit. Wrong tokens are refused."""
+        deadline = time.monotonic() + self.settings.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerError(
+                    f"receiver {rank} of {self.num_receivers} did not connect within {self.settings.timeout_s:g}s; "
+                    f"check it was given {self.rendezvous()['host']}:{self.rendezvous()['port']} and the token"
+                )
+            self._listener.settimeout(remaining)
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            ch = Channel(sock, peer=f"receiver {rank} ({addr[0]}:{addr[1]})", timeout_s=self.settings.timeout_s)
+            try:
+                hello = parse_json(ch.expect(Kind.HELLO, "rendezvous")[1], "HELLO")
+            except RefitError:
+                ch.close()
+                continue
+            if not hmac.compare_digest(str(hello.get("token", "")).encode(), self.settings.token.encode()):
+                ch.send(Header(Kind.ERROR), {"message": "wrong token: this sender expects another REFIT_TOKEN; "
+                                                        "pass the token from Sender.rendezvous()"})  # fmt: skip
+                ch.close()
+                continue
+            limit = hello.get("capacity")
+            if not isinstance(limit, int) or limit <= 0:
+                raise PeerError(f"receiver {rank} sent an invalid capacity limit {limit!r}")
+            self.channels.append(ch)
+            return limit
+
+    # -- handshake -------------------------------------------------------------------------------
+
+    def _handshake(self) -> None:
+        self._epoch += 1
+        manifest = plan(self.source.specs(), capacity=self.capacity, epoch=self._epoch)
+        payload = manifest.to_json()
+        for ch in self.channels:
+            ch.send(Header(Kind.MANIFEST, epoch=manifest.epoch, digest=manifest.digest), payload)
+        failures = []
+        for rank, ch in enumerate(self.channels, start=1):
+            report = Report.from_json(parse_json(ch.expect(Kind.REPORT, "handshake")[1], "REPORT"))
+            if not report.ok:
+                failures.append(f"receiver {rank}: {report.message()}")
+        if failures:
+            self.manifest, self._signature = None, None
+            raise HandshakeError(" | ".join(failures))
+        self.manifest = manifest
+        assert self.transport is not None
+        self._packer = Packer(manifest, self.transport.buffers)
+        self._bucket_names = [[manifest.entries[s.entry].name for s in segs] for segs in manifest.segments]
+
+    # -- refit -----------------------------------------------------------------------------------
+
+    def refit(self, version: int) -> RefitStats:
+        """Send the source's current weights as `version`; returns when every receiver committed."""
+        t0 = time.perf_counter()
+        self.connect()
+        connected = time.perf_counter()
+        signature = self.source.signature()
+        handshake = signature != self._signature or self.manifest is None
+        if handshake:
+            self._handshake()
+            self._signature = signature
+        m = self.manifest
+        assert m is not None
+        stats = RefitStats(version=version, epoch=m.epoch, handshake=handshake, num_buckets=m.num_buckets,
+                           nbytes=m.nbytes)  # fmt: skip
+        stats.add("connect", connected - t0)
+        stats.add("handshake", time.perf_counter() - connected)
+        ctrl0 = self._control_bytes()
+        begin = Header(Kind.BEGIN, epoch=m.epoch, version=version, digest=m.digest, index=m.num_buckets)
+        for ch in self.channels:
+            ch.send(begin)
+        errors = self._stream(m, version, stats)
+        self._commit(m, version, stats, errors)
+        stats.control_bytes = self._control_bytes() - ctrl0
+        stats.seconds["total"] = time.perf_counter() - t0
+        return stats
+
+    def _stream(self, m: Manifest, version: int, stats: RefitStats) -> list[str]:
+        """Pack and send every bucket, `NUM_SLOTS` in flight; returns receivers' per-bucket errors."""
+        assert self.transport is not None and self._packer is not None
+        inflight: list[Pending | None] = [None] * NUM_SLOTS
+        errors: list[str] = []
+        for b in range(m.num_buckets):
+            slot = b % NUM_SLOTS
+            if b >= NUM_SLOTS:
+                self._retire(b - NUM_SLOTS, inflight[slot], version, stats, errors)
+            t = time.perf_counter()
+            self._packer.pack(b, slot, self.source.tensors(self._bucket_names[b]))
+            self.transport.before_send(slot)
+            nbytes = m.bucket_nbytes[b]
+            crc = checksum(self.transport.buffers[slot][:nbytes]) if self.verify_checksum else 0
+            stats.add("pack", time.perf_counter() - t)
+            t = time.perf_counter()
+            header = Header(Kind.BUCKET, slot=slot, epoch=m.epoch, index=b, version=version, digest=m.digest,
+                            nbytes=nbytes, checksum=crc, status=int(self.verify_checksum))  # fmt: skip
+            for ch in self.channels:
+                ch.send(header)
+            inflight[slot] = self.transport.send(slot, nbytes)
+            stats.add("send", time.perf_counter() - t)
+        for b in range(max(0, m.num_buckets - NUM_SLOTS), m.num_buckets):
+            self._retire(b, inflight[b % NUM_SLOTS], version, stats, errors)
+        return errors
+
+    def _retire(self, b: int, pending: Pending | None, version: int, stats: RefitStats, errors: list[str]) -> None:
+        """Wait until bucket `b` is off the wire and every receiver has consumed it."""
+        t = time.perf_counter()
+        stage = f"refit {version}, bucket {b}"
+        if pending is not None:
+            pending.wait(self.settings.timeout_s)
+        for ch in self.channels:
+            header, _ = ch.expect(Kind.ACK, stage)
+            if header.index != b:
+                raise PeerError(f"{ch.peer} acknowledged bucket {header.index} during {stage}")
+            if header.status:
+                errors.append(f"{ch.peer} failed at bucket {b}")
+        stats.add("wait", time.perf_counter() - t)
+
+    def _commit(self, m: Manifest, version: int, stats: RefitStats, errors: list[str]) -> None:
+        t = time.perf_counter()
+        for ch in self.channels:
+            ch.send(Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest))
+        failures = []
+        for ch in self.channels:
+            header, payload = ch.expect(Kind.DONE, f"commit of version {version}")
+            if header.status:
+                failures.append(f"{ch.peer}: {parse_json(payload, 'DONE').get('message', 'unknown error')}")
+        stats.add("commit", time.perf_counter() - t)
+        if failures or errors:
+            raise RefitError(f"refit of version {version} failed; receivers keep their last committed weights "
+                             f"and report state 'failed': {'; '.join(failures or errors)}")  # fmt: skip
+
+    def _control_bytes(self) -> int:
+        return sum(ch.bytes_sent + ch.bytes_received for ch in self.channels)
+
+    def predicted_memory(self) -> dict[str, int]:
+        """Predicted peak extra bytes per side for the current manifest."""
+        if self.manifest is None:
+            raise ValueError("no manifest yet: call refit() (or connect and handshake) first")
+        f = forecast(self.manifest, num_slots=NUM_SLOTS)
+        return {"sender": f.sender_bytes, "receiver": f.receiver_bytes}
+
+    def close(self) -> None:
+        """End the session: tell receivers, release the transport and sockets."""
+        for ch in self.channels:
+            try:
+                ch.send(Header(Kind.CLOSE))
+            except PeerError:
+                pass
+            ch.close()
+        self.channels = []
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        self._listener.close()
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

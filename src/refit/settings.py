@@ -1,0 +1,73 @@
+"""Settings: every environment variable refit reads, read here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+
+DEFAULT_RATIO = 0.2
+DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_HOST = "127.0.0.1"
+
+
+def _ratio() -> float:
+    raw = os.environ.get("REFIT_BUFFER_MEMORY_RATIO") or os.environ.get("NRL_REFIT_BUFFER_MEMORY_RATIO")
+    if raw is None:
+        return DEFAULT_RATIO
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"REFIT_BUFFER_MEMORY_RATIO must be a number in (0, 1], got {raw!r}") from None
+    if not 0 < value <= 1:
+        raise ValueError(f"REFIT_BUFFER_MEMORY_RATIO must be in (0, 1], got {value}")
+    return value
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def _bucket_bytes() -> int | None:
+    raw = os.environ.get("REFIT_BUCKET_BYTES")
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"REFIT_BUCKET_BYTES must be an integer, got {raw!r}") from None
+
+
+@dataclass(kw_only=True, slots=True)
+class Settings:
+    """Session settings; defaults come from the environment (see the README's table)."""
+
+    ratio: float = field(default_factory=_ratio)
+    """Fraction of free memory the bucket buffers of one side may take (REFIT_BUFFER_MEMORY_RATIO)."""
+    bucket_bytes: int | None = field(default_factory=_bucket_bytes)
+    """Explicit bucket capacity in bytes; overrides `ratio` (REFIT_BUCKET_BYTES)."""
+    timeout_s: float = field(default_factory=lambda: _float("REFIT_TIMEOUT", DEFAULT_TIMEOUT_S))
+    """Limit on every blocking wait: rendezvous, handshake, each bucket, commit (REFIT_TIMEOUT)."""
+    host: str = field(default_factory=lambda: os.environ.get("REFIT_HOST", DEFAULT_HOST))
+    """Address the sender listens on; loopback unless told otherwise (REFIT_HOST)."""
+    token: str = field(default_factory=lambda: os.environ.get("REFIT_TOKEN") or secrets.token_hex(16))
+    """Shared secret every connection must present (REFIT_TOKEN; generated per session if unset)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ratio <= 1:
+            raise ValueError(f"ratio ({self.ratio}) must be in (0, 1]")
+        if self.bucket_bytes is not None and self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes ({self.bucket_bytes}) must be > 0")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s ({self.timeout_s}) must be > 0")
+        if not self.token:
+            raise ValueError("token must be non-empty")

@@ -1,0 +1,87 @@
+"""TensorSpec: one tensor's name, shape and wire dtype, and the dtype names used on the wire."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _DTYPES[_name] = getattr(torch, _name)
+_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+
+# Casts that keep every value exactly, so an engine may hold a wider dtype than the wire carries.
+_LOSSLESS: set[tuple[torch.dtype, torch.dtype]] = {
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float64),
+    (torch.float32, torch.float64),
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot go on the wire; supported: {sorted(_DTYPES)}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype for a wire name."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown wire dtype {name!r}; supported: {sorted(_DTYPES)}") from None
+
+
+def lossless(wire: torch.dtype, held: torch.dtype) -> bool:
+    """True when a tensor sent as `wire` can be held as `held` with every value unchanged."""
+    return wire == held or (wire, held) in _LOSSLESS
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What a tensor looks like on the wire."""
+
+    name: str
+    """Name as the sender calls it (the engine may map it)."""
+    shape: tuple[int, ...]
+    """Global shape."""
+    dtype: torch.dtype
+    """Wire dtype: what the bytes in the bucket are."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a tensor spec needs a non-empty name")
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"tensor {self.name!r} has a negative dimension in shape {self.shape}")
+        dtype_name(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorSpec:
+        """The spec of `tensor` sent as `dtype` (its own dtype by default); reads metadata only."""
+        return cls(name, tuple(tensor.shape), dtype or tensor.dtype)

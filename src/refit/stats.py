@@ -1,0 +1,36 @@
+"""Stats: per-refit timings and sizes, returned by Sender.refit and Receiver.receive."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class RefitStats:
+    """One refit as one side saw it."""
+
+    version: int
+    epoch: int
+    handshake: bool = False
+    """True when this refit started with a (re-)handshake."""
+    num_buckets: int = 0
+    nbytes: int = 0
+    """Tensor bytes moved (without padding)."""
+    control_bytes: int = 0
+    """Control-channel bytes sent and received for the refit itself (handshake excluded)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Time per stage: sender pack/send/wait/commit, receiver recv/verify/load/commit; 'total' is wall time."""
+
+    def add(self, stage: str, dt: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + dt
+
+    @property
+    def total_s(self) -> float:
+        return self.seconds.get("total", 0.0)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)

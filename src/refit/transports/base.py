@@ -1,0 +1,80 @@
+"""Transport protocol: moves one bucket of bytes between fixed, pre-allocated buffers; knows no names."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from refit.settings import Settings
+
+
+class Pending(ABC):
+    """A transfer in flight."""
+
+    ready: bool = False
+    """True when the bytes are already in place and `wait` returns at once."""
+
+    @abstractmethod
+    def wait(self, timeout_s: float) -> None:
+        """Block until done; raise PeerError if the peer fails or the timeout passes."""
+
+
+class Done(Pending):
+    """A transfer that needs no waiting (the bytes are already where the reader looks)."""
+
+    ready = True
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+
+DONE = Done()
+
+
+class Transport(ABC):
+    """One session's link: `num_slots` buffers of `capacity` bytes on each side, set up once.
+
+    The sender calls `offer` (which returns JSON-able setup info for the receivers), sends the info,
+    then `establish` and, once every receiver has joined, `joined`. Receivers call `join(info)`.
+    """
+
+    name: ClassVar[str]
+    device_type: ClassVar[str]
+    """'cpu' or 'cuda': where the buffers live."""
+
+    buffers: list[torch.Tensor]
+    """uint8 buffers, one per slot, each `capacity` bytes."""
+
+    @classmethod
+    @abstractmethod
+    def offer(
+        cls, *, capacity: int, num_slots: int, num_receivers: int, device: torch.device, settings: Settings
+    ) -> tuple[Transport, dict]:
+        """Sender side: allocate the buffers and return (transport, setup info for receivers)."""
+
+    @classmethod
+    @abstractmethod
+    def join(cls, info: dict, *, rank: int, device: torch.device, settings: Settings) -> Transport:
+        """Receiver side: attach to the sender's offer."""
+
+    def establish(self) -> None:
+        """Sender side, after the info went out: finish collective setup (blocks until receivers join)."""
+
+    def joined(self) -> None:
+        """Sender side, after every receiver reported READY."""
+
+    @abstractmethod
+    def send(self, slot: int, nbytes: int) -> Pending:
+        """Sender side: start moving the first `nbytes` of `slot`'s buffer to every receiver."""
+
+    @abstractmethod
+    def recv(self, slot: int, nbytes: int) -> Pending:
+        """Receiver side: start receiving `nbytes` into `slot`'s buffer."""
+
+    def before_send(self, slot: int) -> None:
+        """Sender side, after packing `slot` and before telling receivers it is ready (e.g. a stream sync)."""
+
+    def close(self) -> None:
+        """Release buffers and groups; safe to call twice."""

@@ -1,0 +1,157 @@
+"""Wire: the fixed 64-byte header, JSON payload framing and the control channel (never pickle)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+from refit.errors import IntegrityError, PeerError
+
+MAGIC = b"RFT1"
+HEADER = struct.Struct("<4sBBHIIQ16sQQ8x")
+assert HEADER.size == 64
+MAX_JSON_BYTES = 64 << 20
+"""Largest JSON payload accepted; checked before anything is allocated."""
+
+
+class Kind(IntEnum):
+    HELLO = 1  # receiver -> sender: token, rank wish, capacity limit
+    WELCOME = 2  # sender -> receiver: rank, capacity, transport setup
+    READY = 3  # receiver -> sender: transport joined
+    MANIFEST = 4  # sender -> receiver: manifest JSON (once per epoch)
+    REPORT = 5  # receiver -> sender: validation report JSON
+    BEGIN = 6  # sender -> receiver: a refit of `version` starts
+    BUCKET = 7  # sender -> receiver: bucket `index` is in `slot`
+    ACK = 8  # receiver -> sender: bucket `index` consumed, `slot` free
+    COMMIT = 9  # sender -> receiver: all buckets sent, commit `version`
+    DONE = 10  # receiver -> sender: commit result (JSON error if status != 0)
+    ERROR = 11  # either way: JSON {"message": ...}; the session is over
+    CLOSE = 12  # sender -> receiver: orderly end of session
+
+
+WITH_PAYLOAD = {Kind.HELLO, Kind.WELCOME, Kind.MANIFEST, Kind.REPORT, Kind.DONE, Kind.ERROR}
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """One control message's fixed part. `nbytes` is the bucket size, or the JSON payload length."""
+
+    kind: Kind
+    status: int = 0
+    slot: int = 0
+    epoch: int = 0
+    index: int = 0
+    version: int = 0
+    digest: bytes = bytes(16)
+    nbytes: int = 0
+    checksum: int = 0
+
+    def pack(self) -> bytes:
+        return HEADER.pack(
+            MAGIC, self.kind, self.status, self.slot, self.epoch, self.index,
+            self.version, self.digest, self.nbytes, self.checksum,
+        )  # fmt: skip
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Header:
+        magic, kind, status, slot, epoch, index, version, digest, nbytes, checksum = HEADER.unpack(data)
+        if magic != MAGIC:
+            raise IntegrityError(f"control message does not start with {MAGIC!r} (got {magic!r}); peer is not refit")
+        try:
+            k = Kind(kind)
+        except ValueError:
+            raise IntegrityError(f"control message has unknown kind {kind}") from None
+        if k in WITH_PAYLOAD and nbytes > MAX_JSON_BYTES:
+            raise IntegrityError(f"{k.name} payload of {nbytes} bytes exceeds the limit of {MAX_JSON_BYTES}")
+        return cls(k, status, slot, epoch, index, version, digest, nbytes, checksum)
+
+
+class Channel:
+    """A framed control connection to one peer, with a timeout on every read and byte counters."""
+
+    def __init__(self, sock: socket.socket, *, peer: str, timeout_s: float) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.timeout_s = timeout_s
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        sock.settimeout(timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, header: Header, payload: object = None) -> None:
+        if payload is None or isinstance(payload, bytes):
+            data = payload or b""
+        else:
+            data = json.dumps(payload, separators=(",", ":")).encode()
+        header = Header(**{**_fields(header), "nbytes": len(data)}) if header.kind in WITH_PAYLOAD else header
+        msg = header.pack() + data
+        try:
+            self.sock.sendall(msg)
+        except OSError as e:
+            raise PeerError(f"cannot send {header.kind.name} to {self.peer}: {e}; is it still running?") from None
+        self.bytes_sent += len(msg)
+
+    def recv(self, stage: str) -> tuple[Header, bytes]:
+        """The next message; an ERROR from the peer is raised as PeerError carrying its message."""
+        header = Header.unpack(self._read(HEADER.size, stage))
+        payload = self._read(header.nbytes, stage) if header.kind in WITH_PAYLOAD else b""
+        if header.kind == Kind.ERROR:
+            raise PeerError(f"{self.peer} failed: {_message(payload)}")
+        return header, payload
+
+    def expect(self, kind: Kind, stage: str) -> tuple[Header, bytes]:
+        header, payload = self.recv(stage)
+        if header.kind != kind:
+            raise PeerError(f"{self.peer} sent {header.kind.name} during {stage}, expected {kind.name}")
+        return header, payload
+
+    def _read(self, n: int, stage: str) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            try:
+                k = self.sock.recv_into(view[got:])
+            except TimeoutError:
+                raise PeerError(
+                    f"{self.peer} did not answer within {self.timeout_s:g}s during {stage}; "
+                    "check that it is alive, or raise the timeout (REFIT_TIMEOUT)"
+                ) from None
+            except OSError as e:
+                raise PeerError(f"connection to {self.peer} failed during {stage}: {e}") from None
+            if k == 0:
+                raise PeerError(f"{self.peer} closed the connection during {stage} (did it exit or crash?)")
+            got += k
+        self.bytes_received += n
+        return bytes(buf)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _fields(h: Header) -> dict:
+    return {f: getattr(h, f) for f in Header.__slots__}
+
+
+def _message(payload: bytes) -> str:
+    try:
+        obj = json.loads(payload)
+        return str(obj.get("message", obj)) if isinstance(obj, dict) else str(obj)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return "(unreadable error message)"
+
+
+def parse_json(payload: bytes, what: str) -> dict:
+    """A JSON object from a peer, or IntegrityError naming `what`."""
+    try:
+        obj = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IntegrityError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise IntegrityError(f"{what} must be a JSON object")
+    return obj
