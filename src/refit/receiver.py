@@ -174,7 +174,9 @@ class Receiver:
                     _verify(self.transport.buffers[slot][: header.nbytes], header, b)
                 stats.add("verify", time.perf_counter() - t)
                 t = time.perf_counter()
-                self.engine.load(self._unpacker.unpack(b, slot))
+                tensors = self._unpacker.unpack(b, slot)
+                if tensors:
+                    self.engine.load(tensors)
                 stats.add("load", time.perf_counter() - t)
             except RefitError as e:
                 failure = e

@@ -146,9 +146,9 @@ class Sender:
 
     def refit(self, version: int) -> RefitStats:
         """Send the source's current weights as `version`; returns when every receiver committed."""
-        t0 = time.perf_counter()
+        t_connect = time.perf_counter()
         self.connect()
-        connected = time.perf_counter()
+        t0 = time.perf_counter()
         signature = self.source.signature()
         handshake = signature != self._signature or self.manifest is None
         if handshake:
@@ -158,8 +158,8 @@ class Sender:
         assert m is not None
         stats = RefitStats(version=version, epoch=m.epoch, handshake=handshake, num_buckets=m.num_buckets,
                            nbytes=m.nbytes)  # fmt: skip
-        stats.add("connect", connected - t0)
-        stats.add("handshake", time.perf_counter() - connected)
+        stats.add("connect", t0 - t_connect)
+        stats.add("handshake", time.perf_counter() - t0)
         ctrl0 = self._control_bytes()
         begin = Header(Kind.BEGIN, epoch=m.epoch, version=version, digest=m.digest, index=m.num_buckets)
         for ch in self.channels:

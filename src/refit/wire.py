@@ -79,7 +79,8 @@ class Channel:
         self.bytes_sent = 0
         self.bytes_received = 0
         sock.settimeout(timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def send(self, header: Header, payload: object = None) -> None:
         if payload is None or isinstance(payload, bytes):

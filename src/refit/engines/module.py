@@ -13,13 +13,13 @@ from refit.spec import TensorSpec
 
 
 class ModuleEngine(Engine):
-    """Loads into a module's parameters and buffers in place, under no_grad."""
+    """Loads into a module's parameters and buffers (or a state dict's tensors) in place, under no_grad."""
 
-    def __init__(self, module: nn.Module, *, name_map: Mapping[str, str] | None = None) -> None:
+    def __init__(self, module: nn.Module | Mapping[str, torch.Tensor], *, name_map: Mapping[str, str] | None = None) -> None:
         """`name_map` maps sender names to this module's names where they differ."""
         super().__init__()
         self.module = module
-        own = dict(module.state_dict(keep_vars=True))
+        own = dict(module.state_dict(keep_vars=True) if isinstance(module, nn.Module) else module)
         name_map = dict(name_map or {})
         unknown = sorted(v for v in name_map.values() if v not in own)
         if unknown:

@@ -1,0 +1,58 @@
+"""The demo's engine process: a transformers model behind a Receiver, reporting after every refit.
+
+Started as `python -m refit.demo.engine '<json args>'`; reports are JSON lines on stdout marked '@@refit'.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from refit.demo.model import build_model, greedy, model_config
+from refit.engines.module import ModuleEngine
+from refit.errors import PeerError, RefitError
+from refit.receiver import Receiver
+from refit.settings import Settings
+from refit.verify import fingerprints
+
+MARK = "@@refit "
+
+
+def emit(obj: dict) -> None:
+    print(MARK + json.dumps(obj), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    args = json.loads(argv[1])
+    model = build_model(model_config(**args["model"]), seed=12345)  # random: the first refit installs the weights
+    engine = ModuleEngine(model)
+    settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 120.0))
+    with Receiver(engine, args["rendezvous"], settings=settings) as receiver:
+        while True:
+            try:
+                stats = receiver.receive()
+            except RefitError as e:
+                emit({"event": "error", "message": str(e), "state": engine.weights.state.value})
+                if isinstance(e, PeerError):
+                    return 3
+                continue
+            if stats is None:
+                return 0
+            assert receiver.manifest is not None
+            wire = {p.name: p.spec.dtype for p in receiver.manifest.entries}
+            engine.ensure_current()
+            emit({
+                "event": "refit",
+                "version": engine.weights.version,
+                "state": engine.weights.state.value,
+                "stats": stats.to_json(),
+                "fingerprints": fingerprints(model.state_dict().items(), wire, held=True),
+                "generated": greedy(model, args["prompts"]),
+            })  # fmt: skip
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    raise SystemExit(main(sys.argv))

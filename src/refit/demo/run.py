@@ -1,0 +1,175 @@
+"""The demo's trainer: real optimizer steps on a small LM, a refit after each, every refit checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+import refit
+from refit.demo.engine import MARK
+from refit.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
+from refit.errors import RefitError
+from refit.sender import Sender
+from refit.settings import Settings
+from refit.source import ModuleSource
+from refit.stats import RefitStats
+from refit.verify import differences, fingerprints
+
+KEEP_FP32 = "model.norm.weight"
+"""The tensor whose wire dtype switches from bf16 to fp32 partway (the seed's e_score_correction_bias case)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    transport: str = "shm"
+    """Transport to refit over."""
+    steps: int = 4
+    """Optimizer steps, each followed by a refit."""
+    dtype_change_at: int = 2
+    """Step after which KEEP_FP32 goes on the wire in fp32 (a new epoch); -1 for never."""
+    bucket_bytes: int = 8 << 20
+    """Bucket capacity; small enough that the demo model needs several buckets."""
+    layers: int = 8
+    hidden: int = 512
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps ({self.steps}) must be >= 1")
+
+
+@dataclass(slots=True)
+class Row:
+    engine: dict
+    params_ok: bool
+    generate_ok: bool
+    problems: list[str] = field(default_factory=list)
+
+
+class EngineProcess:
+    """The engine as a child process that speaks JSON lines (no pickle crosses the boundary)."""
+
+    def __init__(self, args: dict) -> None:
+        env = dict(os.environ)
+        pkg_root = os.path.dirname(os.path.dirname(refit.__file__))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "refit.demo.engine", json.dumps(args)], stdout=subprocess.PIPE, text=True, env=env
+        )
+
+    def report(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+        raise RefitError(f"engine process exited with code {self.proc.wait()} before reporting")
+
+    def close(self) -> int:
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return -9
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    return float(loss.detach())
+
+
+def _check(model: torch.nn.Module, reference: torch.nn.Module, sender: Sender, prompts: list, report: dict) -> Row:
+    """Compare the engine's report with what the trainer sent and with the trainer's own generation."""
+    assert sender.manifest is not None
+    wire = {p.name: p.spec.dtype for p in sender.manifest.entries}
+    sent = fingerprints(model.state_dict().items(), wire)
+    with torch.no_grad():
+        for name, t in reference.state_dict(keep_vars=True).items():
+            t.copy_(model.state_dict()[name].to(wire[name]))
+    expected = greedy(reference, prompts)
+    diffs = differences(sent, report["fingerprints"])
+    problems = [f"{len(diffs)} parameter(s) differ from what was sent: {diffs[:5]}"] if diffs else []
+    gen_ok = report["generated"] == expected
+    if not gen_ok:
+        problems.append(f"generation differs: engine {report['generated']} vs trainer {expected}")
+    return Row(report, not diffs, gen_ok, problems)
+
+
+def run(cfg: DemoConfig, console: Console) -> bool:
+    """Run the demo over one transport; True when every refit verified."""
+    tok = build_tokenizer()
+    mcfg = {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.hidden * 3}
+    model = build_model(model_config(**mcfg), seed=0)
+    reference = build_model(model_config(**mcfg), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.tensor([tok(TEXT)["input_ids"][:256]])
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    source = ModuleSource(model, wire_dtype=torch.bfloat16)
+    settings = Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
+    nparams = sum(p.numel() for p in model.parameters())
+    console.print(f"[bold]refit demo[/] over [cyan]{cfg.transport}[/]: Llama-style LM, {nparams / 1e6:.1f}M params, "
+                  f"fp32 master weights sent as bf16, {cfg.steps} steps")  # fmt: skip
+    table = _table(cfg.transport)
+    ok = True
+    with Sender(source, transport=cfg.transport, settings=settings) as sender:
+        engine = EngineProcess({"rendezvous": sender.rendezvous(), "model": mcfg, "prompts": prompts,
+                                "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s})  # fmt: skip
+        try:
+            with Progress(console=console, transient=True) as progress:
+                task = progress.add_task("training and refitting", total=cfg.steps)
+                for step in range(1, cfg.steps + 1):
+                    loss = _train_step(model, opt, ids)
+                    if step == cfg.dtype_change_at + 1:
+                        source.set_wire_dtype(KEEP_FP32, torch.float32)
+                    stats = sender.refit(step)
+                    report = engine.report()
+                    if report.get("event") != "refit":
+                        raise RefitError(f"engine reported: {report.get('message', report)}")
+                    row = _check(model, reference, sender, prompts, report)
+                    ok &= not row.problems
+                    _add_row(table, stats, row, loss)
+                    for p in row.problems:
+                        console.print(f"[red]step {step}: {p}[/]")
+                    progress.advance(task)
+        finally:
+            sender.close()
+            engine.close()
+    console.print(table)
+    mem = sender.predicted_memory() if sender.manifest else {}
+    console.print(f"predicted peak extra memory: sender {mem.get('sender', 0) / 2**20:.0f} MiB, "
+                  f"receiver {mem.get('receiver', 0) / 2**20:.0f} MiB")  # fmt: skip
+    console.print("[green]all refits verified[/]" if ok else "[red]verification FAILED[/]")
+    return ok
+
+
+def _table(transport: str) -> Table:
+    t = Table(title=f"refits over {transport} (times in ms; params: bitwise equal to what was sent; "
+                    "gen: engine's greedy output equals the trainer's)")
+    for col in ("ver", "epoch", "loss", "MB", "bkts", "pack", "send", "wait", "load", "total", "GB/s", "params",
+                "gen"):  # fmt: skip
+        t.add_column(col, justify="right")
+    return t
+
+
+def _add_row(table: Table, s: RefitStats, row: Row, loss: float) -> None:
+    ms = {k: v * 1e3 for k, v in s.seconds.items()}
+    load_ms = row.engine["stats"]["seconds"].get("load", 0.0) * 1e3
+    mark = lambda ok: "[green]✓[/]" if ok else "[red]✗[/]"  # noqa: E731
+    table.add_row(
+        str(s.version), f"{s.epoch}{'*' if s.handshake else ''}", f"{loss:.3f}", f"{s.nbytes / 1e6:.1f}",
+        str(s.num_buckets), f"{ms.get('pack', 0):.1f}", f"{ms.get('send', 0):.1f}", f"{ms.get('wait', 0):.1f}",
+        f"{load_ms:.1f}", f"{ms.get('total', 0):.1f}", f"{s.gbps:.2f}", mark(row.params_ok),
+        mark(row.generate_ok),
+    )  # fmt: skip

@@ -1,0 +1,46 @@
+"""Shared fixtures: a sender over a deterministic state dict, and peers in real processes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from peer import Peer, make_tensors
+from refit import ModuleSource, Sender, Settings
+from refit.verify import fingerprints
+
+
+def sent_fingerprints(sender: Sender) -> dict[str, str]:
+    """What the sender put on the wire for its current manifest."""
+    assert sender.manifest is not None
+    wire = {p.name: p.spec.dtype for p in sender.manifest.entries}
+    names = list(wire)
+    return fingerprints(zip(names, sender.source.tensors(names)), wire)
+
+
+@contextlib.contextmanager
+def session(specs: list[list], *, transport: str, receivers: int = 1, bucket_bytes: int = 4096,
+            engine_specs: list[list] | None = None, wire_dtype: torch.dtype | None = None,
+            timeout_s: float = 60.0) -> Iterator[tuple[Sender, dict[str, torch.Tensor], list[Peer]]]:  # fmt: skip
+    """A sender over tensors made from `specs` and `receivers` peer processes expecting `engine_specs`."""
+    tensors = make_tensors(specs, seed=1)
+    settings = Settings(bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    sender = Sender(ModuleSource(tensors, wire_dtype=wire_dtype), transport=transport, num_receivers=receivers,
+                    settings=settings)  # fmt: skip
+    args = {"rendezvous": sender.rendezvous(), "specs": engine_specs or specs, "bucket_bytes": bucket_bytes,
+            "timeout_s": timeout_s}  # fmt: skip
+    peers = [Peer(args) for _ in range(receivers)]
+    try:
+        yield sender, tensors, peers
+    finally:
+        sender.close()
+        for p in peers:
+            p.wait()
+
+
+@pytest.fixture(params=["shm", "gloo"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return request.param

@@ -1,0 +1,102 @@
+"""A test engine process: a state-dict engine behind a Receiver, reporting JSON lines on stdout.
+
+Run as `python tests/peer.py '<json>'`; used by the protocol tests so that every test crosses a real
+process boundary without pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from refit import ModuleEngine, PeerError, Receiver, RefitError, Settings
+from refit.spec import dtype_from_name
+from refit.verify import fingerprints
+
+MARK = "@@peer "
+
+
+def make_tensors(specs: list[list], seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic tensors for [name, shape, dtype] specs."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(shape, generator=g).to(dtype_from_name(d)) for n, shape, d in specs}
+
+
+class RecordingEngine(ModuleEngine):
+    """A ModuleEngine that records the order of begin/load/commit calls."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.events: list[str] = []
+
+    def begin(self, version: int) -> None:
+        self.events.append(f"begin {version}")
+        super().begin(version)
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.events.append("load " + ",".join(n for n, _ in tensors))
+        super().load(tensors)
+
+    def commit(self, version: int) -> None:
+        self.events.append(f"commit {version}")
+        super().commit(version)
+
+
+def _report(engine: RecordingEngine, receiver: Receiver, **extra: object) -> dict:
+    wire = {p.name: p.spec.dtype for p in receiver.manifest.entries} if receiver.manifest else {}
+    own = {n: t.dtype for n, t in engine.module.items()}
+    fps = fingerprints(engine.module.items(), {**own, **wire}, held=True)
+    w = engine.weights
+    return {"state": w.state.value, "version": w.version, "target": w.target, "fingerprints": fps,
+            "events": engine.events, **extra}  # fmt: skip
+
+
+def main() -> int:
+    args = json.loads(sys.argv[1])
+    engine = RecordingEngine(make_tensors(args["specs"], args.get("seed", 99)))
+    settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 60.0))
+    with Receiver(engine, args["rendezvous"], settings=settings) as receiver:
+        while True:
+            try:
+                stats = receiver.receive()
+            except RefitError as e:
+                print(MARK + json.dumps(_report(engine, receiver, event="error", type=type(e).__name__,
+                                                message=str(e))), flush=True)  # fmt: skip
+                if isinstance(e, PeerError):
+                    return 3
+                continue
+            if stats is None:
+                return 0
+            print(MARK + json.dumps(_report(engine, receiver, event="refit", stats=stats.to_json())), flush=True)
+            engine.events = []
+
+
+class Peer:
+    """Starts peer.py as a child process and reads its reports."""
+
+    def __init__(self, args: dict) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+        self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE,
+                                     text=True, env=env)  # fmt: skip
+
+    def report(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+        raise AssertionError(f"peer exited with {self.proc.wait()} before reporting")
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
