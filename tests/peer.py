@@ -20,10 +20,10 @@ from refit.verify import fingerprints
 MARK = "@@peer "
 
 
-def make_tensors(specs: list[list], seed: int) -> dict[str, torch.Tensor]:
+def make_tensors(specs: list[list], seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Deterministic tensors for [name, shape, dtype] specs."""
     g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(shape, generator=g).to(dtype_from_name(d)) for n, shape, d in specs}
+    return {n: torch.randn(shape, generator=g).to(device=device, dtype=dtype_from_name(d)) for n, shape, d in specs}
 
 
 class RecordingEngine(ModuleEngine):
@@ -51,15 +51,19 @@ def _report(engine: RecordingEngine, receiver: Receiver, **extra: object) -> dic
     own = {n: t.dtype for n, t in engine.module.items()}
     fps = fingerprints(engine.module.items(), {**own, **wire}, held=True)
     w = engine.weights
+    opened = sys.modules["refit.transports.cuda_ipc"].handles_opened() if "refit.transports.cuda_ipc" in sys.modules else 0
     return {"state": w.state.value, "version": w.version, "target": w.target, "fingerprints": fps,
-            "events": engine.events, **extra}  # fmt: skip
+            "events": engine.events, "handles_opened": opened, **extra}  # fmt: skip
 
 
 def main() -> int:
     args = json.loads(sys.argv[1])
-    engine = RecordingEngine(make_tensors(args["specs"], args.get("seed", 99)))
+    device = args.get("device", "cpu")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    engine = RecordingEngine(make_tensors(args["specs"], args.get("seed", 99), device))
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 60.0))
-    with Receiver(engine, args["rendezvous"], settings=settings) as receiver:
+    with Receiver(engine, args["rendezvous"], settings=settings, device=torch.device(device)) as receiver:
         while True:
             try:
                 stats = receiver.receive()

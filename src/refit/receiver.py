@@ -127,6 +127,7 @@ class Receiver:
             self.engine.fail(version, str(e))
             raise
         t = time.perf_counter()
+        self.transport.flush()
         if failure is not None:
             self.engine.fail(version, str(failure))
             ch.send(Header(Kind.DONE, status=1, version=version), {"message": f"receiver {self.rank}: {failure}"})
@@ -152,7 +153,7 @@ class Receiver:
             if pending is not None:
                 failure = self._finish(*pending, stats, failure)
                 pending = None
-            if handle.ready:
+            if handle.ready or len(self.transport.buffers) == 1:
                 failure = self._finish(b, handle, header, stats, failure)
             else:
                 pending = (b, handle, header)
@@ -182,6 +183,7 @@ class Receiver:
                 failure = e
             except Exception as e:  # the engine's own error, reported to the sender by message
                 failure = RefitError(f"engine failed to load bucket {b}: {type(e).__name__}: {e}")
+        self.transport.release(slot)
         self.channel.send(Header(Kind.ACK, status=int(failure is not None), index=b, version=header.version))
         return failure
 

@@ -76,5 +76,11 @@ class Transport(ABC):
     def before_send(self, slot: int) -> None:
         """Sender side, after packing `slot` and before telling receivers it is ready (e.g. a stream sync)."""
 
+    def release(self, slot: int) -> None:
+        """Receiver side, after loading from `slot` and before acknowledging it: the slot may be reused."""
+
+    def flush(self) -> None:
+        """Receiver side, before commit: every load issued so far has completed."""
+
     def close(self) -> None:
         """Release buffers and groups; safe to call twice."""

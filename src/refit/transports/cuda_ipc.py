@@ -1,0 +1,94 @@
+"""cuda-ipc transport: colocated GPU processes share device bucket buffers through CUDA IPC handles.
+
+The sender exports each buffer's handle once per session; each receiver opens it once. Ordering is
+a stream sync on each side plus the bucket header and its acknowledgement: the sender's pack is
+complete before the header goes out, and the receiver's reads are complete before its ACK.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import torch
+
+from refit.errors import PeerError
+from refit.settings import Settings
+from refit.transports.base import DONE, Pending, Transport
+
+_OPENED = 0
+
+
+def handles_opened() -> int:
+    """How many IPC handles this process has opened (for tests: once per buffer per session)."""
+    return _OPENED
+
+
+def _export(buf: torch.Tensor) -> dict:
+    storage = buf.untyped_storage()
+    dev, handle, size, offset, ref_handle, ref_offset, event, event_sync = storage._share_cuda_()
+    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    return {"device": dev, "handle": b64(handle), "size": size, "offset": offset, "ref_handle": b64(ref_handle),
+            "ref_offset": ref_offset, "event": b64(event), "event_sync": bool(event_sync),
+            "storage_offset": buf.storage_offset(), "nbytes": buf.numel()}  # fmt: skip
+
+
+def _open(h: dict) -> torch.Tensor:
+    global _OPENED
+    d = base64.b64decode
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            h["device"], d(h["handle"]), h["size"], h["offset"], d(h["ref_handle"]), h["ref_offset"],
+            d(h["event"]), h["event_sync"],
+        )  # fmt: skip
+    except Exception as e:
+        raise PeerError(
+            f"cannot open the sender's CUDA IPC handle on device {h['device']}: {e}. CUDA IPC needs both "
+            "processes on one host, peer access between their GPUs, and no expandable_segments in "
+            "PYTORCH_CUDA_ALLOC_CONF; otherwise use the 'nccl' transport"
+        ) from None
+    _OPENED += 1
+    t = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return t.set_(storage, h["storage_offset"], (h["nbytes"],), (1,))
+
+
+class CudaIpcTransport(Transport):
+    name = "cuda-ipc"
+    device_type = "cuda"
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+
+    @classmethod
+    def offer(
+        cls, *, capacity: int, num_slots: int, num_receivers: int, device: torch.device, settings: Settings
+    ) -> tuple[Transport, dict]:
+        # One allocation per buffer, so each handle maps exactly its own bytes.
+        buffers = [torch.zeros(capacity, dtype=torch.uint8, device=device) for _ in range(num_slots)]
+        torch.cuda.synchronize(device)
+        return cls(buffers), {"handles": [_export(b) for b in buffers], "capacity": capacity}
+
+    @classmethod
+    def join(cls, info: dict, *, rank: int, device: torch.device, settings: Settings) -> Transport:
+        handles = info.get("handles")
+        if not isinstance(handles, list) or not all(isinstance(h, dict) for h in handles):
+            raise PeerError(f"cuda-ipc setup info is malformed: {info!r:.200}")
+        with torch.cuda.device(device):
+            return cls([_open(h) for h in handles])
+
+    def before_send(self, slot: int) -> None:
+        torch.cuda.current_stream(self.buffers[slot].device).synchronize()
+
+    def send(self, slot: int, nbytes: int) -> Pending:
+        return DONE
+
+    def recv(self, slot: int, nbytes: int) -> Pending:
+        return DONE
+
+    def release(self, slot: int) -> None:
+        torch.cuda.current_stream().synchronize()
+
+    def flush(self) -> None:
+        torch.cuda.current_stream().synchronize()
+
+    def close(self) -> None:
+        self.buffers = []

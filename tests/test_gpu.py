@@ -1,0 +1,68 @@
+"""GPU transports on a real transformers model: cuda-ipc (colocated) and nccl (two GPUs), bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import sent_fingerprints, session
+from refit.spec import dtype_name
+
+pytestmark = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+def _model() -> dict[str, torch.Tensor]:
+    from refit.demo.model import build_model, model_config
+
+    model = build_model(model_config(layers=4, hidden=512, ffn=1536), seed=0).cuda()
+    return dict(model.state_dict(keep_vars=True))
+
+
+def _specs(tensors: dict[str, torch.Tensor], wire: torch.dtype) -> list[list]:
+    return [[n, list(t.shape), dtype_name(torch.float32)] for n, t in tensors.items()]
+
+
+def _refits(transport: str, peer_devices: list[str]) -> list[dict]:
+    tensors = _model()
+    reports = []
+    with session(_specs(tensors, torch.bfloat16), transport=transport, tensors=tensors, device="cuda:0",
+                 wire_dtype=torch.bfloat16, bucket_bytes=8 << 20, receivers=len(peer_devices),
+                 peer_devices=peer_devices) as (sender, _, peers):  # fmt: skip
+        for version in range(1, 4):
+            with torch.no_grad():
+                for t in tensors.values():
+                    t.mul_(1.001)
+            if version == 3:
+                sender.source.set_wire_dtype("model.norm.weight", torch.float32)
+            stats = sender.refit(version)
+            torch.cuda.synchronize()
+            expected = sent_fingerprints(sender)
+            for peer in peers:
+                r = peer.report()
+                assert r["event"] == "refit", r
+                assert r["fingerprints"] == expected
+                assert (r["state"], r["version"]) == ("current", version)
+                reports.append({**r, "epoch": stats.epoch, "buckets": stats.num_buckets})
+    return reports
+
+
+@needs_cuda
+def test_cuda_ipc_colocated_refit_is_bitwise_and_opens_handles_once() -> None:
+    reports = _refits("cuda-ipc", ["cuda:0"])
+    assert [r["epoch"] for r in reports] == [1, 1, 2]
+    assert all(r["handles_opened"] == 2 for r in reports)  # two slots, opened at setup only
+    assert reports[0]["buckets"] > 2
+
+
+@needs_two
+def test_cuda_ipc_receiver_on_another_gpu_uses_peer_access() -> None:
+    reports = _refits("cuda-ipc", ["cuda:1"])
+    assert all(r["handles_opened"] == 2 for r in reports)
+
+
+@needs_two
+def test_nccl_two_gpu_refit_is_bitwise_with_dtype_change() -> None:
+    reports = _refits("nccl", ["cuda:1"])
+    assert [r["epoch"] for r in reports] == [1, 1, 2]
