@@ -1,21 +1,27 @@
-"""refit: move freshly trained weights from an RL trainer into a running inference engine, fast and verified."""
+"""refit: move freshly trained weights from an RL trainer into a running inference engine, fast and verified.
 
-from refit.engines.base import Engine, State, WeightsVersion
-from refit.engines.module import ModuleEngine
-from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
-from refit.manifest import Manifest, Placement
-from refit.planner import plan
-from refit.receiver import Receiver
-from refit.sender import Sender
-from refit.settings import Settings
-from refit.source import ModuleSource, Source
-from refit.spec import TensorSpec
-from refit.stats import RefitStats
+Names are imported lazily, so `import refit` (and the CLI's start) does not load torch until needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Engine", "HandshakeError", "IntegrityError", "Manifest", "ModuleEngine", "ModuleSource", "PeerError",
-    "Placement", "Receiver", "RefitError", "RefitStats", "Sender", "Settings", "Source", "State", "TensorSpec",
-    "WeightsVersion", "plan",
-]  # fmt: skip
+_EXPORTS = {
+    "Engine": "refit.engines.base", "State": "refit.engines.base", "WeightsVersion": "refit.engines.base",
+    "ModuleEngine": "refit.engines.module", "HandshakeError": "refit.errors", "IntegrityError": "refit.errors",
+    "PeerError": "refit.errors", "RefitError": "refit.errors", "Manifest": "refit.manifest",
+    "Placement": "refit.manifest", "plan": "refit.planner", "Receiver": "refit.receiver", "Sender": "refit.sender",
+    "Settings": "refit.settings", "ModuleSource": "refit.source", "Source": "refit.source",
+    "TensorSpec": "refit.spec", "RefitStats": "refit.stats",
+}  # fmt: skip
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'refit' has no attribute {name!r}")

@@ -40,10 +40,14 @@ class Sender:
         settings: Settings | None = None,
         device: torch.device | None = None,
         verify_checksum: bool = False,
+        num_slots: int = NUM_SLOTS,
         port: int = 0,
     ) -> None:
         if num_receivers < 1:
             raise ValueError(f"num_receivers ({num_receivers}) must be >= 1")
+        if num_slots < 1:
+            raise ValueError(f"num_slots ({num_slots}) must be >= 1 (2 overlaps packing with transfer)")
+        self.num_slots = num_slots
         self.source = source
         self.transport_name = transport
         self._transport_cls = transports.get(transport)
@@ -75,10 +79,10 @@ class Sender:
             return
         limits = [self._accept(rank) for rank in range(1, self.num_receivers + 1)]
         own = bucket_capacity(bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio,
-                              free=free_bytes(self.device))  # fmt: skip
+                              free=free_bytes(self.device), num_slots=self.num_slots)  # fmt: skip
         self.capacity = min([own, *limits])
         self.transport, info = self._transport_cls.offer(
-            capacity=self.capacity, num_slots=NUM_SLOTS, num_receivers=self.num_receivers,
+            capacity=self.capacity, num_slots=self.num_slots, num_receivers=self.num_receivers,
             device=self.device, settings=self.settings,
         )  # fmt: skip
         for rank, ch in enumerate(self.channels, start=1):
@@ -171,14 +175,15 @@ class Sender:
         return stats
 
     def _stream(self, m: Manifest, version: int, stats: RefitStats) -> list[str]:
-        """Pack and send every bucket, `NUM_SLOTS` in flight; returns receivers' per-bucket errors."""
+        """Pack and send every bucket, `num_slots` in flight; returns receivers' per-bucket errors."""
         assert self.transport is not None and self._packer is not None
-        inflight: list[Pending | None] = [None] * NUM_SLOTS
+        slots = self.num_slots
+        inflight: list[Pending | None] = [None] * slots
         errors: list[str] = []
         for b in range(m.num_buckets):
-            slot = b % NUM_SLOTS
-            if b >= NUM_SLOTS:
-                self._retire(b - NUM_SLOTS, inflight[slot], version, stats, errors)
+            slot = b % slots
+            if b >= slots:
+                self._retire(b - slots, inflight[slot], version, stats, errors)
             t = time.perf_counter()
             self._packer.pack(b, slot, self.source.tensors(self._bucket_names[b]))
             self.transport.before_send(slot)
@@ -192,8 +197,8 @@ class Sender:
                 ch.send(header)
             inflight[slot] = self.transport.send(slot, nbytes)
             stats.add("send", time.perf_counter() - t)
-        for b in range(max(0, m.num_buckets - NUM_SLOTS), m.num_buckets):
-            self._retire(b, inflight[b % NUM_SLOTS], version, stats, errors)
+        for b in range(max(0, m.num_buckets - slots), m.num_buckets):
+            self._retire(b, inflight[b % slots], version, stats, errors)
         return errors
 
     def _retire(self, b: int, pending: Pending | None, version: int, stats: RefitStats, errors: list[str]) -> None:
@@ -231,7 +236,7 @@ class Sender:
         """Predicted peak extra bytes per side for the current manifest."""
         if self.manifest is None:
             raise ValueError("no manifest yet: call refit() (or connect and handshake) first")
-        f = forecast(self.manifest, num_slots=NUM_SLOTS)
+        f = forecast(self.manifest, num_slots=self.num_slots)
         return {"sender": f.sender_bytes, "receiver": f.receiver_bytes}
 
     def close(self) -> None:

@@ -1,0 +1,1 @@
+"""`refit bench`: the floor, refit and the baselines measured side by side in one run."""

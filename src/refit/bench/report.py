@@ -1,0 +1,79 @@
+"""Bench output: the rich table, the JSON file and the scaling plot."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+LABELS = {
+    "floor": "floor",
+    "refit": "refit (pipelined buckets)",
+    "serial": "serial buckets, no overlap",
+    "per_tensor": "per-tensor, metadata once",
+    "per_tensor_meta": "per-tensor, metadata every refit",
+}
+
+
+def table(report: dict) -> Table:
+    c = report["config"]
+    name = c["config"] or c["preset"]
+    t = Table(title=f"{name}: {report['tensors']} tensors, {report['nbytes'] / 1e9:.3f} GB {c['dtype']}, "
+                    f"{c['transport']} to {c['receivers']} receiver(s) on {report['device']}")  # fmt: skip
+    for col in ("method", "median ms", "min-max ms", "GB/s", "x floor", "stages (median ms)"):
+        t.add_column(col, justify="left" if col in ("method", "stages (median ms)") else "right")
+    for key, r in report["results"].items():
+        ratio = r["ratio_to_floor"]
+        stages = " ".join(f"{k} {v * 1e3:.1f}" for k, v in r["stages"].items())
+        t.add_row(LABELS.get(key, key), f"{r['median_s'] * 1e3:.1f}", f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f}",
+                  f"{r['gbps']:.2f}", "-" if ratio is None else f"{ratio:.2f}", stages)  # fmt: skip
+    return t
+
+
+def memory_line(report: dict) -> str:
+    m = report["results"].get("refit", {}).get("memory", {})
+    if not m:
+        return ""
+    fmt = lambda v: "n/a" if v is None else f"{v / 2**20:.0f} MiB"  # noqa: E731
+    return (f"refit extra memory: sender predicted {fmt(m['predicted_sender'])}, measured {fmt(m['measured_sender'])}; "
+            f"receiver predicted {fmt(m['predicted_receiver'])}, measured {fmt(m['measured_receiver'])}")  # fmt: skip
+
+
+def show(reports: list[dict], console: Console) -> None:
+    for r in reports:
+        console.print(table(r))
+        line = memory_line(r)
+        if line:
+            console.print(line)
+
+
+def write_json(reports: list[dict], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(reports, f, indent=1)
+
+
+def plot(reports: list[dict], path: str) -> None:
+    """Time vs model size and vs receivers, each with the floor line (needs matplotlib: refit[plot])."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'refit[plot]'") from None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "nbytes", "model size (GB)"), (axes[1], "receivers", "receivers")):
+        fixed = reports[0]["config"]["receivers"] if key == "nbytes" else reports[-1]["nbytes"]
+        group = [r for r in reports if (r["config"]["receivers"] == fixed if key == "nbytes" else r["nbytes"] == fixed)]
+        xs = [r["nbytes"] / 1e9 if key == "nbytes" else r["config"]["receivers"] for r in group]
+        for method in ("floor", "refit", "serial", "per_tensor", "per_tensor_meta"):
+            ys = [r["results"][method]["median_s"] * 1e3 for r in group if method in r["results"]]
+            if len(ys) == len(xs) and xs:
+                ax.plot(xs, ys, marker="o", linestyle="--" if method == "floor" else "-", label=method)
+        ax.set_xlabel(label)
+        ax.set_ylabel("refit time (ms)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
