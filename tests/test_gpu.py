@@ -66,3 +66,26 @@ def test_cuda_ipc_receiver_on_another_gpu_uses_peer_access() -> None:
 def test_nccl_two_gpu_refit_is_bitwise_with_dtype_change() -> None:
     reports = _refits("nccl", ["cuda:1"])
     assert [r["epoch"] for r in reports] == [1, 1, 2]
+
+
+@needs_cuda
+def test_zero_copy_reads_the_trainer_tensors_and_re_exports_when_storage_moves() -> None:
+    tensors = {n: t.detach().to(torch.bfloat16) for n, t in _model().items()}
+    specs = _specs(tensors, torch.bfloat16)
+    with session(specs, transport="cuda-ipc", tensors=tensors, device="cuda:0", peer_devices=["cuda:0"],
+                 zero_copy=True) as (sender, _, (peer,)):  # fmt: skip
+        epochs, opened = [], []
+        for version in range(1, 4):
+            for t in tensors.values():
+                t.mul_(1.01)
+            if version == 3:  # new storage for one tensor: its handle must be exported again
+                tensors["model.norm.weight"] = tensors["model.norm.weight"].clone()
+                sender.source = type(sender.source)(tensors)
+            stats = sender.refit(version)
+            r = peer.report()
+            assert r["event"] == "refit" and r["fingerprints"] == sent_fingerprints(sender)
+            epochs.append(stats.epoch)
+            opened.append(r["handles_opened"])
+            assert stats.num_buckets > 1 and "pack" not in stats.seconds
+    assert epochs == [1, 1, 2]
+    assert opened[0] == opened[1] > 2 and opened[2] > opened[1]

@@ -46,6 +46,7 @@ class Receiver:
         self.rank = 0
         self.manifest: Manifest | None = None
         self._unpacker: Unpacker | None = None
+        self._sources: list[tuple[str, torch.Tensor]] = []
 
     def connect(self) -> None:
         """Connect to the sender, present the token and join the transport."""
@@ -76,6 +77,8 @@ class Receiver:
             header, payload = self.channel.recv("waiting for the next refit")
             if header.kind == Kind.MANIFEST:
                 self._handshake(payload)
+            elif header.kind == Kind.SOURCES:
+                self._open_sources(payload)
             elif header.kind == Kind.BEGIN:
                 return self._refit(header)
             elif header.kind == Kind.CLOSE:
@@ -92,7 +95,7 @@ class Receiver:
 
     def _handshake(self, payload: bytes) -> None:
         assert self.channel is not None and self.transport is not None
-        self.manifest, self._unpacker = None, None
+        self.manifest, self._unpacker, self._sources = None, None, []
         try:
             manifest = Manifest.from_json(payload)
         except ValueError as e:
@@ -109,6 +112,38 @@ class Receiver:
         self.manifest = manifest
         self._unpacker = Unpacker(manifest, self.transport.buffers)
 
+    def _open_sources(self, payload: bytes) -> None:
+        """Zero-copy mode: map the sender's tensors once per epoch."""
+        from refit.transports.cuda_ipc import open_tensor
+
+        assert self.channel is not None and self.manifest is not None
+        handles = parse_json(payload, "SOURCES").get("tensors")
+        if not isinstance(handles, list) or len(handles) != len(self.manifest.entries):
+            raise IntegrityError("SOURCES does not list one handle per manifest tensor")
+        try:
+            with torch.cuda.device(self.device):
+                views = [open_tensor(h) for h in handles]
+        except RefitError as e:
+            self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {e}"})
+            raise
+        for p, v in zip(self.manifest.entries, views):
+            if tuple(v.shape) != p.spec.shape or v.dtype != p.spec.dtype:
+                raise IntegrityError(f"shared tensor {p.name} does not match its manifest entry")
+        self._sources = [(p.name, v) for p, v in zip(self.manifest.entries, views)]
+        self.channel.send(Header(Kind.READY))
+
+    def _copy_sources(self, stats: RefitStats) -> RefitError | None:
+        """Zero-copy refit: one device copy from the sender's tensors into the engine."""
+        if not self._sources:
+            return IntegrityError("zero-copy refit before the sender shared its tensors (no SOURCES this epoch)")
+        t = time.perf_counter()
+        try:
+            self.engine.load(self._sources)
+        except Exception as e:
+            return RefitError(f"engine failed to load the shared tensors: {type(e).__name__}: {e}")
+        stats.add("load", time.perf_counter() - t)
+        return None
+
     def _refit(self, begin: Header) -> RefitStats:
         m, ch = self.manifest, self.channel
         assert ch is not None
@@ -121,7 +156,7 @@ class Receiver:
         ctrl0 = ch.bytes_sent + ch.bytes_received
         self.engine.begin(version)
         try:
-            failure = self._stream(m, begin, stats)
+            failure = self._copy_sources(stats) if begin.status == 1 else self._stream(m, begin, stats)
             ch.expect(Kind.COMMIT, f"commit of version {version}")
         except RefitError as e:
             self.engine.fail(version, str(e))

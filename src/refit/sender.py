@@ -41,13 +41,20 @@ class Sender:
         device: torch.device | None = None,
         verify_checksum: bool = False,
         num_slots: int = NUM_SLOTS,
+        zero_copy: bool = False,
         port: int = 0,
     ) -> None:
+        """`zero_copy` (cuda-ipc only): receivers copy straight from the source tensors, whose IPC handles
+        are exported once per epoch; the source must hold contiguous device tensors in their wire dtype."""
         if num_receivers < 1:
             raise ValueError(f"num_receivers ({num_receivers}) must be >= 1")
         if num_slots < 1:
             raise ValueError(f"num_slots ({num_slots}) must be >= 1 (2 overlaps packing with transfer)")
         self.num_slots = num_slots
+        if zero_copy and transport != "cuda-ipc":
+            raise ValueError(f"zero_copy needs the cuda-ipc transport, not {transport!r}")
+        self.zero_copy = zero_copy
+        self._pointers: tuple[int, ...] = ()
         self.source = source
         self.transport_name = transport
         self._transport_cls = transports.get(transport)
@@ -141,10 +148,36 @@ class Sender:
         if failures:
             self.manifest, self._signature = None, None
             raise HandshakeError(" | ".join(failures))
+        if self.zero_copy:
+            self._share_sources(manifest)
         self.manifest = manifest
         assert self.transport is not None
         self._packer = Packer(manifest, self.transport.buffers)
         self._bucket_names = [[manifest.entries[s.entry].name for s in segs] for segs in manifest.segments]
+
+    def _share_sources(self, manifest: Manifest) -> None:
+        """Export every source tensor's IPC handle once per epoch (zero-copy mode)."""
+        from refit.transports.cuda_ipc import export
+
+        tensors = self.source.tensors([p.name for p in manifest.entries])
+        bad = [p.name for p, t in zip(manifest.entries, tensors)
+               if not (t.is_cuda and t.is_contiguous() and t.dtype == p.spec.dtype)]  # fmt: skip
+        if bad:
+            raise ValueError(f"zero_copy needs contiguous CUDA tensors already in their wire dtype; not so: {bad[:5]}. "
+                             "Use zero_copy=False (packing casts on the way).")  # fmt: skip
+        payload = {"tensors": [export(t) for t in tensors]}
+        for ch in self.channels:
+            ch.send(Header(Kind.SOURCES, epoch=manifest.epoch, digest=manifest.digest), payload)
+        for ch in self.channels:
+            ch.expect(Kind.READY, "opening the source tensors' IPC handles")
+        self._pointers = tuple(t.data_ptr() for t in tensors)
+
+    def _moved(self) -> bool:
+        """Zero-copy only: did any source tensor get new storage since its handle was exported?"""
+        if not self.zero_copy or self.manifest is None:
+            return False
+        names = [p.name for p in self.manifest.entries]
+        return tuple(t.data_ptr() for t in self.source.tensors(names)) != self._pointers
 
     # -- refit -----------------------------------------------------------------------------------
 
@@ -154,7 +187,7 @@ class Sender:
         self.connect()
         t0 = time.perf_counter()
         signature = self.source.signature()
-        handshake = signature != self._signature or self.manifest is None
+        handshake = signature != self._signature or self.manifest is None or self._moved()
         if handshake:
             self._handshake()
             self._signature = signature
@@ -165,10 +198,13 @@ class Sender:
         stats.add("connect", t0 - t_connect)
         stats.add("handshake", time.perf_counter() - t0)
         ctrl0 = self._control_bytes()
-        begin = Header(Kind.BEGIN, epoch=m.epoch, version=version, digest=m.digest, index=m.num_buckets)
+        begin = Header(Kind.BEGIN, epoch=m.epoch, version=version, digest=m.digest, index=m.num_buckets,
+                       status=int(self.zero_copy))  # fmt: skip
+        if self.zero_copy:  # the optimizer's writes must be done before receivers read the tensors
+            torch.cuda.current_stream(self.device).synchronize()
         for ch in self.channels:
             ch.send(begin)
-        errors = self._stream(m, version, stats)
+        errors = [] if self.zero_copy else self._stream(m, version, stats)
         self._commit(m, version, stats, errors)
         stats.control_bytes = self._control_bytes() - ctrl0
         stats.seconds["total"] = time.perf_counter() - t0

@@ -30,9 +30,10 @@ class Kind(IntEnum):
     DONE = 10  # receiver -> sender: commit result (JSON error if status != 0)
     ERROR = 11  # either way: JSON {"message": ...}; the session is over
     CLOSE = 12  # sender -> receiver: orderly end of session
+    SOURCES = 13  # sender -> receiver: CUDA IPC handles of the source tensors (zero-copy, once per epoch)
 
 
-WITH_PAYLOAD = {Kind.HELLO, Kind.WELCOME, Kind.MANIFEST, Kind.REPORT, Kind.DONE, Kind.ERROR}
+WITH_PAYLOAD = {Kind.HELLO, Kind.WELCOME, Kind.MANIFEST, Kind.REPORT, Kind.DONE, Kind.ERROR, Kind.SOURCES}
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from rich.table import Table
 LABELS = {
     "floor": "floor",
     "refit": "refit (pipelined buckets)",
+    "zero_copy": "refit zero-copy (reads trainer tensors)",
     "serial": "serial buckets, no overlap",
     "per_tensor": "per-tensor, metadata once",
     "per_tensor_meta": "per-tensor, metadata every refit",
@@ -67,7 +68,7 @@ def plot(reports: list[dict], path: str) -> None:
         fixed = reports[0]["config"]["receivers"] if key == "nbytes" else reports[-1]["nbytes"]
         group = [r for r in reports if (r["config"]["receivers"] == fixed if key == "nbytes" else r["nbytes"] == fixed)]
         xs = [r["nbytes"] / 1e9 if key == "nbytes" else r["config"]["receivers"] for r in group]
-        for method in ("floor", "refit", "serial", "per_tensor", "per_tensor_meta"):
+        for method in LABELS:
             ys = [r["results"][method]["median_s"] * 1e3 for r in group if method in r["results"]]
             if len(ys) == len(xs) and xs:
                 ax.plot(xs, ys, marker="o", linestyle="--" if method == "floor" else "-", label=method)

@@ -34,7 +34,7 @@ def _per_tensor(r: Receiver, engine: ModuleEngine, job: dict, specs: list[list])
     assert r.transport is not None and r.channel is not None
     buf, meta = r.transport.buffers[0], job["meta"]
     for _ in range(job["refits"]):
-        for name, shape, dtype in specs:
+        for name, shape, dtype in sorted(specs):  # the sender's (manifest) order
             if meta:
                 info = parse_json(r.channel.expect(Kind.MANIFEST, "per-tensor metadata")[1], "metadata")
                 name, shape, dt = info["name"], info["shape"], dtype_from_name(info["dtype"])

@@ -13,6 +13,7 @@ import torch
 
 from refit.errors import PeerError
 from refit.settings import Settings
+from refit.spec import dtype_from_name, dtype_name
 from refit.transports.base import DONE, Pending, Transport
 
 _OPENED = 0
@@ -23,16 +24,19 @@ def handles_opened() -> int:
     return _OPENED
 
 
-def _export(buf: torch.Tensor) -> dict:
+def export(buf: torch.Tensor) -> dict:
+    """JSON-able CUDA IPC description of a contiguous device tensor (its storage handle plus the view)."""
     storage = buf.untyped_storage()
     dev, handle, size, offset, ref_handle, ref_offset, event, event_sync = storage._share_cuda_()
     b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
     return {"device": dev, "handle": b64(handle), "size": size, "offset": offset, "ref_handle": b64(ref_handle),
             "ref_offset": ref_offset, "event": b64(event), "event_sync": bool(event_sync),
-            "storage_offset": buf.storage_offset(), "nbytes": buf.numel()}  # fmt: skip
+            "storage_offset": buf.storage_offset(), "shape": list(buf.shape), "stride": list(buf.stride()),
+            "dtype": dtype_name(buf.dtype)}  # fmt: skip
 
 
-def _open(h: dict) -> torch.Tensor:
+def open_tensor(h: dict) -> torch.Tensor:
+    """Open a tensor exported by `export` in another process (maps the sender's memory; no copy)."""
     global _OPENED
     d = base64.b64decode
     try:
@@ -47,8 +51,8 @@ def _open(h: dict) -> torch.Tensor:
             "PYTORCH_CUDA_ALLOC_CONF; otherwise use the 'nccl' transport"
         ) from None
     _OPENED += 1
-    t = torch.empty(0, dtype=torch.uint8, device=storage.device)
-    return t.set_(storage, h["storage_offset"], (h["nbytes"],), (1,))
+    t = torch.empty(0, dtype=dtype_from_name(h["dtype"]), device=storage.device)
+    return t.set_(storage, h["storage_offset"], tuple(h["shape"]), tuple(h["stride"]))
 
 
 class CudaIpcTransport(Transport):
@@ -65,7 +69,7 @@ class CudaIpcTransport(Transport):
         # One allocation per buffer, so each handle maps exactly its own bytes.
         buffers = [torch.zeros(capacity, dtype=torch.uint8, device=device) for _ in range(num_slots)]
         torch.cuda.synchronize(device)
-        return cls(buffers), {"handles": [_export(b) for b in buffers], "capacity": capacity}
+        return cls(buffers), {"handles": [export(b) for b in buffers], "capacity": capacity}
 
     @classmethod
     def join(cls, info: dict, *, rank: int, device: torch.device, settings: Settings) -> Transport:
@@ -73,7 +77,7 @@ class CudaIpcTransport(Transport):
         if not isinstance(handles, list) or not all(isinstance(h, dict) for h in handles):
             raise PeerError(f"cuda-ipc setup info is malformed: {info!r:.200}")
         with torch.cuda.device(device):
-            return cls([_open(h) for h in handles])
+            return cls([open_tensor(h) for h in handles])
 
     def before_send(self, slot: int) -> None:
         torch.cuda.current_stream(self.buffers[slot].device).synchronize()
