@@ -17,39 +17,57 @@ def typed_view(buf: torch.Tensor, at: int, nbytes: int, dtype: torch.dtype) -> t
     return buf[at : at + nbytes].view(dtype)
 
 
+def _batchable(dst: list[torch.Tensor], src: list[torch.Tensor]) -> bool:
+    return _foreach_copy is not None and all(d.dtype == s.dtype and d.device == s.device for d, s in zip(dst, src))
+
+
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """dst[i].copy_(src[i]) for all i, batched into few kernel launches where torch can."""
-    if not dst:
-        return
-    if _foreach_copy is not None and all(d.dtype == s.dtype and d.device == s.device for d, s in zip(dst, src)):
-        _foreach_copy(dst, src)
-        return
-    for d, s in zip(dst, src):
-        d.copy_(s)
+    if dst:
+        CopyPlan(dst, src).run()
+
+
+class CopyPlan:
+    """A fixed set of copies, checked once and replayed (batched when dtypes and devices agree)."""
+
+    def __init__(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        self.dst, self.src = dst, src
+        self.batched = _batchable(dst, src)
+
+    def run(self) -> None:
+        if self.batched:
+            _foreach_copy(self.dst, self.src)
+            return
+        for d, s in zip(self.dst, self.src):
+            d.copy_(s)
 
 
 class Packer:
-    """Writes source tensors into a bucket buffer, casting to the wire dtype in the same pass."""
+    """Writes source tensors into a bucket buffer, casting to the wire dtype in the same pass.
+
+    The copy plan of each (bucket, slot) is built once and replayed while the source tensors keep
+    their storage (checked by data pointer, so a reassigned `param.data` is noticed).
+    """
 
     def __init__(self, manifest: Manifest, buffers: Sequence[torch.Tensor]) -> None:
         self.manifest = manifest
         self._buffers = buffers
-        self._dst: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._plans: dict[tuple[int, int], tuple[tuple[int, ...], CopyPlan]] = {}
 
     def _targets(self, bucket: int, slot: int) -> list[torch.Tensor]:
-        key = (bucket, slot)
-        if key not in self._dst:
-            buf, entries = self._buffers[slot], self.manifest.entries
-            self._dst[key] = [
-                typed_view(buf, s.at, s.hi - s.lo, entries[s.entry].spec.dtype) for s in self.manifest.segments[bucket]
-            ]
-        return self._dst[key]
+        buf, entries = self._buffers[slot], self.manifest.entries
+        return [typed_view(buf, s.at, s.hi - s.lo, entries[s.entry].spec.dtype) for s in self.manifest.segments[bucket]]
 
     def pack(self, bucket: int, slot: int, tensors: Sequence[torch.Tensor]) -> None:
         """Fill `slot`'s buffer with bucket `bucket`; `tensors[k]` is the source of the bucket's k-th segment."""
-        segs, entries = self.manifest.segments[bucket], self.manifest.entries
-        srcs = [_source_range(t, s, entries[s.entry].spec.dtype.itemsize) for t, s in zip(tensors, segs)]
-        copy_all(self._targets(bucket, slot), srcs)
+        ptrs = tuple(t.data_ptr() for t in tensors)
+        hit = self._plans.get((bucket, slot))
+        if hit is None or hit[0] != ptrs:
+            segs, entries = self.manifest.segments[bucket], self.manifest.entries
+            srcs = [_source_range(t.detach(), s, entries[s.entry].spec.dtype.itemsize) for t, s in zip(tensors, segs)]
+            hit = (ptrs, CopyPlan(self._targets(bucket, slot), srcs))
+            self._plans[(bucket, slot)] = hit
+        hit[1].run()
 
 
 def _source_range(t: torch.Tensor, seg: Segment, itemsize: int) -> torch.Tensor:

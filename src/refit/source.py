@@ -20,7 +20,8 @@ class Source(ABC):
 
     @abstractmethod
     def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
-        """The source tensors for `names`, in that order, in any dtype (packing casts to the wire dtype)."""
+        """The source tensors for `names`, in that order, in any dtype (packing casts to the wire dtype).
+        Only read under no_grad; they may be live parameters."""
 
     def signature(self) -> Hashable:
         """Changes whenever a wire dtype or shape changes; called every refit, so keep it cheap."""
@@ -72,4 +73,4 @@ class ModuleSource(Source):
         return (tuple((t.dtype, t.shape) for t in self._tensors.values()), tuple(self._overrides.items()))
 
     def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
-        return [self._tensors[n].detach() for n in names]
+        return [self._tensors[n] for n in names]
