@@ -105,7 +105,8 @@ class Receiver:
             msg = f"manifest capacity {manifest.capacity} differs from the agreed {len(self.transport.buffers[0])}"
             self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {msg}"})
             raise IntegrityError(msg)
-        report = validate([p.spec for p in manifest.entries], self.engine.specs())
+        report = validate([p.spec for p in manifest.entries], self.engine.specs(),
+                          exact_shapes=self.engine.exact_shapes, optional=self.engine.optional_names)  # fmt: skip
         self.channel.send(Header(Kind.REPORT), report.to_json())
         if not report.ok:
             raise HandshakeError(report.message())

