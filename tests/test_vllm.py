@@ -168,3 +168,13 @@ def test_default_multiprocess_vllm_refit_matches_a_fresh_vllm_loaded_from_disk(w
     # The checkpoint on disk is the untrained model: its own greedy output must agree too.
     disk = build_model(world["model"].config, seed=0)
     assert result["fresh"] == greedy(disk, world["prompts"])
+
+
+def test_demo_with_a_vllm_engine_verifies_every_refit(capsys: pytest.CaptureFixture) -> None:
+    from refit.cli import main
+
+    code = main(["demo", "--engine", "vllm", "--transport", "shm", "--steps", "2", "--dtype-change-at", "0",
+                 "--layers", "2", "--hidden", "128", "--bucket-bytes", "262144"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "all refits verified" in out and out.count("✓") == 4

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,8 @@ KEEP_FP32 = "model.norm.weight"
 class DemoConfig:
     transport: str = "shm"
     """Transport to refit over."""
+    engine: str = "module"
+    """'module' (a transformers model in its own process) or 'vllm' (vLLM from dummy weights)."""
     steps: int = 4
     """Optimizer steps, each followed by a refit."""
     dtype_change_at: int = 2
@@ -44,6 +47,8 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps ({self.steps}) must be >= 1")
+        if self.engine not in ("module", "vllm"):
+            raise ValueError(f"engine must be 'module' or 'vllm', got {self.engine!r}")
 
 
 @dataclass(slots=True)
@@ -57,13 +62,17 @@ class Row:
 class EngineProcess:
     """The engine as a child process that speaks JSON lines (no pickle crosses the boundary)."""
 
-    def __init__(self, args: dict) -> None:
+    def __init__(self, sender: Sender, args: dict) -> None:
+        self.sender = sender
         env = dict(os.environ)
         pkg_root = os.path.dirname(os.path.dirname(refit.__file__))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "refit.demo.engine", json.dumps(args)], stdout=subprocess.PIPE, text=True, env=env
         )
+
+    def refit(self, version: int) -> RefitStats:
+        return self.sender.refit(version)
 
     def report(self) -> dict:
         assert self.proc.stdout is not None
@@ -73,11 +82,54 @@ class EngineProcess:
         raise RefitError(f"engine process exited with code {self.proc.wait()} before reporting")
 
     def close(self) -> int:
+        self.sender.close()
         try:
             return self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return -9
+
+
+class VllmSide:
+    """A vLLM engine (default multiprocess mode) that starts from dummy weights, refitted via backend 'refit'."""
+
+    def __init__(self, sender: Sender, model: torch.nn.Module, tok, prompts: list[list[int]], workdir: str) -> None:
+        from vllm import LLM
+
+        from refit.demo.model import save
+        from refit.engines.vllm import VllmRefit
+
+        path = save(model, tok, os.path.join(workdir, "model"))
+        self.llm = LLM(model=path, load_format="dummy", enforce_eager=True, dtype="float32",
+                       kv_cache_memory_bytes=64 << 20, max_model_len=512, weight_transfer_config={"backend": "refit"},
+                       worker_extension_cls="refit.engines.vllm.RefitWorkerExtension")  # fmt: skip
+        self.driver = VllmRefit(self.llm, sender)
+        self.sender, self.prompts = sender, prompts
+
+    def refit(self, version: int) -> RefitStats:
+        return self.driver.refit(version)
+
+    def report(self) -> dict:
+        """Fingerprints of the parameters vLLM keeps in checkpoint layout, and its greedy output."""
+        from vllm import SamplingParams
+
+        from refit.engines.vllm import expected_fingerprints
+
+        assert self.sender.manifest is not None
+        names = [p.name for p in self.sender.manifest.entries]
+        sent = {p.name: t.detach().to(p.spec.dtype) for p, t in zip(self.sender.manifest.entries,
+                                                                   self.sender.source.tensors(names))}  # fmt: skip
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in self.prompts],
+                                 SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)  # fmt: skip
+        return {"event": "refit", "stats": {"seconds": {}},
+                "fingerprints": self.llm.collective_rpc("refit_fingerprints")[0],
+                "expected": expected_fingerprints(sent, self.llm.collective_rpc("refit_layout")[0]),
+                "generated": [list(o.outputs[0].token_ids) for o in outs]}  # fmt: skip
+
+    def close(self) -> int:
+        self.driver.close()
+        self.llm.llm_engine.engine_core.shutdown()
+        return 0
 
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
@@ -94,7 +146,7 @@ def _check(model: torch.nn.Module, reference: torch.nn.Module, sender: Sender, p
     """Compare the engine's report with what the trainer sent and with the trainer's own generation."""
     assert sender.manifest is not None
     wire = {p.name: p.spec.dtype for p in sender.manifest.entries}
-    sent = fingerprints(model.state_dict().items(), wire)
+    sent = report.get("expected") or fingerprints(model.state_dict().items(), wire)
     with torch.no_grad():
         for name, t in reference.state_dict(keep_vars=True).items():
             t.copy_(model.state_dict()[name].to(wire[name]))
@@ -119,13 +171,17 @@ def run(cfg: DemoConfig, console: Console) -> bool:
     source = ModuleSource(model, wire_dtype=torch.bfloat16)
     settings = Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
     nparams = sum(p.numel() for p in model.parameters())
-    console.print(f"[bold]refit demo[/] over [cyan]{cfg.transport}[/]: Llama-style LM, {nparams / 1e6:.1f}M params, "
+    console.print(f"[bold]refit demo[/] over [cyan]{cfg.transport}[/] into a [cyan]{cfg.engine}[/] engine: Llama-style LM, {nparams / 1e6:.1f}M params, "
                   f"fp32 master weights sent as bf16, {cfg.steps} steps")  # fmt: skip
     table = _table(cfg.transport)
     ok = True
-    with Sender(source, transport=cfg.transport, settings=settings) as sender:
-        engine = EngineProcess({"rendezvous": sender.rendezvous(), "model": mcfg, "prompts": prompts,
-                                "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s})  # fmt: skip
+    sender = Sender(source, transport=cfg.transport, settings=settings)
+    with tempfile.TemporaryDirectory() as workdir:
+        if cfg.engine == "vllm":
+            engine: EngineProcess | VllmSide = VllmSide(sender, model, tok, prompts, workdir)
+        else:
+            engine = EngineProcess(sender, {"rendezvous": sender.rendezvous(), "model": mcfg, "prompts": prompts,
+                                            "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s})  # fmt: skip
         try:
             with Progress(console=console, transient=True) as progress:
                 task = progress.add_task("training and refitting", total=cfg.steps)
@@ -133,7 +189,7 @@ def run(cfg: DemoConfig, console: Console) -> bool:
                     loss = _train_step(model, opt, ids)
                     if step == cfg.dtype_change_at + 1:
                         source.set_wire_dtype(KEEP_FP32, torch.float32)
-                    stats = sender.refit(step)
+                    stats = engine.refit(step)
                     report = engine.report()
                     if report.get("event") != "refit":
                         raise RefitError(f"engine reported: {report.get('message', report)}")
@@ -144,7 +200,6 @@ def run(cfg: DemoConfig, console: Console) -> bool:
                         console.print(f"[red]step {step}: {p}[/]")
                     progress.advance(task)
         finally:
-            sender.close()
             engine.close()
     console.print(table)
     mem = sender.predicted_memory() if sender.manifest else {}
