@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -27,18 +28,31 @@ def make_tensors(specs: list[list], seed: int, device: str = "cpu") -> dict[str,
 
 
 class RecordingEngine(ModuleEngine):
-    """A ModuleEngine that records the order of begin/load/commit calls."""
+    """A ModuleEngine that records the order of begin/load/commit calls, and can inject one fault:
+    {"kind": "die" | "slow" | "raise", "version": v, "at_load": k, "seconds": s}."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], fault: dict | None = None) -> None:
         super().__init__(tensors)
         self.events: list[str] = []
+        self.fault = fault or {}
+        self._version = 0
 
     def begin(self, version: int) -> None:
         self.events.append(f"begin {version}")
+        self._version = version
         super().begin(version)
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         self.events.append("load " + ",".join(n for n, _ in tensors))
+        f = self.fault
+        loads = sum(e.startswith("load") for e in self.events)
+        if f and f["version"] == self._version and f["at_load"] == loads:
+            if f["kind"] == "die":
+                os._exit(9)
+            if f["kind"] == "slow":
+                time.sleep(f["seconds"])  # the fault under test, not synchronisation
+            if f["kind"] == "raise":
+                raise RuntimeError("injected engine failure")
         super().load(tensors)
 
     def commit(self, version: int) -> None:
@@ -56,14 +70,20 @@ def _report(engine: RecordingEngine, receiver: Receiver, **extra: object) -> dic
             "events": engine.events, "handles_opened": opened, **extra}  # fmt: skip
 
 
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
 def main() -> int:
     args = json.loads(sys.argv[1])
     device = args.get("device", "cpu")
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    engine = RecordingEngine(make_tensors(args["specs"], args.get("seed", 99), device))
+    engine = RecordingEngine(make_tensors(args["specs"], args.get("seed", 99), device), args.get("fault"))
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 60.0))
-    with Receiver(engine, args["rendezvous"], settings=settings, device=torch.device(device)) as receiver:
+    rendezvous = {**args["rendezvous"], **args.get("override", {})}
+    with Receiver(engine, rendezvous, settings=settings, device=torch.device(device)) as receiver:
         while True:
             try:
                 stats = receiver.receive()
@@ -75,7 +95,8 @@ def main() -> int:
                 continue
             if stats is None:
                 return 0
-            print(MARK + json.dumps(_report(engine, receiver, event="refit", stats=stats.to_json())), flush=True)
+            print(MARK + json.dumps(_report(engine, receiver, event="refit", stats=stats.to_json(),
+                                            rss_kb=_rss_kb(), fds=len(os.listdir("/proc/self/fd")))), flush=True)  # fmt: skip
             engine.events = []
 
 

@@ -178,3 +178,21 @@ def test_demo_with_a_vllm_engine_verifies_every_refit(capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert code == 0, out
     assert "all refits verified" in out and out.count("✓") == 4
+
+
+def test_failed_refit_refuses_generation_until_a_retry_succeeds(world: dict) -> None:
+    source = ModuleSource(world["model"])
+    driver = _driver(world, "shm", source)
+    driver.refit(1)
+    good = dict(world["model"].state_dict())
+    broken = {**good, "model.layers.1.mlp.down_proj.weight": torch.zeros(3, 5)}  # vLLM's loader rejects the shape
+    driver.sender.source = ModuleSource(broken)
+    with pytest.raises(Exception, match="vLLM worker failed"):
+        driver.refit(2)
+    with pytest.raises(Exception, match=r"vLLM holds mixed weights \(refit of version 2 failed"):
+        driver.generate([{"prompt_token_ids": world["prompts"][0]}])
+    driver.close()
+    retry = _driver(world, "shm", source)
+    retry.refit(2)
+    assert _generate(world["llm"], world["prompts"]) == _reference(world["model"], source, world["prompts"])
+    retry.close()

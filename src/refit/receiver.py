@@ -47,6 +47,7 @@ class Receiver:
         self.manifest: Manifest | None = None
         self._unpacker: Unpacker | None = None
         self._sources: list[tuple[str, torch.Tensor]] = []
+        self._broken = ""
 
     def connect(self) -> None:
         """Connect to the sender, present the token and join the transport."""
@@ -70,7 +71,20 @@ class Receiver:
         ch.send(Header(Kind.READY))
 
     def receive(self) -> RefitStats | None:
-        """Handle messages until one refit is committed (returns its stats) or the sender closes (None)."""
+        """Handle messages until one refit is committed (returns its stats) or the sender closes (None).
+
+        Raises HandshakeError or RefitError for a refused manifest or a failed refit (the session goes
+        on: the sender may retry), PeerError when the sender is gone or broke the protocol (it is over).
+        """
+        if self._broken:
+            raise PeerError(f"this session broke earlier ({self._broken}); connect a new Receiver")
+        try:
+            return self._receive()
+        except PeerError as e:
+            self._broken = str(e)
+            raise
+
+    def _receive(self) -> RefitStats | None:
         self.connect()
         assert self.channel is not None
         while True:

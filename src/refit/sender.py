@@ -55,6 +55,7 @@ class Sender:
             raise ValueError(f"zero_copy needs the cuda-ipc transport, not {transport!r}")
         self.zero_copy = zero_copy
         self._pointers: tuple[int, ...] = ()
+        self._broken = ""
         self.source = source
         self.transport_name = transport
         self._transport_cls = transports.get(transport)
@@ -182,7 +183,20 @@ class Sender:
     # -- refit -----------------------------------------------------------------------------------
 
     def refit(self, version: int) -> RefitStats:
-        """Send the source's current weights as `version`; returns when every receiver committed."""
+        """Send the source's current weights as `version`; returns when every receiver committed.
+
+        A receiver that fails reports it here as RefitError while the session stays usable (retry the
+        same version). A dead or silent peer raises PeerError and ends the session: make a new Sender.
+        """
+        if self._broken:
+            raise PeerError(f"this session broke earlier ({self._broken}); close() it and start a new Sender")
+        try:
+            return self._refit(version)
+        except PeerError as e:
+            self._broken = str(e)
+            raise
+
+    def _refit(self, version: int) -> RefitStats:
         t_connect = time.perf_counter()
         self.connect()
         t0 = time.perf_counter()
@@ -222,9 +236,9 @@ class Sender:
                 self._retire(b - slots, inflight[slot], version, stats, errors)
             t = time.perf_counter()
             self._packer.pack(b, slot, self.source.tensors(self._bucket_names[b]))
-            self.transport.before_send(slot)
             nbytes = m.bucket_nbytes[b]
             crc = checksum(self.transport.buffers[slot][:nbytes]) if self.verify_checksum else 0
+            self.transport.before_send(slot)
             stats.add("pack", time.perf_counter() - t)
             t = time.perf_counter()
             header = Header(Kind.BUCKET, slot=slot, epoch=m.epoch, index=b, version=version, digest=m.digest,

@@ -121,6 +121,8 @@ class Channel:
                     f"{self.peer} did not answer within {self.timeout_s:g}s during {stage}; "
                     "check that it is alive, or raise the timeout (REFIT_TIMEOUT)"
                 ) from None
+            except ConnectionResetError:
+                k = 0
             except OSError as e:
                 raise PeerError(f"connection to {self.peer} failed during {stage}: {e}") from None
             if k == 0:

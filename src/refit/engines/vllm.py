@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from refit.engines.base import Engine
-from refit.errors import RefitError
+from refit.errors import HandshakeError, RefitError
 from refit.receiver import Receiver
 from refit.settings import Settings
 from refit.spec import TensorSpec, dtype_from_name, dtype_name
@@ -230,6 +230,8 @@ class VllmRefit:
         self.llm = llm
         self.sender = sender
         self._connected = False
+        self.failure = ""
+        """Why the last refit failed partway (vLLM then holds mixed weights); empty when current."""
 
     def _concurrently(self, trainer_side: Any, engine_side: Any) -> Any:
         result: dict[str, Any] = {}
@@ -268,9 +270,22 @@ class VllmRefit:
             self.llm.update_weights({"update_info": {"version": version}})
             self.llm.finish_weight_update(weight_version=str(version))
 
-        stats = self._concurrently(lambda: self.sender.refit(version), engine_side)
+        try:
+            stats = self._concurrently(lambda: self.sender.refit(version), engine_side)
+        except HandshakeError:
+            raise  # nothing was loaded: vLLM still serves the last committed weights
+        except Exception as e:
+            self.failure = f"refit of version {version} failed: {e}"
+            raise
+        self.failure = ""
         self.llm.reset_prefix_cache()
         return stats
+
+    def generate(self, *args: Any, allow_failed: bool = False, **kwargs: Any) -> Any:
+        """`llm.generate`, refused while the weights are mixed after a failed refit."""
+        if self.failure and not allow_failed:
+            raise RefitError(f"vLLM holds mixed weights ({self.failure}); retry the refit, or pass allow_failed=True")
+        return self.llm.generate(*args, **kwargs)
 
     def close(self) -> None:
         self.sender.close()
