@@ -58,15 +58,17 @@ class Packer:
         buf, entries = self._buffers[slot], self.manifest.entries
         return [typed_view(buf, s.at, s.hi - s.lo, entries[s.entry].spec.dtype) for s in self.manifest.segments[bucket]]
 
-    def pack(self, bucket: int, slot: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Fill `slot`'s buffer with bucket `bucket`; `tensors[k]` is the source of the bucket's k-th segment."""
+    def pack(self, bucket: int, slot: int, tensors: Sequence[torch.Tensor], *, cache: bool = True) -> None:
+        """Fill `slot`'s buffer with bucket `bucket`; `tensors[k]` is the source of the bucket's k-th segment.
+        With `cache=False` (fresh tensors each time, e.g. gathered) nothing keeps them alive afterwards."""
         ptrs = tuple(t.data_ptr() for t in tensors)
-        hit = self._plans.get((bucket, slot))
+        hit = self._plans.get((bucket, slot)) if cache else None
         if hit is None or hit[0] != ptrs:
             segs, entries = self.manifest.segments[bucket], self.manifest.entries
             srcs = [_source_range(t.detach(), s, entries[s.entry].spec.dtype.itemsize) for t, s in zip(tensors, segs)]
             hit = (ptrs, CopyPlan(self._targets(bucket, slot), srcs))
-            self._plans[(bucket, slot)] = hit
+            if cache:
+                self._plans[(bucket, slot)] = hit
         hit[1].run()
 
 

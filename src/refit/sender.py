@@ -51,8 +51,9 @@ class Sender:
         if num_slots < 1:
             raise ValueError(f"num_slots ({num_slots}) must be >= 1 (2 overlaps packing with transfer)")
         self.num_slots = num_slots
-        if zero_copy and transport != "cuda-ipc":
-            raise ValueError(f"zero_copy needs the cuda-ipc transport, not {transport!r}")
+        if zero_copy and (transport != "cuda-ipc" or not source.stable_tensors):
+            raise ValueError(f"zero_copy needs the cuda-ipc transport ({transport!r} given) and a source whose "
+                             "tensors persist between refits (not a gathering one)")  # fmt: skip
         self.zero_copy = zero_copy
         self._pointers: tuple[int, ...] = ()
         self._broken = ""
@@ -235,7 +236,7 @@ class Sender:
             if b >= slots:
                 self._retire(b - slots, inflight[slot], version, stats, errors)
             t = time.perf_counter()
-            self._packer.pack(b, slot, self.source.tensors(self._bucket_names[b]))
+            self._packer.pack(b, slot, self.source.tensors(self._bucket_names[b]), cache=self.source.stable_tensors)
             nbytes = m.bucket_nbytes[b]
             crc = checksum(self.transport.buffers[slot][:nbytes]) if self.verify_checksum else 0
             self.transport.before_send(slot)

@@ -14,6 +14,10 @@ from refit.spec import TensorSpec, dtype_name
 class Source(ABC):
     """What a Sender reads from: specs up front, tensors per bucket."""
 
+    stable_tensors: bool = True
+    """True when `tensors` returns the same long-lived tensors every refit (so copy plans may be cached);
+    False when it materialises fresh ones (gathers), which must be dropped after each bucket."""
+
     @abstractmethod
     def specs(self) -> list[TensorSpec]:
         """Name, global shape and wire dtype of every tensor to send; must not materialise data."""
