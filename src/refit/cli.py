@@ -14,9 +14,16 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
 
     ok = True
     for transport in args.transport.split(","):
-        cfg = DemoConfig(transport=transport.strip(), engine=args.engine, steps=args.steps, dtype_change_at=args.dtype_change_at,
+        cfg = DemoConfig(transport=transport.strip(), engine=args.engine, trainer=args.trainer, ranks=args.ranks,
+                         steps=args.steps, dtype_change_at=args.dtype_change_at,
                          bucket_bytes=args.bucket_bytes, layers=args.layers, hidden=args.hidden)  # fmt: skip
-        ok &= run(cfg, console)
+        if cfg.trainer == "fsdp":
+            from refit.demo.sharded import launch
+
+            sys.stdout.flush()
+            ok &= launch(cfg)
+        else:
+            ok &= run(cfg, console)
     return 0 if ok else 1
 
 
@@ -79,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--transport", default="shm,gloo", help="comma-separated: shm, gloo (default: both)")
     demo.add_argument("--engine", default="module", choices=["module", "vllm"],
                       help="module: a transformers model in an engine process; vllm: vLLM from dummy weights")
+    demo.add_argument("--trainer", default="plain", choices=["plain", "fsdp"],
+                      help="plain: one trainer process; fsdp: the model sharded with FSDP2 over --ranks processes")
+    demo.add_argument("--ranks", type=int, default=2, help="trainer ranks for --trainer fsdp")
     demo.add_argument("--steps", type=int, default=4, help="optimizer steps, each followed by a refit")
     demo.add_argument("--dtype-change-at", type=int, default=2, help="step after which one tensor goes fp32 (-1: never)")
     demo.add_argument("--bucket-bytes", type=int, default=8 << 20, help="bucket capacity in bytes")

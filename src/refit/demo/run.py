@@ -34,6 +34,9 @@ class DemoConfig:
     """Transport to refit over."""
     engine: str = "module"
     """'module' (a transformers model in its own process) or 'vllm' (vLLM from dummy weights)."""
+    trainer: str = "plain"
+    """'plain' (one process) or 'fsdp' (FSDP2 over `ranks` processes, gloo)."""
+    ranks: int = 2
     steps: int = 4
     """Optimizer steps, each followed by a refit."""
     dtype_change_at: int = 2
@@ -47,8 +50,12 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps ({self.steps}) must be >= 1")
+        if self.trainer not in ("plain", "fsdp") or self.ranks < 1:
+            raise ValueError(f"trainer must be 'plain' or 'fsdp' with ranks >= 1, got {self.trainer!r}, {self.ranks}")
         if self.engine not in ("module", "vllm"):
             raise ValueError(f"engine must be 'module' or 'vllm', got {self.engine!r}")
+        if self.trainer == "fsdp" and self.engine != "module":
+            raise ValueError("--trainer fsdp runs with --engine module")
 
 
 @dataclass(slots=True)
@@ -142,14 +149,33 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.T
     return float(loss.detach())
 
 
-def _check(model: torch.nn.Module, reference: torch.nn.Module, sender: Sender, prompts: list, report: dict) -> Row:
+class PlainTrainer:
+    """The trainer for the default demo: one process, an unsharded model."""
+
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor) -> None:
+        self.model, self.ids = model, ids
+        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        self.source = ModuleSource(model, wire_dtype=torch.bfloat16)
+
+    def step(self) -> float:
+        return _train_step(self.model, self.opt, self.ids)
+
+    def refit(self, engine: EngineProcess | VllmSide, version: int) -> RefitStats:
+        return engine.refit(version)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.state_dict())
+
+
+def _check(weights: dict[str, torch.Tensor], reference: torch.nn.Module, sender: Sender, prompts: list,
+           report: dict) -> Row:  # fmt: skip
     """Compare the engine's report with what the trainer sent and with the trainer's own generation."""
     assert sender.manifest is not None
     wire = {p.name: p.spec.dtype for p in sender.manifest.entries}
-    sent = report.get("expected") or fingerprints(model.state_dict().items(), wire)
+    sent = report.get("expected") or fingerprints(weights.items(), wire)
     with torch.no_grad():
         for name, t in reference.state_dict(keep_vars=True).items():
-            t.copy_(model.state_dict()[name].to(wire[name]))
+            t.copy_(weights[name].to(wire[name]))
     expected = greedy(reference, prompts)
     diffs = differences(sent, report["fingerprints"])
     problems = [f"{len(diffs)} parameter(s) differ from what was sent: {diffs[:5]}"] if diffs else []
@@ -159,20 +185,26 @@ def _check(model: torch.nn.Module, reference: torch.nn.Module, sender: Sender, p
     return Row(report, not diffs, gen_ok, problems)
 
 
-def run(cfg: DemoConfig, console: Console) -> bool:
-    """Run the demo over one transport; True when every refit verified."""
+def demo_model(cfg: DemoConfig) -> tuple[dict, torch.nn.Module, object, torch.Tensor, list[list[int]]]:
+    """The demo's model size, trainer model, tokenizer, training ids and prompts (same on every rank)."""
     tok = build_tokenizer()
     mcfg = {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.hidden * 3}
-    model = build_model(model_config(**mcfg), seed=0)
-    reference = build_model(model_config(**mcfg), seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.tensor([tok(TEXT)["input_ids"][:256]])
-    prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    source = ModuleSource(model, wire_dtype=torch.bfloat16)
+    return mcfg, build_model(model_config(**mcfg), seed=0), tok, ids, [tok(p)["input_ids"] for p in PROMPTS]
+
+
+def run(cfg: DemoConfig, console: Console, trainer=None) -> bool:
+    """Run the demo over one transport; True when every refit verified. `trainer` defaults to a
+    PlainTrainer; the sharded demo passes rank 0's FSDP trainer."""
+    mcfg, model, tok, ids, prompts = demo_model(cfg)
+    trainer = trainer or PlainTrainer(model, ids)
+    model, source = trainer.model, trainer.source
+    reference = build_model(model_config(**mcfg), seed=0)
     settings = Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
     nparams = sum(p.numel() for p in model.parameters())
-    console.print(f"[bold]refit demo[/] over [cyan]{cfg.transport}[/] into a [cyan]{cfg.engine}[/] engine: Llama-style LM, {nparams / 1e6:.1f}M params, "
-                  f"fp32 master weights sent as bf16, {cfg.steps} steps")  # fmt: skip
+    console.print(f"[bold]refit demo[/] over [cyan]{cfg.transport}[/] into a [cyan]{cfg.engine}[/] engine: Llama-style "
+                  f"LM, {nparams / 1e6:.1f}M params, fp32 master weights sent as bf16, {cfg.steps} steps"
+                  f"{f', trainer sharded with FSDP2 over {cfg.ranks} ranks' if cfg.trainer == 'fsdp' else ''}")  # fmt: skip
     table = _table(cfg.transport)
     ok = True
     sender = Sender(source, transport=cfg.transport, settings=settings)
@@ -186,14 +218,14 @@ def run(cfg: DemoConfig, console: Console) -> bool:
             with Progress(console=console, transient=True) as progress:
                 task = progress.add_task("training and refitting", total=cfg.steps)
                 for step in range(1, cfg.steps + 1):
-                    loss = _train_step(model, opt, ids)
+                    loss = trainer.step()
                     if step == cfg.dtype_change_at + 1:
                         source.set_wire_dtype(KEEP_FP32, torch.float32)
-                    stats = engine.refit(step)
+                    stats = trainer.refit(engine, step)
                     report = engine.report()
                     if report.get("event") != "refit":
                         raise RefitError(f"engine reported: {report.get('message', report)}")
-                    row = _check(model, reference, sender, prompts, report)
+                    row = _check(trainer.full_weights(), reference, sender, prompts, report)
                     ok &= not row.problems
                     _add_row(table, stats, row, loss)
                     for p in row.problems:

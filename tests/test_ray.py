@@ -1,0 +1,19 @@
+"""The Ray example runs as a user would copy it: trainer and engine actors, refits over shm and gloo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("ray")
+
+
+def test_ray_example_refits_between_actors_with_equal_generation() -> None:
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "ray_refit.py")
+    out = subprocess.run([sys.executable, example, "--transport", "shm,gloo", "--steps", "2"], capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("generation equal") == 4 and "all refits verified" in out.stdout
