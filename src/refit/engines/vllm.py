@@ -10,6 +10,7 @@ Three parts:
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -219,8 +220,49 @@ def expected_fingerprints(sent: dict[str, torch.Tensor], worker_layout: dict[str
 # -- trainer side --------------------------------------------------------------------------------
 
 
+class HttpEngine:
+    """A `vllm serve` endpoint seen through its weight-transfer HTTP routes (VLLM_SERVER_DEV_MODE=1).
+
+    Has the same methods as an offline `vllm.LLM`, so `VllmRefit` drives either. Standard library only.
+    """
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _post(self, route: str, body: dict | None = None) -> None:
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(f"{self.base_url}/{route}", data=json.dumps(body or {}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                resp.read()
+        except urllib.error.HTTPError as e:
+            raise RefitError(f"vLLM server answered {e.code} on /{route}: {e.read().decode(errors='replace')[:2000]}") from None
+        except urllib.error.URLError as e:
+            raise RefitError(f"cannot reach the vLLM server at {self.base_url}: {e.reason}") from None
+
+    def init_weight_transfer_engine(self, request: dict) -> None:
+        self._post("init_weight_transfer_engine", request)
+
+    def start_weight_update(self) -> None:
+        self._post("start_weight_update")
+
+    def update_weights(self, request: dict) -> None:
+        self._post("update_weights", request)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("finish_weight_update", {"weight_version": weight_version} if weight_version else None)
+
+    def reset_prefix_cache(self) -> None:
+        self._post("reset_prefix_cache")
+
+
 class VllmRefit:
-    """Refits an offline `vllm.LLM` made with `weight_transfer_config={"backend": "refit"}`.
+    """Refits an offline `vllm.LLM` made with `weight_transfer_config={"backend": "refit"}`, or a
+    `vllm serve` endpoint (pass an `HttpEngine`).
 
     The workers' receive runs through vLLM's own calls (which block) while the Sender pushes from a
     background thread; a worker's exception surfaces here with its message.
