@@ -109,12 +109,17 @@ def test_slow_receiver_past_the_timeout_fails_the_sender_in_time() -> None:
         assert time.monotonic() - start < 5
 
 
-def test_wrong_token_is_refused_and_loads_nothing() -> None:
+@pytest.mark.parametrize("intruder_first", [True, False])
+def test_wrong_token_is_refused_at_once_and_loads_nothing(intruder_first: bool) -> None:
     with session(SPECS, transport="shm") as (sender, _, (good,)):
+        if not intruder_first:
+            sender.connect()  # the real receiver took the only place; a later intruder is still answered
         intruder = Peer({"rendezvous": sender.rendezvous(), "override": {"token": "not-the-token"}, "specs": SPECS,
-                         "bucket_bytes": 4096})  # fmt: skip
-        stats = sender.refit(1)  # the intruder is turned away; the real receiver is served
+                         "bucket_bytes": 4096, "timeout_s": 30})  # fmt: skip
+        start = time.monotonic()
+        stats = sender.refit(1)
         report = intruder.report()
+        assert time.monotonic() - start < 20
         assert report["type"] == "PeerError" and "wrong token" in report["message"]
         assert report["events"] == [] and report["version"] is None
         assert good.report()["version"] == 1 and stats.version == 1

@@ -9,15 +9,14 @@ so the followers need no manifest and never wait on a refit that has ended or fa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from refit.manifest import Manifest
-from refit.source import Source
-from refit.spec import TensorSpec, dtype_name
+from refit.source import Source, WireDtypes
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -25,7 +24,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else t
 
 
-class FsdpSource(Source):
+class FsdpSource(WireDtypes, Source):
     """Specs from the DTensors' global shapes (nothing gathered); tensors gathered only per bucket."""
 
     stable_tensors = False
@@ -41,35 +40,12 @@ class FsdpSource(Source):
         self._tensors: dict[str, torch.Tensor] = dict(sorted(module.state_dict(keep_vars=True).items()))
         self._names = list(self._tensors)
         self._index = {n: i for i, n in enumerate(self._names)}
-        if wire_dtype is not None:
-            dtype_name(wire_dtype)
-        self.wire_dtype = wire_dtype
-        self._overrides = dict(overrides or {})
+        self._init_wire(wire_dtype, overrides)
         self.group = group
         self.rank = dist.get_rank(group)
         self.peak_gathered_bytes = 0
         """Most bytes of gathered (full) tensors alive at once on this rank, for checking the budget."""
         self._live = 0
-
-    def set_wire_dtype(self, name: str, dtype: torch.dtype | None) -> None:
-        """Send `name` as `dtype` from the next refit on; call it on every rank alike."""
-        if name not in self._tensors:
-            raise ValueError(f"no tensor named {name!r} in this source")
-        if dtype is None:
-            self._overrides.pop(name, None)
-        else:
-            self._overrides[name] = dtype
-
-    def _wire(self, name: str, t: torch.Tensor) -> torch.dtype:
-        if name in self._overrides:
-            return self._overrides[name]
-        return self.wire_dtype if self.wire_dtype is not None and t.is_floating_point() else t.dtype
-
-    def specs(self) -> list[TensorSpec]:
-        return [TensorSpec(n, tuple(t.shape), self._wire(n, t)) for n, t in self._tensors.items()]
-
-    def signature(self) -> Hashable:
-        return (tuple((t.dtype, t.shape) for t in self._tensors.values()), tuple(sorted(self._overrides.items())))
 
     def _control(self, go: int, first: int = 0, count: int = 0) -> tuple[int, int, int]:
         msg = torch.tensor([go, first, count], dtype=torch.int64)

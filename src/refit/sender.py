@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import socket
+import threading
 import time
 from collections.abc import Hashable
 
@@ -101,6 +102,30 @@ class Sender:
         for ch in self.channels:
             ch.expect(Kind.READY, "transport setup")
         self.transport.joined()
+        threading.Thread(target=self._refuse_late, name="refit-refuse-late", daemon=True).start()
+
+    def _refuse_late(self) -> None:
+        """After setup, answer any further connection at once (wrong token or session full), never leave it hanging."""
+        self._listener.settimeout(0.5)
+        while self.transport is not None:
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            ch = Channel(sock, peer=f"late peer ({addr[0]}:{addr[1]})", timeout_s=5.0)
+            try:
+                hello = parse_json(ch.expect(Kind.HELLO, "rendezvous")[1], "HELLO")
+                ok = hmac.compare_digest(str(hello.get("token", "")).encode(), self.settings.token.encode())
+                msg = (f"this sender already has its {self.num_receivers} receiver(s); start another Sender"
+                       if ok else "wrong token: this sender expects another REFIT_TOKEN; pass the token from "
+                       "Sender.rendezvous()")  # fmt: skip
+                ch.send(Header(Kind.ERROR), {"message": msg})
+            except RefitError:
+                pass
+            finally:
+                ch.close()
 
     def _accept(self, rank: int) -> int:
         """Accept one receiver with the right token; return its capacity limit. Wrong tokens are refused."""

@@ -32,20 +32,12 @@ class Source(ABC):
         return tuple((s.name, s.shape, s.dtype) for s in self.specs())
 
 
-class ModuleSource(Source):
-    """A plain module or state dict. Holds references, so in-place optimizer steps need no re-read."""
+class WireDtypes:
+    """The wire-dtype rule shared by sources: one default for floating tensors, plus per-name overrides."""
 
-    def __init__(
-        self,
-        weights: nn.Module | Mapping[str, torch.Tensor],
-        *,
-        wire_dtype: torch.dtype | None = None,
-        overrides: Mapping[str, torch.dtype] | None = None,
-    ) -> None:
-        """`wire_dtype` casts every floating tensor (e.g. fp32 master weights sent as bf16);
-        `overrides` sets the wire dtype of single tensors (e.g. keep a router bias in fp32)."""
-        items = weights.state_dict(keep_vars=True) if isinstance(weights, nn.Module) else weights
-        self._tensors: dict[str, torch.Tensor] = dict(items)
+    _tensors: dict[str, torch.Tensor]
+
+    def _init_wire(self, wire_dtype: torch.dtype | None, overrides: Mapping[str, torch.dtype] | None) -> None:
         if wire_dtype is not None:
             dtype_name(wire_dtype)
         self.wire_dtype = wire_dtype
@@ -74,7 +66,24 @@ class ModuleSource(Source):
         return [TensorSpec(n, tuple(t.shape), self._wire(n, t)) for n, t in self._tensors.items()]
 
     def signature(self) -> Hashable:
-        return (tuple((t.dtype, t.shape) for t in self._tensors.values()), tuple(self._overrides.items()))
+        return (tuple((t.dtype, t.shape) for t in self._tensors.values()), tuple(sorted(self._overrides.items(), key=str)))
+
+
+class ModuleSource(WireDtypes, Source):
+    """A plain module or state dict. Holds references, so in-place optimizer steps need no re-read."""
+
+    def __init__(
+        self,
+        weights: nn.Module | Mapping[str, torch.Tensor],
+        *,
+        wire_dtype: torch.dtype | None = None,
+        overrides: Mapping[str, torch.dtype] | None = None,
+    ) -> None:
+        """`wire_dtype` casts every floating tensor (e.g. fp32 master weights sent as bf16);
+        `overrides` sets the wire dtype of single tensors (e.g. keep a router bias in fp32)."""
+        items = weights.state_dict(keep_vars=True) if isinstance(weights, nn.Module) else weights
+        self._tensors: dict[str, torch.Tensor] = dict(items)
+        self._init_wire(wire_dtype, overrides)
 
     def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
         return [self._tensors[n] for n in names]

@@ -1,0 +1,92 @@
+"""BroadcastTransport: the part gloo and nccl share: a dedicated group made once through its own
+TCPStore (bound to the sender's host), and one broadcast per bucket from the sender (rank 0)."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from abc import abstractmethod
+
+import torch
+import torch.distributed as dist
+
+from refit.errors import PeerError
+from refit.settings import Settings
+from refit.transports.base import Pending, Transport
+
+
+class BroadcastTransport(Transport):
+    """Rank 0 is the sender; ranks 1..n are receivers. Subclasses make the group and wrap its work."""
+
+    def __init__(self, buffers: list[torch.Tensor], *, rank: int, size: int, settings: Settings, prefix: str) -> None:
+        self.buffers = buffers
+        self._rank, self._size, self._settings = rank, size, settings
+        self._prefix = prefix
+        """Store keys only peers that were given the token can find."""
+        self._host = settings.host
+        """Address this rank's group binds to: the sender's host (loopback unless told otherwise)."""
+        self._store: dist.Store | None = None
+        self._pg: dist.ProcessGroup | None = None
+        self._opts = dist.BroadcastOptions()
+        self._opts.rootRank = 0
+
+    @abstractmethod
+    def _group(self, store: dist.Store) -> dist.ProcessGroup:
+        """Make this transport's process group on `store` (blocks until every rank joined)."""
+
+    @abstractmethod
+    def _pending(self, work: dist.Work, what: str) -> Pending:
+        """Wrap one broadcast in flight."""
+
+    @classmethod
+    def offer(
+        cls, *, capacity: int, num_slots: int, num_receivers: int, device: torch.device, settings: Settings
+    ) -> tuple[Transport, dict]:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((settings.host, 0))  # the store listens where we say, loopback by default
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        buffers = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(num_slots)]
+        t = cls(buffers, rank=0, size=num_receivers + 1, settings=settings, prefix=f"refit-{cls.name}/{settings.token}/")
+        t._store = dist.TCPStore(
+            settings.host, port, num_receivers + 1, True, datetime.timedelta(seconds=settings.timeout_s),
+            wait_for_workers=False, master_listen_fd=listener.detach(),
+        )  # fmt: skip
+        info = {"host": settings.host, "port": port, "size": num_receivers + 1, "capacity": capacity,
+                "slots": num_slots, "prefix": t._prefix}  # fmt: skip
+        return t, info
+
+    @classmethod
+    def join(cls, info: dict, *, rank: int, device: torch.device, settings: Settings) -> Transport:
+        host, port, size, capacity, slots = (info.get(k) for k in ("host", "port", "size", "capacity", "slots"))
+        if not (isinstance(host, str) and all(isinstance(v, int) for v in (port, size, capacity, slots))):
+            raise PeerError(f"{cls.name} setup info is malformed: {info!r:.200}")
+        buffers = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(slots)]
+        t = cls(buffers, rank=rank, size=size, settings=settings, prefix=str(info.get("prefix")))
+        t._host = host
+        try:
+            t._store = dist.TCPStore(host, port, size, False, datetime.timedelta(seconds=settings.timeout_s))
+        except Exception as e:
+            raise PeerError(f"cannot reach the sender's {cls.name} store at {host}:{port}: {e}") from None
+        t._pg = t._group(t._store)
+        return t
+
+    def establish(self) -> None:
+        assert self._store is not None
+        self._pg = self._group(self._store)
+
+    def _broadcast(self, slot: int, nbytes: int, what: str) -> Pending:
+        if self._pg is None:
+            raise PeerError(f"{self.name} transport is closed or was never set up")
+        return self._pending(self._pg.broadcast([self.buffers[slot][:nbytes]], self._opts), what)
+
+    def send(self, slot: int, nbytes: int) -> Pending:
+        return self._broadcast(slot, nbytes, f"{self.name} broadcast of {nbytes} bytes to {self._size - 1} receiver(s)")
+
+    def recv(self, slot: int, nbytes: int) -> Pending:
+        return self._broadcast(slot, nbytes, f"{self.name} receive of {nbytes} bytes from the sender")
+
+    def close(self) -> None:
+        self._pg = None
+        self._store = None
+        self.buffers = []
