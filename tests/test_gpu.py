@@ -89,3 +89,11 @@ def test_zero_copy_reads_the_trainer_tensors_and_re_exports_when_storage_moves()
             assert stats.num_buckets > 1 and "pack" not in stats.seconds
     assert epochs == [1, 1, 2]
     assert opened[0] == opened[1] > 2 and opened[2] > opened[1]
+
+
+@needs_cuda
+def test_cuda_ipc_falls_back_to_pinned_host_memory_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REFIT_CUDA_IPC", "0")  # stands in for a container without IPC rights
+    with pytest.warns(RuntimeWarning, match=r"cuda-ipc cannot be used \(REFIT_CUDA_IPC=0\); staging through pinned"):
+        reports = _refits("cuda-ipc", ["cuda:0"])
+    assert all(r["handles_opened"] == 0 for r in reports)

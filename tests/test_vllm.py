@@ -156,6 +156,19 @@ def test_worker_extension_receives_and_reports_its_version(world: dict) -> None:
     llm.collective_rpc("refit_close")
 
 
+def test_tensor_parallel_2_every_worker_receives(world: dict) -> None:
+    script = os.path.join(os.path.dirname(__file__), "vllm_tp2.py")
+    # Two CPU workers on this machine's one NUMA node: vLLM needs their cores named.
+    env = {**{k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
+           "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # fmt: skip
+    out = subprocess.run([sys.executable, script, world["path"], json.dumps(world["prompts"]), "gloo"], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("@@tp2 ")), None)
+    assert line is not None, out.stderr[-3000:]
+    result = json.loads(line[len("@@tp2 ") :])
+    assert result["out"] == greedy(build_model(world["model"].config, seed=0), world["prompts"])
+
+
 def test_default_multiprocess_vllm_refit_matches_a_fresh_vllm_loaded_from_disk(world: dict) -> None:
     script = os.path.join(os.path.dirname(__file__), "vllm_fresh.py")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}

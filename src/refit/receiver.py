@@ -64,6 +64,10 @@ class Receiver:
         ch.send(Header(Kind.HELLO), {"token": self.rendezvous.get("token", ""), "capacity": limit})
         welcome = parse_json(ch.expect(Kind.WELCOME, "rendezvous")[1], "WELCOME")
         rank, capacity, info = welcome.get("rank"), welcome.get("capacity"), welcome.get("info")
+        name = welcome.get("transport")
+        if isinstance(name, str) and name != self.rendezvous.get("transport"):  # the sender fell back
+            self._transport_cls = transports.get(name)
+            self.device = transports.default_device(name)
         if not (isinstance(rank, int) and isinstance(capacity, int) and 0 < capacity <= limit and isinstance(info, dict)):
             raise IntegrityError(f"WELCOME is malformed or asks for more than this side's limit ({limit} bytes)")
         self.transport = self._transport_cls.join(info, rank=rank, device=self.device, settings=self.settings)

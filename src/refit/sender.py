@@ -6,6 +6,7 @@ import hmac
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Hashable
 
 import torch
@@ -87,6 +88,7 @@ class Sender:
         """Accept every receiver, agree on the bucket capacity, and set up the transport."""
         if self.transport is not None:
             return
+        self._fall_back_if_needed()
         limits = [self._accept(rank) for rank in range(1, self.num_receivers + 1)]
         own = bucket_capacity(bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio,
                               free=free_bytes(self.device), num_slots=self.num_slots)  # fmt: skip
@@ -126,6 +128,18 @@ class Sender:
                 pass
             finally:
                 ch.close()
+
+    def _fall_back_if_needed(self) -> None:
+        """cuda-ipc where CUDA IPC cannot work: stage through pinned host shared memory, and say why."""
+        if self.transport_name != "cuda-ipc" or self.zero_copy:
+            return
+        from refit.transports.cuda_ipc import blocker
+
+        reason = blocker(self.device, self.settings)
+        if reason:
+            warnings.warn(f"cuda-ipc cannot be used ({reason}); staging through pinned host shared memory "
+                          "(transport 'shm') instead, which is slower", RuntimeWarning, stacklevel=3)  # fmt: skip
+            self.transport_name, self._transport_cls, self.device = "shm", transports.get("shm"), torch.device("cpu")
 
     def _accept(self, rank: int) -> int:
         """Accept one receiver with the right token; return its capacity limit. Wrong tokens are refused."""

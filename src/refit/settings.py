@@ -61,6 +61,8 @@ class Settings:
     """Address the sender listens on; loopback unless told otherwise (REFIT_HOST)."""
     token: str = field(default_factory=lambda: os.environ.get("REFIT_TOKEN") or secrets.token_hex(16))
     """Shared secret every connection must present (REFIT_TOKEN; generated per session if unset)."""
+    cuda_ipc: bool = field(default_factory=lambda: os.environ.get("REFIT_CUDA_IPC", "1") != "0")
+    """False (REFIT_CUDA_IPC=0) makes 'cuda-ipc' stage through pinned host shared memory instead."""
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:

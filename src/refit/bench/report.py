@@ -10,6 +10,7 @@ from rich.table import Table
 LABELS = {
     "floor": "floor",
     "refit": "refit (pipelined buckets)",
+    "checksum": "refit + per-bucket checksum",
     "zero_copy": "refit zero-copy (reads trainer tensors)",
     "serial": "serial buckets, no overlap",
     "per_tensor": "per-tensor, metadata once",

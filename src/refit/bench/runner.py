@@ -26,7 +26,7 @@ from refit.source import ModuleSource
 from refit.spec import TensorSpec, dtype_from_name, dtype_name
 from refit.wire import Header, Kind
 
-METHODS = ("floor", "refit", "zero_copy", "serial", "per_tensor", "per_tensor_meta")
+METHODS = ("floor", "refit", "checksum", "zero_copy", "serial", "per_tensor", "per_tensor_meta")
 COLOCATED = {"shm", "cuda-ipc"}
 
 
@@ -144,10 +144,11 @@ def _timed(fn: Callable[[], object], device: torch.device, cfg: BenchConfig) -> 
 
 @contextlib.contextmanager
 def _session(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: torch.device, *, mode: str,
-             bucket_bytes: int, num_slots: int, zero_copy: bool = False, **job: object) -> Iterator[Sender]:  # fmt: skip
+             bucket_bytes: int, num_slots: int, zero_copy: bool = False, verify_checksum: bool = False,
+             **job: object) -> Iterator[Sender]:  # fmt: skip
     settings = Settings(bucket_bytes=bucket_bytes, timeout_s=300.0)
     sender = Sender(source, transport=cfg.transport, num_receivers=cfg.receivers, settings=settings, device=device,
-                    num_slots=num_slots, zero_copy=zero_copy)  # fmt: skip
+                    num_slots=num_slots, zero_copy=zero_copy, verify_checksum=verify_checksum)  # fmt: skip
     workers.submit({"mode": mode, "rendezvous": sender.rendezvous(), "bucket_bytes": bucket_bytes, **job})
     try:
         sender.connect()
@@ -186,13 +187,13 @@ def _floor(workers: Workers, source: ModuleSource, tensors: dict[str, torch.Tens
 
 
 def _refit(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: torch.device, *, num_slots: int,
-           name: str, zero_copy: bool = False) -> Result:  # fmt: skip
+           name: str, zero_copy: bool = False, verify_checksum: bool = False) -> Result:  # fmt: skip
     """The full Sender/Receiver path; `num_slots=1` is the serial-buckets baseline."""
     version = iter(range(1, 1 << 30))
     stats = []
     bucket_bytes = min(cfg.bucket_bytes, align_up(sum(s.nbytes for s in source.specs()), 256))
     with _session(workers, source, cfg, device, mode="refit", bucket_bytes=bucket_bytes,
-                  num_slots=num_slots, zero_copy=zero_copy) as sender:  # fmt: skip
+                  num_slots=num_slots, zero_copy=zero_copy, verify_checksum=verify_checksum) as sender:  # fmt: skip
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -273,6 +274,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                 results[m] = _floor(workers, source, tensors, cfg, device, nbytes)
             elif m in ("refit", "serial"):
                 results[m] = _refit(workers, source, cfg, device, num_slots=2 if m == "refit" else 1, name=m)
+            elif m == "checksum":
+                results[m] = _refit(workers, source, cfg, device, num_slots=2, name=m, verify_checksum=True)
             elif m == "zero_copy":
                 if cfg.transport == "cuda-ipc":
                     results[m] = _refit(workers, source, cfg, device, num_slots=2, name=m, zero_copy=True)

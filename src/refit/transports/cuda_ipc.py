@@ -8,6 +8,7 @@ complete before the header goes out, and the receiver's reads are complete befor
 from __future__ import annotations
 
 import base64
+import os
 
 import torch
 
@@ -22,6 +23,19 @@ _OPENED = 0
 def handles_opened() -> int:
     """How many IPC handles this process has opened (for tests: once per buffer per session)."""
     return _OPENED
+
+
+def blocker(device: torch.device, settings: Settings) -> str:
+    """Why CUDA IPC cannot be used from this process, or '' when it can."""
+    if not settings.cuda_ipc:
+        return "REFIT_CUDA_IPC=0"
+    if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+        return "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, whose memory has no IPC handle"
+    try:
+        torch.empty(256, dtype=torch.uint8, device=device).untyped_storage()._share_cuda_()
+    except Exception as e:  # no ptrace rights, a driver without IPC, ...
+        return f"exporting a CUDA IPC handle failed: {e}"
+    return ""
 
 
 def export(buf: torch.Tensor) -> dict:
@@ -47,8 +61,9 @@ def open_tensor(h: dict) -> torch.Tensor:
     except Exception as e:
         raise PeerError(
             f"cannot open the sender's CUDA IPC handle on device {h['device']}: {e}. CUDA IPC needs both "
-            "processes on one host, peer access between their GPUs, and no expandable_segments in "
-            "PYTORCH_CUDA_ALLOC_CONF; otherwise use the 'nccl' transport"
+            "processes on one host, peer access between their GPUs, ptrace rights between them, and no "
+            "expandable_segments in PYTORCH_CUDA_ALLOC_CONF. Set REFIT_CUDA_IPC=0 on the sender to stage "
+            "through pinned host memory, or use the 'nccl' transport"
         ) from None
     _OPENED += 1
     t = torch.empty(0, dtype=dtype_from_name(h["dtype"]), device=storage.device)
