@@ -17,7 +17,7 @@ from conftest import sent_fingerprints, session
 from peer import Peer, make_tensors
 from refit import HandshakeError, IntegrityError, ModuleEngine, PeerError, Receiver, RefitError, Settings, State
 from refit.verify import fingerprints
-from refit.wire import HEADER, Channel, Header, Kind
+from refit.wire import HEADER, Kind
 
 SPECS = [[f"w{i}", [32, 32], "float32"] for i in range(6)]  # 4 KiB each: one tensor per bucket
 

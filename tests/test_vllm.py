@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from refit import HandshakeError, ModuleSource, Sender, Settings  # noqa: E402
+from refit import ModuleSource, Sender, Settings  # noqa: E402
 from refit.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config, save  # noqa: E402
 from refit.engines.vllm import VllmRefit, expected_fingerprints  # noqa: E402
 
