@@ -58,6 +58,7 @@ def main() -> int:
                   "model_bytes": sum(t.numel() * t.element_size() for t in full.values())}), flush=True)  # fmt: skip
     if sender is not None:
         sender.close()
+    dist.barrier()  # rank 0 hosts the store: leave together
     dist.destroy_process_group()
     return 0
 

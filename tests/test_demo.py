@@ -20,6 +20,7 @@ def test_demo_verifies_every_refit_including_a_dtype_change(transport: str, caps
 def test_demo_with_an_fsdp2_trainer_over_two_ranks(capfd: pytest.CaptureFixture) -> None:
     code = main(["demo", "--trainer", "fsdp", "--ranks", "2", "--transport", "gloo", "--steps", "2", "--dtype-change-at",
                  "0", "--layers", "2", "--hidden", "128", "--bucket-bytes", "262144"])  # fmt: skip
-    out = capfd.readouterr().out
-    assert code == 0, out
+    captured = capfd.readouterr()
+    out = captured.out
+    assert code == 0, out + captured.err[-3000:]
     assert "sharded with FSDP2 over 2 ranks" in out and "all refits verified" in out and out.count("✓") == 4

@@ -71,7 +71,16 @@ def rank_main(cfg: DemoConfig) -> int:
         _follow(cfg, trainer)
         return 0
     finally:
+        _leave()
+
+
+def _leave() -> None:
+    """Leave the trainer group together: rank 0 hosts its store, so no rank may find it gone mid-teardown."""
+    try:
+        dist.barrier()
         dist.destroy_process_group()
+    except Exception:  # a peer already gone at exit is not a failure of the refits
+        pass
 
 
 def launch(cfg: DemoConfig) -> bool:
