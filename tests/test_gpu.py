@@ -20,14 +20,15 @@ def _model() -> dict[str, torch.Tensor]:
     return dict(model.state_dict(keep_vars=True))
 
 
-def _specs(tensors: dict[str, torch.Tensor], wire: torch.dtype) -> list[list]:
+def _specs(tensors: dict[str, torch.Tensor]) -> list[list]:
+    """The engine side holds fp32, so bf16 on the wire is held exactly."""
     return [[n, list(t.shape), dtype_name(torch.float32)] for n, t in tensors.items()]
 
 
 def _refits(transport: str, peer_devices: list[str]) -> list[dict]:
     tensors = _model()
     reports = []
-    with session(_specs(tensors, torch.bfloat16), transport=transport, tensors=tensors, device="cuda:0",
+    with session(_specs(tensors), transport=transport, tensors=tensors, device="cuda:0",
                  wire_dtype=torch.bfloat16, bucket_bytes=8 << 20, receivers=len(peer_devices),
                  peer_devices=peer_devices) as (sender, _, peers):  # fmt: skip
         for version in range(1, 4):
@@ -71,7 +72,7 @@ def test_nccl_two_gpu_refit_is_bitwise_with_dtype_change() -> None:
 @needs_cuda
 def test_zero_copy_reads_the_trainer_tensors_and_re_exports_when_storage_moves() -> None:
     tensors = {n: t.detach().to(torch.bfloat16) for n, t in _model().items()}
-    specs = _specs(tensors, torch.bfloat16)
+    specs = _specs(tensors)
     with session(specs, transport="cuda-ipc", tensors=tensors, device="cuda:0", peer_devices=["cuda:0"],
                  zero_copy=True) as (sender, _, (peer,)):  # fmt: skip
         epochs, opened = [], []
