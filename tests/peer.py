@@ -29,7 +29,7 @@ def make_tensors(specs: list[list], seed: int, device: str = "cpu") -> dict[str,
 
 class RecordingEngine(ModuleEngine):
     """A ModuleEngine that records the order of begin/load/commit calls, and can inject one fault:
-    {"kind": "die" | "slow" | "raise", "version": v, "at_load": k, "seconds": s}."""
+    {"kind": "die" | "slow" | "raise" | "commit", "version": v, "at_load": k, "seconds": s}."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], fault: dict | None = None) -> None:
         super().__init__(tensors)
@@ -46,7 +46,7 @@ class RecordingEngine(ModuleEngine):
         self.events.append("load " + ",".join(n for n, _ in tensors))
         f = self.fault
         loads = sum(e.startswith("load") for e in self.events)
-        if f and f["version"] == self._version and f["at_load"] == loads:
+        if f and f["version"] == self._version and f.get("at_load") == loads:
             if f["kind"] == "die":
                 os._exit(9)
             if f["kind"] == "slow":
@@ -57,6 +57,9 @@ class RecordingEngine(ModuleEngine):
 
     def commit(self, version: int) -> None:
         self.events.append(f"commit {version}")
+        if self.fault.get("kind") == "commit" and self.fault["version"] == version:
+            self.fault = {}
+            raise RuntimeError("injected commit failure")
         super().commit(version)
 
 

@@ -100,6 +100,15 @@ def test_engine_error_reaches_the_sender_with_its_message(transport: str) -> Non
         assert peer.report()["state"] == "current"
 
 
+def test_engine_failing_at_commit_still_answers_the_sender() -> None:
+    with session(SPECS, transport="shm", peer_args={"fault": {"kind": "commit", "version": 1}}) as (sender, _, (peer,)):
+        with pytest.raises(RefitError, match="engine failed to commit version 1: RuntimeError: injected commit failure"):
+            sender.refit(1)
+        assert peer.report()["state"] == "failed"
+        sender.refit(1)
+        assert peer.report()["state"] == "current"
+
+
 def test_slow_receiver_past_the_timeout_fails_the_sender_in_time() -> None:
     fault = {"kind": "slow", "version": 1, "at_load": 2, "seconds": 6}
     with session(SPECS, transport="shm", peer_args={"fault": fault}, timeout_s=2) as (sender, _, (peer,)):

@@ -136,18 +136,18 @@ class Receiver:
         from refit.transports.cuda_ipc import open_tensor
 
         assert self.channel is not None and self.manifest is not None
-        handles = parse_json(payload, "SOURCES").get("tensors")
-        if not isinstance(handles, list) or len(handles) != len(self.manifest.entries):
-            raise IntegrityError("SOURCES does not list one handle per manifest tensor")
         try:
+            handles = parse_json(payload, "SOURCES").get("tensors")
+            if not isinstance(handles, list) or len(handles) != len(self.manifest.entries):
+                raise IntegrityError("SOURCES does not list one handle per manifest tensor")
             with torch.cuda.device(self.device):
                 views = [open_tensor(h) for h in handles]
+            for p, v in zip(self.manifest.entries, views):
+                if tuple(v.shape) != p.spec.shape or v.dtype != p.spec.dtype:
+                    raise IntegrityError(f"shared tensor {p.name} does not match its manifest entry")
         except RefitError as e:
             self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {e}"})
             raise
-        for p, v in zip(self.manifest.entries, views):
-            if tuple(v.shape) != p.spec.shape or v.dtype != p.spec.dtype:
-                raise IntegrityError(f"shared tensor {p.name} does not match its manifest entry")
         self._sources = [(p.name, v) for p, v in zip(self.manifest.entries, views)]
         self.channel.send(Header(Kind.READY))
 
@@ -181,17 +181,26 @@ class Receiver:
             self.engine.fail(version, str(e))
             raise
         t = time.perf_counter()
-        self.transport.flush()
+        failure = failure or self._finalize(version)
         if failure is not None:
             self.engine.fail(version, str(failure))
             ch.send(Header(Kind.DONE, status=1, version=version), {"message": f"receiver {self.rank}: {failure}"})
             raise failure
-        self.engine.commit(version)
         ch.send(Header(Kind.DONE, version=version))
         stats.add("commit", time.perf_counter() - t)
         stats.control_bytes = ch.bytes_sent + ch.bytes_received - ctrl0
         stats.seconds["total"] = time.perf_counter() - t0
         return stats
+
+    def _finalize(self, version: int) -> RefitError | None:
+        """Wait for every load, then commit; an engine that fails here still answers the sender."""
+        assert self.transport is not None
+        try:
+            self.transport.flush()
+            self.engine.commit(version)
+        except Exception as e:
+            return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
+        return None
 
     def _stream(self, m: Manifest, begin: Header, stats: RefitStats) -> RefitError | None:
         """Take every bucket; after a failure keep draining (so the sender never hangs) but load nothing."""

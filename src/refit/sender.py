@@ -156,12 +156,14 @@ class Sender:
                 sock, addr = self._listener.accept()
             except TimeoutError:
                 continue
-            ch = Channel(sock, peer=f"receiver {rank} ({addr[0]}:{addr[1]})", timeout_s=self.settings.timeout_s)
+            # A peer that connects but says nothing must not hold up the real receivers for long.
+            ch = Channel(sock, peer=f"receiver {rank} ({addr[0]}:{addr[1]})", timeout_s=min(self.settings.timeout_s, 10.0))
             try:
                 hello = parse_json(ch.expect(Kind.HELLO, "rendezvous")[1], "HELLO")
             except RefitError:
                 ch.close()
                 continue
+            ch.set_timeout(self.settings.timeout_s)
             if not hmac.compare_digest(str(hello.get("token", "")).encode(), self.settings.token.encode()):
                 ch.send(Header(Kind.ERROR), {"message": "wrong token: this sender expects another REFIT_TOKEN; "
                                                         "pass the token from Sender.rendezvous()"})  # fmt: skip

@@ -83,6 +83,10 @@ class Channel:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
+    def set_timeout(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.sock.settimeout(timeout_s)
+
     def send(self, header: Header, payload: object = None) -> None:
         if payload is None or isinstance(payload, bytes):
             data = payload or b""
