@@ -121,3 +121,15 @@ def test_version_is_committed_only_after_the_last_bucket() -> None:
     assert 1 < len(loads) <= stats.num_buckets and all(e.startswith("load ") for e in loads)
     loaded = sorted(n for e in loads for n in e[5:].split(","))
     assert loaded == sorted(s[0] for s in SPECS)
+
+
+def test_new_storage_without_a_spec_change_keeps_the_epoch_and_stays_exact(transport: str) -> None:
+    with session(SPECS, transport=transport) as (sender, tensors, (peer,)):
+        sender.refit(1)
+        peer.report()
+        moved = tensors["layer.1.weight"]
+        moved.data = moved.data.clone() + 1  # new storage, same name, shape and dtype
+        stats = sender.refit(2)
+        report = peer.report()
+    assert (stats.epoch, stats.handshake) == (1, False)
+    assert report["fingerprints"] == sent_fingerprints(sender)

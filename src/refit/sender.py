@@ -57,7 +57,6 @@ class Sender:
             raise ValueError(f"zero_copy needs the cuda-ipc transport ({transport!r} given) and a source whose "
                              "tensors persist between refits (not a gathering one)")  # fmt: skip
         self.zero_copy = zero_copy
-        self._pointers: tuple[int, ...] = ()
         self._broken = ""
         self.source = source
         self.transport_name = transport
@@ -213,14 +212,14 @@ class Sender:
             ch.send(Header(Kind.SOURCES, epoch=manifest.epoch, digest=manifest.digest), payload)
         for ch in self.channels:
             ch.expect(Kind.READY, "opening the source tensors' IPC handles")
-        self._pointers = tuple(t.data_ptr() for t in tensors)
 
-    def _moved(self) -> bool:
-        """Zero-copy only: did any source tensor get new storage since its handle was exported?"""
-        if not self.zero_copy or self.manifest is None:
-            return False
-        names = [p.name for p in self.manifest.entries]
-        return tuple(t.data_ptr() for t in self.source.tensors(names)) != self._pointers
+    def _changed(self) -> bool:
+        """The cheap signature moved: does that need a new epoch? Yes if any spec changed, and in
+        zero-copy mode also when only storage moved (the exported handles point at the old memory)."""
+        assert self.manifest is not None
+        if self.zero_copy:
+            return True
+        return sorted(self.source.specs(), key=lambda s: s.name) != [p.spec for p in self.manifest.entries]
 
     # -- refit -----------------------------------------------------------------------------------
 
@@ -243,10 +242,10 @@ class Sender:
         self.connect()
         t0 = time.perf_counter()
         signature = self.source.signature()
-        handshake = signature != self._signature or self.manifest is None or self._moved()
+        handshake = self.manifest is None or (signature != self._signature and self._changed())
         if handshake:
             self._handshake()
-            self._signature = signature
+        self._signature = signature
         m = self.manifest
         assert m is not None
         stats = RefitStats(version=version, epoch=m.epoch, handshake=handshake, num_buckets=m.num_buckets,
