@@ -55,7 +55,7 @@ def test_sender_killed_mid_refit_leaves_the_engine_failed_not_new(transport: str
     with Receiver(engine, rendezvous, settings=Settings(timeout_s=10)) as receiver:
         assert receiver.receive().version == 1
         committed = fingerprints(tensors.items(), {n: torch.float32 for n in tensors})
-        with pytest.raises(PeerError, match=r"sender .*(closed the connection during refit 2|gloo receive)"):
+        with pytest.raises(PeerError, match=r"sender.*(closed the connection during|\(during) refit 2, bucket"):
             receiver.receive()
     assert proc.wait(timeout=30) == 17
     w = engine.weights

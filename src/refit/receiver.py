@@ -228,7 +228,10 @@ class Receiver:
         """Wait for bucket `b`, verify and load it, then acknowledge it (with status 1 after a failure)."""
         assert self.channel is not None and self.transport is not None and self._unpacker is not None
         t = time.perf_counter()
-        handle.wait(self.settings.timeout_s)
+        try:
+            handle.wait(self.settings.timeout_s)
+        except PeerError as e:
+            raise PeerError(f"{e} (during refit {header.version}, bucket {b})") from None
         stats.add("recv", time.perf_counter() - t)
         slot = b % len(self.transport.buffers)
         if failure is None:

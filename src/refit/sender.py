@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import hmac
 import socket
 import threading
@@ -58,6 +59,8 @@ class Sender:
                              "tensors persist between refits (not a gathering one)")  # fmt: skip
         self.zero_copy = zero_copy
         self._broken = ""
+        self._refuser: threading.Thread | None = None
+        self._stopping = threading.Event()
         self.source = source
         self.transport_name = transport
         self._transport_cls = transports.get(transport)
@@ -103,17 +106,24 @@ class Sender:
         for ch in self.channels:
             ch.expect(Kind.READY, "transport setup")
         self.transport.joined()
-        threading.Thread(target=self._refuse_late, name="refit-refuse-late", daemon=True).start()
+        self._refuser = threading.Thread(target=self._refuse_late, name="refit-refuse-late", daemon=True)
+        self._refuser.start()
+        # A daemon thread still inside a socket call when the interpreter finalises can abort the
+        # process ("terminate called without an active exception"): stop it at exit if close() was not called.
+        atexit.register(self._stop_refuser)
 
     def _refuse_late(self) -> None:
         """After setup, answer any further connection at once (wrong token or session full), never leave it hanging."""
         self._listener.settimeout(0.5)
-        while self.transport is not None:
+        while not self._stopping.is_set():
             try:
                 sock, addr = self._listener.accept()
             except TimeoutError:
                 continue
             except OSError:
+                return
+            if self._stopping.is_set():
+                sock.close()
                 return
             ch = Channel(sock, peer=f"late peer ({addr[0]}:{addr[1]})", timeout_s=5.0)
             try:
@@ -330,8 +340,16 @@ class Sender:
         f = forecast(self.manifest, num_slots=self.num_slots)
         return {"sender": f.sender_bytes, "receiver": f.receiver_bytes}
 
+    def _stop_refuser(self) -> None:
+        self._stopping.set()
+        if self._refuser is not None:
+            self._refuser.join()
+            self._refuser = None
+        atexit.unregister(self._stop_refuser)
+
     def close(self) -> None:
         """End the session: tell receivers, release the transport and sockets."""
+        self._stop_refuser()
         for ch in self.channels:
             try:
                 ch.send(Header(Kind.CLOSE))

@@ -27,9 +27,17 @@ class ModuleEngine(Engine):
         inverse = {v: k for k, v in name_map.items()}
         self._targets: dict[str, torch.Tensor] = {inverse.get(n, n): t for n, t in own.items()}
         self._plans: dict[int, tuple[list, CopyPlan]] = {}
+        self._used: set[int] = set()
 
     def specs(self) -> list[TensorSpec]:
         return [TensorSpec.of(n, t) for n, t in self._targets.items()]
+
+    def begin(self, version: int) -> None:
+        # Plans unused in the last refit belong to an old manifest; dropping them frees the old
+        # buffers' views and staging tensor, which they would otherwise keep alive.
+        self._plans = {k: v for k, v in self._plans.items() if k in self._used}
+        self._used = set()
+        super().begin(version)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The engine's tensor for a sender name."""
@@ -40,9 +48,8 @@ class ModuleEngine(Engine):
         so many small tensors cost one batched launch, not one Python step each."""
         hit = self._plans.get(id(tensors))
         if hit is None or hit[0] is not tensors:
-            if len(self._plans) > 65536:
-                self._plans.clear()
             hit = (tensors, CopyPlan([self._targets[n] for n, _ in tensors], [t for _, t in tensors]))
             self._plans[id(tensors)] = hit
+        self._used.add(id(tensors))
         with torch.no_grad():
             hit[1].run()

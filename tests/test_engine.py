@@ -1,0 +1,39 @@
+"""ModuleEngine: in-place loads, name mapping, and copy plans that do not outlive their manifest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit import ModuleEngine, RefitError, State
+
+
+def test_loads_in_place_through_a_name_map_and_tracks_versions() -> None:
+    own = {"w": torch.zeros(3), "b": torch.zeros(2, dtype=torch.float32)}
+    engine = ModuleEngine(own, name_map={"sender.w": "w"})
+    assert sorted(s.name for s in engine.specs()) == ["b", "sender.w"]
+    engine.begin(1)
+    engine.load([("sender.w", torch.ones(3)), ("b", torch.full((2,), 2, dtype=torch.bfloat16))])
+    engine.commit(1)
+    assert torch.equal(own["w"], torch.ones(3)) and torch.equal(own["b"], torch.full((2,), 2.0))
+    assert (engine.weights.state, engine.weights.version) == (State.CURRENT, 1)
+    with pytest.raises(ValueError, match="name_map targets names the module does not have"):
+        ModuleEngine(own, name_map={"x": "missing"})
+    engine.begin(2)
+    engine.fail(2, "boom")
+    with pytest.raises(RefitError, match=r"engine weights are failed \(last committed 1, target 2\)"):
+        engine.ensure_current()
+
+
+def test_copy_plans_of_an_old_manifest_are_dropped_after_one_refit() -> None:
+    engine = ModuleEngine({"w": torch.zeros(4)})
+    old = [("w", torch.ones(4))]
+    new = [("w", torch.full((4,), 3.0))]
+    engine.begin(1)
+    engine.load(old)
+    engine.begin(2)  # a new epoch: the receiver now passes other lists
+    engine.load(new)
+    engine.begin(3)
+    assert list(engine._plans) == [id(new)]
+    engine.load(new)
+    assert torch.equal(engine.tensor("w"), torch.full((4,), 3.0))
