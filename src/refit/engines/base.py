@@ -12,6 +12,10 @@ from refit.errors import RefitError
 from refit.spec import TensorSpec
 
 
+Region = tuple[int, int, int]
+"""(dim, start, stop): the slice of a checkpoint tensor an engine holds."""
+
+
 class State(str, Enum):
     CURRENT = "current"
     """Every parameter belongs to `version`."""
@@ -49,6 +53,16 @@ class Engine(ABC):
     @abstractmethod
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy these tensors in; they are views into a reused buffer, so copy before returning."""
+
+    def held(self, name: str) -> tuple[torch.Tensor, Region | None] | None:
+        """The engine's live tensor for sender name `name`, for the end-to-end fingerprint check.
+
+        Returns (tensor, region): `tensor` holds the checkpoint tensor's values (in any dtype that
+        holds the wire dtype exactly), or, when `region` is (dim, start, stop), only that slice of it
+        (a tensor-parallel shard). None when this engine cannot read the tensor back (it is then
+        reported as unverified, never as verified).
+        """
+        return None
 
     @property
     def weights(self) -> WeightsVersion:

@@ -43,6 +43,10 @@ class ModuleEngine(Engine):
         """The engine's tensor for a sender name."""
         return self._targets[name]
 
+    def held(self, name: str) -> tuple[torch.Tensor, None] | None:
+        t = self._targets.get(name)
+        return None if t is None else (t, None)
+
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy in place. A list passed again (the receiver reuses one per bucket) replays a cached plan,
         so many small tensors cost one batched launch, not one Python step each."""
