@@ -7,14 +7,15 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property
 
-import torch
-
 from refit.spec import TensorSpec, dtype_from_name, dtype_name
 
 FORMAT = "refit.manifest/1"
 MAX_TENSORS = 1_000_000
 MAX_NAME_CHARS = 1024
 MAX_DIMS = 16
+MAX_BUCKETS = 1 << 24
+MAX_BYTES = 1 << 56
+"""Largest capacity, tensor or offset accepted from a peer (64 PiB): keeps every sum far from overflow."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +62,9 @@ class Manifest:
     _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._index.update((p.name, i) for i, p in enumerate(self.entries))
-        if len(self._index) != len(self.entries):
-            raise ValueError("manifest has duplicate tensor names")
+        self._index.update((n, i) for i, p in enumerate(self.entries) for n in p.spec.names)
+        if len(self._index) != sum(len(p.spec.names) for p in self.entries):
+            raise ValueError("manifest has duplicate tensor names (aliases included)")
 
     @property
     def num_buckets(self) -> int:
@@ -75,7 +76,13 @@ class Manifest:
         return sum(p.nbytes for p in self.entries)
 
     def entry(self, name: str) -> Placement:
+        """The placement carrying `name` (a primary name or an alias)."""
         return self.entries[self._index[name]]
+
+    @property
+    def names(self) -> list[str]:
+        """Every name the receivers load, aliases included."""
+        return [n for p in self.entries for n in p.spec.names]
 
     @cached_property
     def segments(self) -> tuple[tuple[Segment, ...], ...]:
@@ -111,10 +118,7 @@ class Manifest:
             "capacity": self.capacity,
             "alignment": self.alignment,
             "bucket_nbytes": list(self.bucket_nbytes),
-            "tensors": [
-                [p.name, list(p.spec.shape), dtype_name(p.spec.dtype), p.bucket, p.offset, p.nbytes]
-                for p in self.entries
-            ],
+            "tensors": [_entry(p) for p in self.entries],
         }
 
     @cached_property
@@ -135,6 +139,11 @@ class Manifest:
         return _parse(obj)
 
 
+def _entry(p: Placement) -> list:
+    row = [p.name, list(p.spec.shape), dtype_name(p.spec.dtype), p.bucket, p.offset, p.nbytes]
+    return [*row, list(p.spec.aliases)] if p.spec.aliases else row
+
+
 def _dumps(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
@@ -150,35 +159,72 @@ def _parse(obj: object) -> Manifest:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError(f"not a refit manifest: expected format {FORMAT!r}")
     capacity, alignment = _int(obj, "capacity", 1), _int(obj, "alignment", 1)
+    if capacity > MAX_BYTES or alignment > capacity:
+        raise ValueError(f"manifest capacity {capacity} or alignment {alignment} is out of range")
     tensors, sizes = obj.get("tensors"), obj.get("bucket_nbytes")
     if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
         raise ValueError(f"manifest 'tensors' must be a list of at most {MAX_TENSORS} entries")
-    if not isinstance(sizes, list) or not all(isinstance(n, int) and 0 <= n <= capacity for n in sizes):
-        raise ValueError(f"manifest 'bucket_nbytes' must be a list of integers in [0, {capacity}]")
+    if not isinstance(sizes, list) or len(sizes) > MAX_BUCKETS or not all(_is_int(n, 0, capacity) for n in sizes):
+        raise ValueError(f"manifest 'bucket_nbytes' must be a list of at most {MAX_BUCKETS} integers in [0, {capacity}]")
     entries = tuple(_parse_entry(t) for t in tensors)
+    for a, b in zip(entries, entries[1:]):
+        if a.name >= b.name:
+            raise ValueError(f"manifest tensors must be sorted by name without repeats ({a.name!r} before {b.name!r})")
     m = Manifest(capacity, alignment, entries, tuple(sizes), epoch=_int(obj, "epoch"))
+    spans = 0
     for p in m.entries:
-        end_bucket = p.bucket + max(0, (p.offset + p.nbytes - 1)) // capacity
-        if p.offset % alignment or end_bucket >= m.num_buckets:
+        last = p.bucket + (p.offset + max(p.nbytes, 1) - 1) // capacity
+        if p.offset % alignment or p.offset >= capacity or last >= m.num_buckets:
             raise ValueError(f"manifest places {p.name!r} outside its buckets")
+        spans += last - p.bucket + 1
+    if spans > len(m.entries) + m.num_buckets:  # non-overlapping ranges cannot span more; bounds the work below
+        raise ValueError("manifest tensors overlap: they span more bucket ranges than the buckets hold")
+    _check_segments(m)
     return m
 
 
+def _check_segments(m: Manifest) -> None:
+    """Every byte range lies inside its bucket's used bytes, and no two ranges overlap."""
+    for b, segs in enumerate(m.segments):
+        end = 0
+        for s in sorted(segs, key=lambda s: s.at):
+            if s.at < end:
+                raise ValueError(f"manifest tensors {m.entries[s.entry].name!r} and another overlap in bucket {b}")
+            end = s.at + s.hi - s.lo
+            if end > m.bucket_nbytes[b]:
+                raise ValueError(f"manifest places {m.entries[s.entry].name!r} past the {m.bucket_nbytes[b]} "
+                                 f"bytes bucket {b} carries")
+
+
+def _is_int(v: object, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _name(v: object) -> str:
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_NAME_CHARS:
+        raise ValueError(f"manifest tensor names must be non-empty strings of at most {MAX_NAME_CHARS} characters")
+    return v
+
+
 def _parse_entry(t: object) -> Placement:
-    if not (isinstance(t, list) and len(t) == 6):
-        raise ValueError(f"manifest tensor entry must be [name, shape, dtype, bucket, offset, nbytes], got {t!r:.200}")
-    name, shape, dtype, bucket, offset, nbytes = t
-    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
-        raise ValueError(f"manifest tensor name must be a string of at most {MAX_NAME_CHARS} characters")
-    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(isinstance(d, int) for d in shape)):
-        raise ValueError(f"manifest shape of {name!r} must be a list of at most {MAX_DIMS} integers")
-    if not all(isinstance(v, int) and v >= 0 for v in (bucket, offset, nbytes)):
-        raise ValueError(f"manifest bucket/offset/nbytes of {name!r} must be integers >= 0")
-    spec = TensorSpec(name, tuple(shape), dtype_from_name(dtype) if isinstance(dtype, str) else _bad_dtype(name))
+    if not (isinstance(t, list) and len(t) in (6, 7)):
+        raise ValueError(f"manifest tensor entry must be [name, shape, dtype, bucket, offset, nbytes(, aliases)], "
+                         f"got {t!r:.200}")
+    name, shape, dtype, bucket, offset, nbytes = t[:6]
+    name = _name(name)
+    aliases = t[6] if len(t) == 7 else []
+    if not (isinstance(aliases, list) and aliases and len(aliases) <= MAX_DIMS * 4) and len(t) == 7:
+        raise ValueError(f"manifest aliases of {name!r} must be a non-empty list of names")
+    aliases = tuple(_name(a) for a in aliases)
+    if list(aliases) != sorted(set(aliases)) or name in aliases:
+        raise ValueError(f"manifest aliases of {name!r} must be sorted, distinct and differ from the name")
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_int(d, 0, MAX_BYTES) for d in shape)):
+        raise ValueError(f"manifest shape of {name!r} must be a list of at most {MAX_DIMS} integers >= 0")
+    if not all(_is_int(v, 0, MAX_BYTES) for v in (bucket, offset, nbytes)):
+        raise ValueError(f"manifest bucket/offset/nbytes of {name!r} must be integers in [0, {MAX_BYTES}]")
+    if not isinstance(dtype, str):
+        raise ValueError(f"manifest dtype of {name!r} must be a string")
+    spec = TensorSpec(name, tuple(shape), dtype_from_name(dtype), aliases)
     if spec.nbytes != nbytes:
         raise ValueError(f"manifest nbytes of {name!r} is {nbytes}, but shape and dtype give {spec.nbytes}")
     return Placement(spec, bucket, offset)
-
-
-def _bad_dtype(name: str) -> torch.dtype:
-    raise ValueError(f"manifest dtype of {name!r} must be a string")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refit.manifest import Manifest, Segment
+from refit.manifest import Manifest
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 
@@ -28,55 +28,81 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 
 class CopyPlan:
-    """A fixed set of copies, checked once and replayed (batched when dtypes and devices agree)."""
+    """A fixed set of copies, planned once and replayed as one batched copy (`refit.copy_kernel`): on
+    CUDA a kernel walking a chunk table built here, elsewhere `_foreach_copy_`. The plan holds the
+    tensors' addresses, so it is valid only while they keep their storage and layout: rebuild it then."""
 
     def __init__(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        from refit.copy_kernel import BatchedCopy  # here, so `import refit` does not import Triton
+
         self.dst, self.src = dst, src
-        self.batched = _batchable(dst, src)
+        self._copy = BatchedCopy(dst, src)
 
     def run(self) -> None:
-        if self.batched:
-            _foreach_copy(self.dst, self.src)
-            return
-        for d, s in zip(self.dst, self.src):
-            d.copy_(s)
+        self._copy.run()
+
+
+LayoutKey = tuple
+"""What a cached copy plan depends on, per source tensor: storage address, dtype, shape and strides."""
+
+
+def layout_key(tensors: Sequence[torch.Tensor]) -> LayoutKey:
+    """Changes whenever any tensor is replaced, moved, reshaped, restrided or recast; cheap (no data read)."""
+    return tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors)
 
 
 class Packer:
     """Writes source tensors into a bucket buffer, casting to the wire dtype in the same pass.
 
-    The copy plan of each (bucket, slot) is built once and replayed while the source tensors keep
-    their storage (checked by data pointer, so a reassigned `param.data` is noticed).
+    The copy plan of each (bucket, slot) reads the source tensors through views of their storage, so
+    a replayed plan always copies their current values. It is replayed only while `layout_key` of the
+    tensors is unchanged: a tensor replaced, moved to new storage, reshaped or restrided gets a new plan.
     """
 
     def __init__(self, manifest: Manifest, buffers: Sequence[torch.Tensor]) -> None:
         self.manifest = manifest
         self._buffers = buffers
-        self._plans: dict[tuple[int, int], tuple[tuple[int, ...], CopyPlan]] = {}
-
-    def _targets(self, bucket: int, slot: int) -> list[torch.Tensor]:
-        buf, entries = self._buffers[slot], self.manifest.entries
-        return [typed_view(buf, s.at, s.hi - s.lo, entries[s.entry].spec.dtype) for s in self.manifest.segments[bucket]]
+        self._plans: dict[tuple[int, int], _PackPlan] = {}
 
     def pack(self, bucket: int, slot: int, tensors: Sequence[torch.Tensor], *, cache: bool = True) -> None:
         """Fill `slot`'s buffer with bucket `bucket`; `tensors[k]` is the source of the bucket's k-th segment.
         With `cache=False` (fresh tensors each time, e.g. gathered) nothing keeps them alive afterwards."""
-        ptrs = tuple(t.data_ptr() for t in tensors)
+        key = layout_key(tensors) if cache else None
         hit = self._plans.get((bucket, slot)) if cache else None
-        if hit is None or hit[0] != ptrs:
-            segs, entries = self.manifest.segments[bucket], self.manifest.entries
-            srcs = [_source_range(t.detach(), s, entries[s.entry].spec.dtype.itemsize) for t, s in zip(tensors, segs)]
-            hit = (ptrs, CopyPlan(self._targets(bucket, slot), srcs))
+        if hit is None or hit.key != key:
+            hit = self._build(bucket, slot, tensors, key)
             if cache:
                 self._plans[(bucket, slot)] = hit
-        hit[1].run()
+        hit.run()
+
+    def _build(self, bucket: int, slot: int, tensors: Sequence[torch.Tensor], key: LayoutKey | None) -> _PackPlan:
+        buf, entries = self._buffers[slot], self.manifest.entries
+        dst, src, fresh = [], [], []
+        for t, s in zip(tensors, self.manifest.segments[bucket]):
+            spec, t = entries[s.entry].spec, t.detach()
+            target = typed_view(buf, s.at, s.hi - s.lo, spec.dtype)
+            whole = s.lo == 0 and s.hi == spec.nbytes
+            if t.is_contiguous():
+                dst.append(target)
+                src.append(t.view(-1)[s.lo // spec.dtype.itemsize : s.hi // spec.dtype.itemsize])
+            elif whole:  # strided: copy_ walks its strides, still reading the live storage
+                dst.append(target.view(spec.shape))
+                src.append(t)
+            else:  # a strided tensor split across buckets has no flat view: flatten it anew every refit
+                fresh.append((target, t, s.lo // spec.dtype.itemsize, s.hi // spec.dtype.itemsize))
+        return _PackPlan(key, CopyPlan(dst, src), fresh)
 
 
-def _source_range(t: torch.Tensor, seg: Segment, itemsize: int) -> torch.Tensor:
-    flat = t.reshape(-1)
-    if seg.lo == 0 and seg.hi == flat.numel() * itemsize:
-        return flat
-    return flat[seg.lo // itemsize : seg.hi // itemsize]
+@dataclass(slots=True)
+class _PackPlan:
+    key: LayoutKey | None
+    plan: CopyPlan
+    fresh: list[tuple[torch.Tensor, torch.Tensor, int, int]]
+
+    def run(self) -> None:
+        self.plan.run()
+        for target, t, lo, hi in self.fresh:
+            target.copy_(t.reshape(-1)[lo:hi])
 
 
 class Unpacker:
@@ -86,10 +112,11 @@ class Unpacker:
     out when its last bucket arrives.
     """
 
-    def __init__(self, manifest: Manifest, buffers: Sequence[torch.Tensor]) -> None:
+    def __init__(self, manifest: Manifest, buffers: Sequence[torch.Tensor], *, device: torch.device | None = None) -> None:
+        """`device`: where the staging tensor lives (the receiver's own device; defaults to the buffers')."""
         self.manifest = manifest
         self._buffers = buffers
-        device = buffers[0].device if buffers else torch.device("cpu")
+        device = device or (buffers[0].device if buffers else torch.device("cpu"))
         self._staging = torch.empty(manifest.max_split_nbytes, dtype=torch.uint8, device=device)
         self._plans: dict[tuple[int, int], _BucketPlan] = {}
 
@@ -109,11 +136,13 @@ class Unpacker:
         for s in m.segments[bucket]:
             spec = m.entries[s.entry].spec
             if s.lo == 0 and s.hi == spec.nbytes:
-                plan.ready.append((spec.name, typed_view(buf, s.at, spec.nbytes, spec.dtype).view(spec.shape)))
+                view = typed_view(buf, s.at, spec.nbytes, spec.dtype).view(spec.shape)
+                plan.ready.extend((n, view) for n in spec.names)
                 continue
             plan.staged.append((self._staging[s.lo : s.hi], buf[s.at : s.at + s.hi - s.lo]))
             if m.last_bucket[s.entry] == bucket:
-                plan.ready.append((spec.name, typed_view(self._staging, 0, spec.nbytes, spec.dtype).view(spec.shape)))
+                view = typed_view(self._staging, 0, spec.nbytes, spec.dtype).view(spec.shape)
+                plan.ready.extend((n, view) for n in spec.names)
         return plan
 
 

@@ -123,13 +123,13 @@ class Receiver:
             msg = f"manifest capacity {manifest.capacity} differs from the agreed {len(self.transport.buffers[0])}"
             self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {msg}"})
             raise IntegrityError(msg)
-        report = validate([p.spec for p in manifest.entries], self.engine.specs(),
+        report = validate([x for p in manifest.entries for x in p.spec.expanded()], self.engine.specs(),
                           exact_shapes=self.engine.exact_shapes, optional=self.engine.optional_names)  # fmt: skip
         self.channel.send(Header(Kind.REPORT), report.to_json())
         if not report.ok:
             raise HandshakeError(report.message())
         self.manifest = manifest
-        self._unpacker = Unpacker(manifest, self.transport.buffers)
+        self._unpacker = Unpacker(manifest, self.transport.buffers, device=self.device)
 
     def _open_sources(self, payload: bytes) -> None:
         """Zero-copy mode: map the sender's tensors once per epoch."""

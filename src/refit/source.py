@@ -8,7 +8,9 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 from torch import nn
 
+from refit.packing import layout_key
 from refit.spec import TensorSpec, dtype_name
+from refit.state_layout import StateLayout
 
 
 class Source(ABC):
@@ -63,14 +65,35 @@ class WireDtypes:
         return t.dtype
 
     def specs(self) -> list[TensorSpec]:
-        return [TensorSpec(n, tuple(t.shape), self._wire(n, t)) for n, t in self._tensors.items()]
+        """One spec per distinct tensor; names sharing storage and view (tied weights) become aliases."""
+        groups: dict[Hashable, list[str]] = {}
+        for n, t in self._tensors.items():
+            groups.setdefault(alias_key(n, t, self._wire(n, t)), []).append(n)
+        out = []
+        for names in groups.values():
+            names.sort()
+            t = self._tensors[names[0]]
+            out.append(TensorSpec(names[0], tuple(t.shape), self._wire(names[0], t), tuple(names[1:])))
+        return out
 
     def signature(self) -> Hashable:
         return (tuple((t.dtype, t.shape) for t in self._tensors.values()), tuple(sorted(self._overrides.items(), key=str)))
 
 
+def alias_key(name: str, t: torch.Tensor, wire: torch.dtype) -> Hashable:
+    """Equal for two names only when they are one tensor on the wire: same storage, same view, same wire dtype.
+    Different views of one flat buffer are not aliases; neither are empty tensors."""
+    local = getattr(t, "_local_tensor", t)  # a DTensor: its shard's storage identifies it
+    if t.numel() == 0:
+        return name
+    return (local.device, local.data_ptr(), local.stride(), t.dtype, tuple(t.shape), wire)
+
+
 class ModuleSource(WireDtypes, Source):
-    """A plain module or state dict. Holds references, so in-place optimizer steps need no re-read."""
+    """A plain module or state dict, read live: every refit re-reads the module's parameters and buffers,
+    so tensors replaced since the last refit (a reassigned buffer, `module.to()`, `load_state_dict(assign=True)`)
+    are sent from what the module holds now. A mapping is re-read too (pass the module, not a
+    `state_dict()` copy, to see replacements)."""
 
     def __init__(
         self,
@@ -81,15 +104,20 @@ class ModuleSource(WireDtypes, Source):
     ) -> None:
         """`wire_dtype` casts every floating tensor (e.g. fp32 master weights sent as bf16);
         `overrides` sets the wire dtype of single tensors (e.g. keep a router bias in fp32)."""
-        items = weights.state_dict(keep_vars=True) if isinstance(weights, nn.Module) else weights
-        self._tensors: dict[str, torch.Tensor] = dict(items)
+        self._layout = StateLayout(weights) if isinstance(weights, nn.Module) else None
+        self._mapping = weights
+        self._tensors: dict[str, torch.Tensor] = self._read()
         self._init_wire(wire_dtype, overrides)
 
+    def _read(self) -> dict[str, torch.Tensor]:
+        return self._layout.read() if self._layout is not None else dict(self._mapping)  # type: ignore[arg-type]
+
     def signature(self) -> Hashable:
-        # Reading .shape costs ~2 us a tensor (a new torch.Size); dtype, byte size and storage address
-        # are ~0.1 us and change whenever a tensor is replaced. The Sender compares full specs only
-        # when this changes.
-        return (tuple((t.dtype, t.nbytes, t.data_ptr()) for t in self._tensors.values()),
+        """Re-reads the live tensors (called at the start of every refit). Changes when any tensor is
+        replaced, moved, reshaped, restrided or recast, or a name appears or vanishes; the Sender then
+        compares full specs (a new epoch only if a spec or an alias changed)."""
+        self._tensors = self._read()
+        return (tuple(self._tensors), layout_key(list(self._tensors.values())),
                 tuple(sorted(self._overrides.items(), key=str)))  # fmt: skip
 
     def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:

@@ -65,13 +65,24 @@ class TensorSpec:
     """Global shape."""
     dtype: torch.dtype
     """Wire dtype: what the bytes in the bucket are."""
+    aliases: tuple[str, ...] = ()
+    """Other names of the same tensor (same storage and view, e.g. tied embeddings): sent once, loaded under each."""
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("a tensor spec needs a non-empty name")
+        if not self.name or not all(self.aliases):
+            raise ValueError("a tensor spec needs non-empty names")
         if any(d < 0 for d in self.shape):
             raise ValueError(f"tensor {self.name!r} has a negative dimension in shape {self.shape}")
         dtype_name(self.dtype)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The name and every alias."""
+        return (self.name, *self.aliases)
+
+    def expanded(self) -> list[TensorSpec]:
+        """One alias-free spec per name, for validation against an engine."""
+        return [TensorSpec(n, self.shape, self.dtype) for n in self.names]
 
     @property
     def numel(self) -> int:
