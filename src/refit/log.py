@@ -7,6 +7,7 @@ the CLI decides what is shown. A library user sees nothing until they configure 
 from __future__ import annotations
 
 import logging
+import os
 
 LOGGER_NAME = "refit"
 
@@ -22,12 +23,32 @@ class _Tagged(logging.LoggerAdapter):
         return f"[{self.extra['refit_tag']}] {msg}", kwargs  # type: ignore[index]
 
 
+def level(verbosity: int) -> int:
+    """The `refit` logger's level for a CLI verbosity: -1 (-q) ERROR, 0 WARNING, 1 (-v) INFO, 2+ (-vv) DEBUG."""
+    if verbosity < 0:
+        return logging.ERROR
+    return (logging.WARNING, logging.INFO)[verbosity] if verbosity < 2 else logging.DEBUG
+
+
 def configure(verbosity: int = 0) -> None:
-    """CLI set-up: WARNING by default, INFO with -v, DEBUG with -vv, ERROR with -q."""
-    level = {-1: logging.ERROR, 0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG)
+    """CLI set-up: refit's records to stderr at `level(verbosity)`; quiet third-party chatter unless verbose.
+
+    Called again (say in a child process) it only changes the level.
+    """
     logger = logging.getLogger(LOGGER_NAME)
-    logger.setLevel(level)
+    logger.setLevel(level(verbosity))
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s refit %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
+        logger.propagate = False
+    quiet_libraries(verbosity)
+
+
+def quiet_libraries(verbosity: int) -> None:
+    """vLLM and transformers print tens of lines of their own per engine start; keep only their errors
+    unless -v. vLLM reads VLLM_LOGGING_LEVEL once, at import, in every one of its processes (which
+    inherit this environment), so this must run before vLLM is imported; an explicit setting wins."""
+    if verbosity < 1:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

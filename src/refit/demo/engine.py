@@ -13,11 +13,13 @@ import torch
 from refit.demo.model import build_model, greedy, model_config
 from refit.engines.module import ModuleEngine
 from refit.errors import PeerError, RefitError
+from refit.log import configure, get_logger
 from refit.receiver import Receiver
 from refit.settings import Settings
 from refit.verify import fingerprints
 
 MARK = "@@refit "
+log = get_logger("demo engine")
 
 
 def emit(obj: dict) -> None:
@@ -26,8 +28,10 @@ def emit(obj: dict) -> None:
 
 def main(argv: list[str]) -> int:
     args = json.loads(argv[1])
+    configure(args.get("verbosity", 0))
     model = build_model(model_config(**args["model"]), seed=12345)  # random: the first refit installs the weights
     engine = ModuleEngine(model)
+    log.info("engine model built; connecting to %s:%s", args["rendezvous"]["host"], args["rendezvous"]["port"])
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 120.0))
     with Receiver(engine, args["rendezvous"], settings=settings) as receiver:
         while True:

@@ -7,22 +7,28 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import refit
 from refit.demo.engine import MARK
 from refit.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
+from refit.cli import WIDE
 from refit.errors import RefitError
+from refit.log import configure, get_logger
 from refit.sender import Sender
 from refit.settings import Settings
 from refit.source import ModuleSource
 from refit.stats import RefitStats
 from refit.verify import differences, fingerprints
+
+log = get_logger("demo")
 
 KEEP_FP32 = "model.norm.weight"
 """The tensor whose wire dtype switches from bf16 to fp32 partway (the seed's e_score_correction_bias case)."""
@@ -44,8 +50,16 @@ class DemoConfig:
     bucket_bytes: int = 8 << 20
     """Bucket capacity; small enough that the demo model needs several buckets."""
     layers: int = 8
+    """Decoder layers of the demo model."""
     hidden: int = 512
+    """Hidden size of the demo model (a multiple of 64)."""
     timeout_s: float = 120.0
+    verbosity: int = 0
+    """The CLI's -v count (-1 for -q); the engine process logs at the same level."""
+    json_path: str = ""
+    """Where `run` writes its refits as JSON ('' for nowhere)."""
+    to_stderr: bool = False
+    """Human output to stderr (stdout carries JSON)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -55,7 +69,10 @@ class DemoConfig:
         if self.engine not in ("module", "vllm"):
             raise ValueError(f"engine must be 'module' or 'vllm', got {self.engine!r}")
         if self.trainer == "fsdp" and self.engine != "module":
-            raise ValueError("--trainer fsdp runs with --engine module")
+            raise ValueError("--trainer fsdp runs with --engine module; drop --engine vllm or --trainer fsdp")
+        if self.layers < 1 or self.hidden < 64 or self.hidden % 64 or (self.hidden // 64) % max(1, self.hidden // 256):
+            raise ValueError(f"layers ({self.layers}) must be >= 1 and hidden ({self.hidden}) a multiple of 64 whose "
+                             "head count (hidden/64) divides by its KV heads (hidden/256), e.g. 128, 256, 512, 1024")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -112,9 +129,13 @@ class VllmSide:
                        worker_extension_cls="refit.engines.vllm.RefitWorkerExtension")  # fmt: skip
         self.driver = VllmRefit(self.llm, sender)
         self.sender, self.prompts = sender, prompts
+        self._seconds: dict[str, float] = {}
 
     def refit(self, version: int) -> RefitStats:
-        return self.driver.refit(version)
+        stats = self.driver.refit(version)
+        # The driver reports the workers' own engine time as "load" (absent from older drivers: shown as n/a).
+        self._seconds = {k: v for k, v in stats.seconds.items() if k == "load"}
+        return stats
 
     def report(self) -> dict:
         """Fingerprints of the parameters vLLM keeps in checkpoint layout, and its greedy output."""
@@ -128,7 +149,7 @@ class VllmSide:
                                                                    self.sender.source.tensors(names))}  # fmt: skip
         outs = self.llm.generate([{"prompt_token_ids": p} for p in self.prompts],
                                  SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)  # fmt: skip
-        return {"event": "refit", "stats": {"seconds": {}},
+        return {"event": "refit", "stats": {"seconds": self._seconds},
                 "fingerprints": self.llm.collective_rpc("refit_fingerprints")[0],
                 "expected": expected_fingerprints(sent, self.llm.collective_rpc("refit_layout")[0]),
                 "generated": [list(o.outputs[0].token_ids) for o in outs]}  # fmt: skip
@@ -196,67 +217,121 @@ def demo_model(cfg: DemoConfig) -> tuple[dict, torch.nn.Module, object, torch.Te
 def run(cfg: DemoConfig, console: Console, trainer=None) -> bool:
     """Run the demo over one transport; True when every refit verified. `trainer` defaults to a
     PlainTrainer; the sharded demo passes rank 0's FSDP trainer."""
-    mcfg, model, tok, ids, prompts = demo_model(cfg)
-    trainer = trainer or PlainTrainer(model, ids)
+    configure(cfg.verbosity)
+    console = _console(console, cfg)
+    with console.status("building the demo model and tokenizer"):
+        mcfg, model, tok, ids, prompts = demo_model(cfg)
+        trainer = trainer or PlainTrainer(model, ids)
+        reference = build_model(model_config(**mcfg), seed=0)
     model, source = trainer.model, trainer.source
-    reference = build_model(model_config(**mcfg), seed=0)
-    settings = Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
     nparams = sum(p.numel() for p in model.parameters())
     console.print(f"[bold]refit demo[/] over [cyan]{cfg.transport}[/] into a [cyan]{cfg.engine}[/] engine: Llama-style "
                   f"LM, {nparams / 1e6:.1f}M params, fp32 master weights sent as bf16, {cfg.steps} steps"
                   f"{f', trainer sharded with FSDP2 over {cfg.ranks} ranks' if cfg.trainer == 'fsdp' else ''}")  # fmt: skip
-    table = _table(cfg.transport)
-    ok = True
-    sender = Sender(source, transport=cfg.transport, settings=settings)
+    sender = Sender(source, transport=cfg.transport, settings=Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s))
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory() as workdir:
-        if cfg.engine == "vllm":
-            engine: EngineProcess | VllmSide = VllmSide(sender, model, tok, prompts, workdir)
-        else:
-            engine = EngineProcess(sender, {"rendezvous": sender.rendezvous(), "model": mcfg, "prompts": prompts,
-                                            "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s})  # fmt: skip
+        engine = _start_engine(cfg, console, sender, model, tok, prompts, mcfg, workdir)
         try:
-            with Progress(console=console, transient=True) as progress:
-                task = progress.add_task("training and refitting", total=cfg.steps)
-                for step in range(1, cfg.steps + 1):
-                    loss = trainer.step()
-                    if step == cfg.dtype_change_at + 1:
-                        source.set_wire_dtype(KEEP_FP32, torch.float32)
-                    stats = trainer.refit(engine, step)
-                    report = engine.report()
-                    if report.get("event") != "refit":
-                        raise RefitError(f"engine reported: {report.get('message', report)}")
-                    row = _check(trainer.full_weights(), reference, sender, prompts, report)
-                    ok &= not row.problems
-                    _add_row(table, stats, row, loss)
-                    for p in row.problems:
-                        console.print(f"[red]step {step}: {p}[/]")
-                    progress.advance(task)
+            ok = _loop(cfg, console, trainer, engine, reference, prompts, rows)
         finally:
             engine.close()
-    console.print(table)
     mem = sender.predicted_memory() if sender.manifest else {}
-    console.print(f"predicted peak extra memory: sender {mem.get('sender', 0) / 2**20:.0f} MiB, "
-                  f"receiver {mem.get('receiver', 0) / 2**20:.0f} MiB")  # fmt: skip
-    console.print("[green]all refits verified[/]" if ok else "[red]verification FAILED[/]")
+    _show(cfg, console, rows, mem, ok)
+    if cfg.json_path:
+        with open(cfg.json_path, "w") as f:
+            json.dump({"transport": cfg.transport, "engine": cfg.engine, "trainer": cfg.trainer, "params": nparams,
+                       "ok": ok, "refits": rows, "predicted_memory": mem}, f)  # fmt: skip
     return ok
 
 
-def _table(transport: str) -> Table:
-    t = Table(title=f"refits over {transport} (times in ms; params: bitwise equal to what was sent; "
-                    "gen: engine's greedy output equals the trainer's)")
+def _console(console: Console, cfg: DemoConfig) -> Console:
+    """Human output never wraps in a pipe or a file, and goes to stderr when stdout carries JSON."""
+    stream = sys.stderr if cfg.to_stderr else console.file
+    if stream is console.file and console.is_terminal:
+        return console
+    return Console(file=stream, width=None if stream.isatty() else WIDE)
+
+
+def _start_engine(cfg: DemoConfig, console: Console, sender: Sender, model: torch.nn.Module, tok, prompts: list,
+                  mcfg: dict, workdir: str) -> EngineProcess | VllmSide:  # fmt: skip
+    if cfg.engine == "vllm":
+        t0 = time.perf_counter()
+        with console.status("starting vLLM from dummy weights (a minute or two on CPU; -v shows its logs)"):
+            engine: EngineProcess | VllmSide = VllmSide(sender, model, tok, prompts, workdir)
+        log.info("vLLM started in %.1f s", time.perf_counter() - t0)
+        return engine
+    engine = EngineProcess(sender, {"rendezvous": sender.rendezvous(), "model": mcfg, "prompts": prompts,
+                                    "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s,
+                                    "verbosity": cfg.verbosity})  # fmt: skip
+    log.info("engine process %d started", engine.proc.pid)
+    return engine
+
+
+def _loop(cfg: DemoConfig, console: Console, trainer, engine: EngineProcess | VllmSide, reference: torch.nn.Module,
+          prompts: list, rows: list[dict]) -> bool:  # fmt: skip
+    """Train, refit and check `cfg.steps` times; each refit's row goes to `rows`."""
+    ok = True
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("", total=cfg.steps)
+        for step in range(1, cfg.steps + 1):
+            progress.update(task, description=f"step {step}: training")
+            loss = trainer.step()
+            if step == cfg.dtype_change_at + 1:
+                trainer.source.set_wire_dtype(KEEP_FP32, torch.float32)
+            wait = " (waiting for the engine to connect)" if step == 1 else ""
+            progress.update(task, description=f"step {step}: refitting{wait}")
+            stats = trainer.refit(engine, step)
+            progress.update(task, description=f"step {step}: checking the engine's weights and generation")
+            report = engine.report()
+            if report.get("event") != "refit":
+                raise RefitError(f"engine reported: {report.get('message', report)}")
+            row = _check(trainer.full_weights(), reference, engine.sender, prompts, report)
+            ok &= not row.problems
+            rows.append(_row(stats, row, loss))
+            log.info("step %d: loss %.3f, refit %.1f ms, verified %s", step, loss, stats.total_s * 1e3, not row.problems)
+            for p in row.problems:
+                console.print(f"[red]step {step}: {escape(p)}[/]")
+            progress.advance(task)
+    return ok
+
+
+def _show(cfg: DemoConfig, console: Console, rows: list[dict], mem: dict, ok: bool) -> None:
+    console.print(_table(cfg.transport, rows))
+    console.print(LEGEND)
+    if cfg.engine == "vllm" and cfg.verbosity > 0:
+        console.print(ROTARY_NOTE)
+    console.print(f"predicted peak extra memory: sender {mem.get('sender', 0) / 2**20:.1f} MiB, "
+                  f"receiver {mem.get('receiver', 0) / 2**20:.1f} MiB")  # fmt: skip
+    console.print("[green]all refits verified[/]" if ok else "[red]verification FAILED[/]")
+
+
+LEGEND = ("times in ms. The stages overlap (bucket i+1 is packed while bucket i is sent and loaded), so pack + send "
+          "+ wait + load exceed total. load: the engine's own time. epoch*: a handshake began a new epoch. "
+          "params: every engine tensor bitwise what was sent; gen: the engine's greedy output equals the trainer's.")  # fmt: skip
+ROTARY_NOTE = ("vLLM's 'RotaryEmbedding: Failed to load weights' warning is expected: the rotary cos/sin cache is "
+               "computed from the config, no checkpoint carries it, and vLLM puts its own cache back after each refit.")  # fmt: skip
+
+
+def _table(transport: str, rows: list[dict]) -> Table:
+    t = Table(title=f"refits over {transport}")
     for col in ("ver", "epoch", "loss", "MB", "bkts", "pack", "send", "wait", "load", "total", "GB/s", "params",
                 "gen"):  # fmt: skip
         t.add_column(col, justify="right")
+    mark = lambda ok: "[green]✓[/]" if ok else "[red]✗[/]"  # noqa: E731
+    ms = lambda r, k: "n/a" if r["seconds"].get(k) is None else f"{r['seconds'][k] * 1e3:.1f}"  # noqa: E731
+    for r in rows:
+        t.add_row(str(r["version"]), f"{r['epoch']}{'*' if r['handshake'] else ''}", f"{r['loss']:.3f}",
+                  f"{r['nbytes'] / 1e6:.1f}", str(r["num_buckets"]), *(ms(r, k) for k in ("pack", "send", "wait", "load", "total")),
+                  f"{r['gbps']:.2f}", mark(r["params_ok"]), mark(r["generate_ok"]))  # fmt: skip
     return t
 
 
-def _add_row(table: Table, s: RefitStats, row: Row, loss: float) -> None:
-    ms = {k: v * 1e3 for k, v in s.seconds.items()}
-    load_ms = row.engine["stats"]["seconds"].get("load", 0.0) * 1e3
-    mark = lambda ok: "[green]✓[/]" if ok else "[red]✗[/]"  # noqa: E731
-    table.add_row(
-        str(s.version), f"{s.epoch}{'*' if s.handshake else ''}", f"{loss:.3f}", f"{s.nbytes / 1e6:.1f}",
-        str(s.num_buckets), f"{ms.get('pack', 0):.1f}", f"{ms.get('send', 0):.1f}", f"{ms.get('wait', 0):.1f}",
-        f"{load_ms:.1f}", f"{ms.get('total', 0):.1f}", f"{s.gbps:.2f}", mark(row.params_ok),
-        mark(row.generate_ok),
-    )  # fmt: skip
+def _row(s: RefitStats, row: Row, loss: float) -> dict:
+    """One refit as the table and the JSON show it: the sender's stages plus the engine's own load time."""
+    seconds = {k: s.seconds.get(k, 0.0) for k in ("pack", "send", "wait", "commit", "total")}
+    seconds["load"] = row.engine["stats"]["seconds"].get("load")
+    return {"version": s.version, "epoch": s.epoch, "handshake": s.handshake, "loss": loss, "nbytes": s.nbytes,
+            "num_buckets": s.num_buckets, "seconds": seconds, "gbps": s.gbps, "params_ok": row.params_ok,
+            "generate_ok": row.generate_ok, "problems": row.problems}  # fmt: skip
