@@ -10,7 +10,6 @@ import json
 import os
 import sys
 import tempfile
-from importlib import util
 
 from rich.console import Console
 from rich.markup import escape
@@ -39,17 +38,9 @@ def _emit_json(doc: object, path: str) -> None:
             f.write(text + "\n")
 
 
-def installed(module: str) -> bool:
-    """Whether `module` can be imported, without importing it (None in sys.modules counts as blocked)."""
-    if module in sys.modules:
-        return sys.modules[module] is not None
-    try:
-        return util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def _need(module: str, what: str, install: str) -> None:
+    from refit.doctor import installed
+
     if not installed(module):
         raise ValueError(f"{what} needs {module}, which is not installed; {install}")
 

