@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
 
 import pytest
 
@@ -20,20 +22,43 @@ def test_presets_have_the_documented_tensor_counts_and_sizes() -> None:
     assert len(specs(PRESETS["moe-small"], torch.bfloat16)) == 4779
 
 
+def test_deepseek_v3_preset_has_mla_fp8_weights_with_block_scales_and_truncates_dense_first() -> None:
+    import torch
+
+    full = {s.name: s for s in specs(PRESETS["deepseek-v3"], torch.bfloat16)}
+    assert len(full) == 90427 and round(sum(s.nbytes for s in full.values()) / 1e9) == 673
+    w, scale = full["model.layers.3.self_attn.kv_b_proj.weight"], full["model.layers.3.self_attn.kv_b_proj.weight_scale_inv"]
+    assert (w.shape, w.dtype, scale.shape, scale.dtype) == ((32768, 512), torch.float8_e4m3fn, (256, 4), torch.float32)
+    assert full["model.layers.60.mlp.experts.255.down_proj.weight"].shape == (7168, 2048)
+    assert full["model.layers.60.mlp.shared_experts.gate_proj.weight_scale_inv"].shape == (16, 56)
+    assert full["model.layers.5.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert "model.layers.2.mlp.gate_proj.weight" in full and "model.layers.2.mlp.gate.weight" not in full
+    four = specs(PRESETS["deepseek-v3"].truncated(4), torch.bfloat16)
+    assert len(four) == 1621 and not any(s.name.startswith("model.layers.4.") for s in four)
+
+
 def test_quick_bench_reports_every_method_and_refit_beats_per_tensor_metadata(tmp_path, capsys) -> None:
     out = tmp_path / "bench.json"
     assert main(["bench", "--quick", "--json", str(out)]) == 0
     reports = json.loads(out.read_text())
     assert [r["config"]["preset"] for r in reports] == ["tiny", "moe-small"]
     for r in reports:
-        assert set(r["results"]) == {"floor", "refit", "checksum", "serial", "per_tensor", "per_tensor_meta"}
+        assert set(r["results"]) == {"floor", "foreach", "refit", "checksum", "serial", "per_tensor", "per_tensor_meta"}
         for res in r["results"].values():
             assert res["median_s"] > 0 and res["gbps"] > 0 and res["ratio_to_floor"] > 0 and len(res["times"]) == 3
         assert set(r["results"]["refit"]["stages"]) == {"pack", "send", "wait", "commit"}
-        assert r["results"]["refit"]["memory"]["predicted_sender"] > 0
+        memory = r["results"]["refit"]["memory"]
+        assert memory["predicted_sender"] > 0
+        if sys.platform == "linux":  # measured from the resident set's high-water mark, never from the prediction
+            assert memory["measured_sender"] is not None and memory["measured_receiver"] is not None
     moe = reports[1]["results"]
     assert moe["refit"]["median_s"] < moe["per_tensor_meta"]["median_s"]
-    assert "per-tensor, metadata every refit" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # Not a terminal: every row, stage cells included, stays on one line.
+    assert re.search(r"per-tensor, metadata every refit +│ +[0-9.]+ │", out)
+    assert re.search(r"floor: one flat host copy of the model's bytes +│ +[0-9.]+ │", out)
+    assert re.search(r"refit \(pipelined buckets\) .*│ pack [0-9.]+ send [0-9.]+ wait [0-9.]+ commit [0-9.]+ +│", out)
+    assert "scaling with the tensor count" in out
 
 
 @pytest.mark.parametrize("preset", ["qwen2-7b", "moe"])
@@ -41,3 +66,9 @@ def test_plan_prints_buckets_and_predicted_memory(preset: str, capsys) -> None:
     assert main(["plan", "--preset", preset, "--bucket-bytes", str(1 << 30)]) == 0
     out = capsys.readouterr().out
     assert "predicted peak extra memory: sender 2048.0 MiB" in out and "buckets:" in out
+
+
+def test_plan_takes_deepseek_v3_and_a_layer_count(capsys) -> None:
+    assert main(["plan", "--preset", "deepseek-v3", "--layers", "4", "--bucket-bytes", str(1 << 30)]) == 0
+    out = capsys.readouterr().out
+    assert "1621 tensors" in out and "buckets: 17 of capacity 1024.0 MiB" in out

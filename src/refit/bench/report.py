@@ -9,6 +9,8 @@ from rich.table import Table
 
 LABELS = {
     "floor": "floor",
+    "foreach": "_foreach_copy_ of the tensors",
+    "kernel": "batched copy kernel of the tensors",
     "refit": "refit (pipelined buckets)",
     "checksum": "refit + per-bucket checksum",
     "zero_copy": "refit zero-copy (reads trainer tensors)",
@@ -18,17 +20,35 @@ LABELS = {
 }
 
 
-def table(report: dict) -> Table:
+COLOCATED = {"shm", "cuda-ipc"}
+
+
+def floor_label(report: dict) -> str:
+    """What the floor of this report is, in words."""
+    if report["config"]["transport"] in COLOCATED:
+        where = "device" if report["device"] != "cpu" else "host"
+        return f"floor: one flat {where} copy of the model's bytes"
+    return "floor: raw broadcast of one buffer"
+
+
+def _name(report: dict) -> str:
     c = report["config"]
     name = c["config"] or c["preset"]
-    t = Table(title=f"{name}: {report['tensors']} tensors, {report['nbytes'] / 1e9:.3f} GB {c['dtype']}, "
+    return name if c.get("layers") is None else f"{name} ({c['layers']} layers)"
+
+
+def table(report: dict) -> Table:
+    c = report["config"]
+    dtypes = "+".join(report.get("dtypes") or [c["dtype"]])
+    t = Table(title=f"{_name(report)}: {report['tensors']} tensors, {report['nbytes'] / 1e9:.3f} GB {dtypes}, "
                     f"{c['transport']} to {c['receivers']} receiver(s) on {report['device']}")  # fmt: skip
     for col in ("method", "median ms", "min-max ms", "GB/s", "x floor", "stages (median ms)"):
-        t.add_column(col, justify="left" if col in ("method", "stages (median ms)") else "right")
+        t.add_column(col, justify="left" if col in ("method", "stages (median ms)") else "right", no_wrap=True)
     for key, r in report["results"].items():
         ratio = r["ratio_to_floor"]
         stages = " ".join(f"{k} {v * 1e3:.1f}" for k, v in r["stages"].items())
-        t.add_row(LABELS.get(key, key), f"{r['median_s'] * 1e3:.1f}", f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f}",
+        label = floor_label(report) if key == "floor" else LABELS.get(key, key)
+        t.add_row(label, f"{r['median_s'] * 1e3:.1f}", f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f}",
                   f"{r['gbps']:.2f}", "-" if ratio is None else f"{ratio:.2f}", stages)  # fmt: skip
     return t
 
@@ -42,12 +62,44 @@ def memory_line(report: dict) -> str:
             f"receiver predicted {fmt(m['predicted_receiver'])}, measured {fmt(m['measured_receiver'])}")  # fmt: skip
 
 
+def scaling(reports: list[dict]) -> Table:
+    """One row per report: how each method's time and ratio move with the tensor count."""
+    methods = [m for m in LABELS if any(m in r["results"] for r in reports)]
+    t = Table(title="scaling with the tensor count (median ms, x floor)")
+    for col in ("model", "transport", "tensors", "GB", *methods):
+        t.add_column(col, justify="left" if col in ("model", "transport") else "right", no_wrap=True)
+    for r in sorted(reports, key=lambda r: (r["config"]["transport"], r["tensors"])):
+        cells = []
+        for m in methods:
+            res = r["results"].get(m)
+            ratio = "" if res is None or res["ratio_to_floor"] is None else f" ({res['ratio_to_floor']:.2f}x)"
+            cells.append("-" if res is None else f"{res['median_s'] * 1e3:.1f}{ratio}")
+        t.add_row(_name(r), r["config"]["transport"], str(r["tensors"]), f"{r['nbytes'] / 1e9:.2f}", *cells)
+    return t
+
+
+def _print(console: Console, renderable: Table | str) -> None:
+    """Print without wrapping: a console that is not a terminal (a pipe, a file) gets the table's full width."""
+    if console.is_terminal or isinstance(renderable, str):
+        console.print(renderable, soft_wrap=isinstance(renderable, str))
+        return
+    width = console.measure(renderable, options=console.options.update_width(4000)).maximum
+    Console(file=console.file, width=max(width, console.width), no_color=console.no_color,
+            color_system=None).print(renderable)  # fmt: skip
+
+
 def show(reports: list[dict], console: Console) -> None:
     for r in reports:
-        console.print(table(r))
+        _print(console, table(r))
         line = memory_line(r)
         if line:
-            console.print(line)
+            _print(console, line)
+
+
+def show_scaling(reports: list[dict], console: Console) -> None:
+    """The scaling table, when the reports differ in tensor count."""
+    if len({r["tensors"] for r in reports}) > 1:
+        _print(console, scaling(reports))
 
 
 def write_json(reports: list[dict], path: str) -> None:

@@ -16,9 +16,10 @@ import torch
 
 import refit
 from refit import transports
+from refit.bench.memory import MemoryProbe
 from refit.bench.presets import PRESETS, Shape, from_config, specs
 from refit.bench.worker import MARK
-from refit.packing import copy_all
+from refit.copy_kernel import BatchedCopy, available
 from refit.planner import align_up
 from refit.sender import Sender
 from refit.settings import Settings
@@ -26,7 +27,9 @@ from refit.source import ModuleSource
 from refit.spec import TensorSpec, dtype_from_name, dtype_name
 from refit.wire import Header, Kind
 
-METHODS = ("floor", "refit", "checksum", "zero_copy", "serial", "per_tensor", "per_tensor_meta")
+METHODS = ("floor", "foreach", "kernel", "refit", "checksum", "zero_copy", "serial", "per_tensor", "per_tensor_meta")
+LOCAL = {"foreach", "kernel"}
+"""Copies of the tensors inside the sender's process: measured for colocated transports only."""
 COLOCATED = {"shm", "cuda-ipc"}
 
 
@@ -45,6 +48,8 @@ class BenchConfig:
     warmup: int = 1
     bucket_bytes: int = 1 << 30
     methods: tuple[str, ...] = METHODS
+    layers: int | None = None
+    """Keep only the model's first `layers` layers (None: all)."""
 
     def __post_init__(self) -> None:
         if not self.config and self.preset not in PRESETS:
@@ -58,10 +63,13 @@ class BenchConfig:
             self.transport = "cuda-ipc" if torch.cuda.is_available() else "shm"
         transports.get(self.transport)
         dtype_from_name(self.dtype)
+        if self.layers is not None:
+            self.shape  # noqa: B018 - validates layers against the model
 
     @property
     def shape(self) -> Shape:
-        return from_config(self.config) if self.config else PRESETS[self.preset]
+        shape = from_config(self.config) if self.config else PRESETS[self.preset]
+        return shape if self.layers is None else shape.truncated(self.layers)
 
 
 @dataclass(slots=True)
@@ -157,14 +165,13 @@ def _session(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: t
         sender.close()
 
 
-def _floor(workers: Workers, source: ModuleSource, tensors: dict[str, torch.Tensor], cfg: BenchConfig,
-           device: torch.device, nbytes: int) -> Result:  # fmt: skip
-    """Colocated: one plain copy of every tensor. Disaggregated: the raw broadcast of one large buffer."""
+def _floor(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: torch.device, nbytes: int) -> Result:
+    """Colocated: one contiguous copy of the model's bytes. Disaggregated: the raw broadcast of one buffer."""
     if cfg.transport in COLOCATED:
-        src = list(tensors.values())
-        dst = [torch.empty_like(t) for t in src]
-        times = _timed(lambda: copy_all(dst, src), device, cfg)
-        del dst
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        times = _timed(lambda: dst.copy_(src), device, cfg)
+        del src, dst
         return Result("floor", nbytes, times)
     size = align_up(min(nbytes, 1 << 30), 256)
     count = 4
@@ -180,10 +187,26 @@ def _floor(workers: Workers, source: ModuleSource, tensors: dict[str, torch.Tens
             _sync(device)
             if i >= cfg.warmup:
                 bw.append(size * count / (time.perf_counter() - t))
-        for ch in sender.channels:
-            ch.expect(Kind.ACK, "floor")
     workers.replies()
     return Result("floor", nbytes, [nbytes / b for b in bw])
+
+
+def _local_copy(method: str, tensors: dict[str, torch.Tensor], cfg: BenchConfig, device: torch.device,
+                nbytes: int) -> Result:  # fmt: skip
+    """One copy of every tensor in this process: `_foreach_copy_`, or the batched copy kernel (checked bitwise)."""
+    src = list(tensors.values())
+    dst = [torch.empty_like(t) for t in src]
+    if method == "foreach":
+        times = _timed(lambda: torch._foreach_copy_(dst, src), device, cfg)
+    else:
+        plan = BatchedCopy(dst, src)
+        times = _timed(plan.run, device, cfg)
+        bad = [n for n, d, s in zip(tensors, dst, src) if not torch.equal(d.view(torch.uint8), s.view(torch.uint8))]
+        if bad:
+            raise RuntimeError(f"the batched copy kernel wrote wrong bytes into {len(bad)} tensors, e.g. {bad[:3]}")
+        del plan
+    del dst
+    return Result(method, nbytes, times)
 
 
 def _refit(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: torch.device, *, num_slots: int,
@@ -192,22 +215,18 @@ def _refit(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: tor
     version = iter(range(1, 1 << 30))
     stats = []
     bucket_bytes = min(cfg.bucket_bytes, align_up(sum(s.nbytes for s in source.specs()), 256))
+    probe = MemoryProbe(device)  # before the Sender, its buffers and its group exist
     with _session(workers, source, cfg, device, mode="refit", bucket_bytes=bucket_bytes,
                   num_slots=num_slots, zero_copy=zero_copy, verify_checksum=verify_checksum) as sender:  # fmt: skip
-        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
         times = _timed(lambda: stats.append(sender.refit(next(version))), device, cfg)
-        sender_peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+        sender_peak = probe.peak_extra()
         predicted = sender.predicted_memory()
         nbytes = sender.manifest.nbytes if sender.manifest else 0
-        buffers = sender.num_slots * sender.capacity
     timed = stats[cfg.warmup :]
     stages = {k: statistics.median(s.seconds.get(k, 0.0) for s in timed) for k in ("pack", "send", "wait", "commit")}
-    replies = workers.replies()
+    peaks = [r["peak_extra_bytes"] for r in workers.replies()]
     memory = {"predicted_sender": predicted["sender"], "predicted_receiver": predicted["receiver"],
-              "measured_sender": None if sender_peak is None else sender_peak + buffers,
-              "measured_receiver": max((r["peak_extra_bytes"] or 0) for r in replies) if device.type == "cuda" else None}  # fmt: skip
+              "measured_sender": sender_peak, "measured_receiver": None if None in peaks else max(peaks)}  # fmt: skip
     return Result(name, nbytes, times, stages, memory)
 
 
@@ -263,7 +282,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     spec_list = specs(cfg.shape, dtype)
     device, worker_devices = _devices(cfg)
     g = torch.Generator(device=device).manual_seed(0)
-    tensors = {s.name: torch.randn(s.shape, generator=g, device=device).to(dtype) for s in spec_list}
+    tensors = {s.name: torch.randn(s.shape, generator=g, device=device).to(s.dtype) for s in spec_list}
     source = ModuleSource(tensors)
     nbytes = sum(s.nbytes for s in spec_list)
     workers = Workers(spec_list, worker_devices)
@@ -271,7 +290,10 @@ def run_bench(cfg: BenchConfig) -> dict:
     try:
         for m in cfg.methods:
             if m == "floor":
-                results[m] = _floor(workers, source, tensors, cfg, device, nbytes)
+                results[m] = _floor(workers, source, cfg, device, nbytes)
+            elif m in LOCAL:
+                if cfg.transport in COLOCATED and (m == "foreach" or available(device)):
+                    results[m] = _local_copy(m, tensors, cfg, device, nbytes)
             elif m in ("refit", "serial"):
                 results[m] = _refit(workers, source, cfg, device, num_slots=2 if m == "refit" else 1, name=m)
             elif m == "checksum":
@@ -286,6 +308,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     floor = results["floor"].median if "floor" in results else None
     return {
         "config": {**asdict(cfg), "methods": list(cfg.methods)}, "tensors": len(spec_list), "nbytes": nbytes,
+        "dtypes": sorted({dtype_name(s.dtype) for s in spec_list}),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "results": {k: r.summary(floor) for k, r in results.items()},
     }  # fmt: skip

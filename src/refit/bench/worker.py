@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from refit.bench.memory import MemoryProbe
 from refit.engines.module import ModuleEngine
 from refit.planner import align_up
 from refit.receiver import Receiver
@@ -61,10 +62,7 @@ def _per_tensor(r: Receiver, engine: ModuleEngine, job: dict, specs: list[list])
 
 def run_job(job: dict, engine: ModuleEngine, specs: list[list], device: torch.device) -> dict:
     settings = Settings(bucket_bytes=job.get("bucket_bytes"), timeout_s=job.get("timeout_s", 300.0))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    probe = MemoryProbe(device)  # before the Receiver, its buffers and its staging tensor exist
     with Receiver(engine, job["rendezvous"], settings=settings, device=device) as r:
         if job["mode"] == "refit":
             r.serve()
@@ -72,8 +70,7 @@ def run_job(job: dict, engine: ModuleEngine, specs: list[list], device: torch.de
             r.connect()
             _floor(r, job) if job["mode"] == "floor" else _per_tensor(r, engine, job, specs)
             r.channel.expect(Kind.CLOSE, "end of bench job")  # type: ignore[union-attr]
-    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
-    return {"mode": job["mode"], "peak_extra_bytes": peak}
+    return {"mode": job["mode"], "peak_extra_bytes": probe.peak_extra()}
 
 
 def main() -> int:
