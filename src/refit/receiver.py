@@ -9,9 +9,11 @@ import torch
 
 from refit import transports
 from refit.budget import bucket_capacity, free_bytes
+from refit.digests import compare, engine_regions
 from refit.engines.base import Engine
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.integrity import checksum
+from refit.log import get_logger
 from refit.manifest import Manifest
 from refit.packing import Unpacker
 from refit.settings import Settings
@@ -19,6 +21,8 @@ from refit.stats import RefitStats
 from refit.transports.base import Pending, Transport
 from refit.validation import validate
 from refit.wire import Channel, Header, Kind, parse_json
+
+log = get_logger("receiver")
 
 
 class Receiver:
@@ -50,7 +54,8 @@ class Receiver:
         self._broken = ""
 
     def connect(self) -> None:
-        """Connect to the sender, present the token and join the transport."""
+        """Connect to the sender, present the token and join the transport. On failure the sender is
+        told why and the socket is closed."""
         if self.channel is not None:
             return
         host, port = self.rendezvous.get("host"), self.rendezvous.get("port")
@@ -59,6 +64,21 @@ class Receiver:
         except OSError as e:
             raise PeerError(f"cannot connect to the sender at {host}:{port}: {e}; is it running?") from None
         ch = Channel(sock, peer=f"sender ({host}:{port})", timeout_s=self.settings.timeout_s)
+        try:
+            self._join(ch)
+        except BaseException as e:
+            if not isinstance(e, PeerError) or "failed:" not in str(e):  # the sender already knows when it refused us
+                try:
+                    ch.send(Header(Kind.ERROR), {"message": f"receiver could not join: {e}"})
+                except PeerError:
+                    pass
+            ch.close()
+            raise
+        self.channel = ch
+        ch.send(Header(Kind.READY))
+        log.info("joined as receiver %d over %s", self.rank, self._transport_cls.name)
+
+    def _join(self, ch: Channel) -> None:
         limit = bucket_capacity(bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio,
                                 free=free_bytes(self.device))  # fmt: skip
         ch.send(Header(Kind.HELLO), {"token": self.rendezvous.get("token", ""), "capacity": limit})
@@ -71,8 +91,7 @@ class Receiver:
         if not (isinstance(rank, int) and isinstance(capacity, int) and 0 < capacity <= limit and isinstance(info, dict)):
             raise IntegrityError(f"WELCOME is malformed or asks for more than this side's limit ({limit} bytes)")
         self.transport = self._transport_cls.join(info, rank=rank, device=self.device, settings=self.settings)
-        self.rank, self.channel = rank, ch
-        ch.send(Header(Kind.READY))
+        self.rank = rank
 
     def receive(self) -> RefitStats | None:
         """Handle messages until one refit is committed (returns its stats) or the sender closes (None).
@@ -92,9 +111,10 @@ class Receiver:
         self.connect()
         assert self.channel is not None
         while True:
-            header, payload = self.channel.recv("waiting for the next refit")
+            header, payload = self.channel.recv("waiting for the next refit (no heartbeat from the sender: "
+                                                "is its process alive and its host reachable?)", idle=True)
             if header.kind == Kind.MANIFEST:
-                self._handshake(payload)
+                self._handshake(header, payload)
             elif header.kind == Kind.SOURCES:
                 self._open_sources(payload)
             elif header.kind == Kind.BEGIN:
@@ -111,7 +131,7 @@ class Receiver:
             n += 1
         return n
 
-    def _handshake(self, payload: bytes) -> None:
+    def _handshake(self, header: Header, payload: bytes) -> None:
         assert self.channel is not None and self.transport is not None
         self.manifest, self._unpacker, self._sources = None, None, []
         try:
@@ -125,9 +145,12 @@ class Receiver:
             raise IntegrityError(msg)
         report = validate([x for p in manifest.entries for x in p.spec.expanded()], self.engine.specs(),
                           exact_shapes=self.engine.exact_shapes, optional=self.engine.optional_names)  # fmt: skip
-        self.channel.send(Header(Kind.REPORT), report.to_json())
+        regions = engine_regions(manifest, self.engine) if header.status == 1 and report.ok else {}
+        self.channel.send(Header(Kind.REPORT), {**report.to_json(), "regions": regions})
         if not report.ok:
             raise HandshakeError(report.message())
+        log.info("handshake: epoch %d, digest %s, %d tensors, %d bucket(s)", manifest.epoch, manifest.digest.hex()[:12],
+                 len(manifest.entries), manifest.num_buckets)  # fmt: skip
         self.manifest = manifest
         self._unpacker = Unpacker(manifest, self.transport.buffers, device=self.device)
 
@@ -174,9 +197,15 @@ class Receiver:
         stats = RefitStats(version=version, epoch=m.epoch, num_buckets=m.num_buckets, nbytes=m.nbytes)
         ctrl0 = ch.bytes_sent + ch.bytes_received
         self.engine.begin(version)
+        done: dict = {}
         try:
-            failure = self._copy_sources(stats) if begin.status == 1 else self._stream(m, begin, stats)
-            ch.expect(Kind.COMMIT, f"commit of version {version}")
+            failure = self._copy_sources(stats) if begin.status & 1 else self._stream(m, begin, stats)
+            header, payload = ch.recv(f"commit of version {version}")
+            if header.kind == Kind.VERIFY:
+                failure = failure or self._verify(m, payload, stats, done)
+                header, payload = ch.recv(f"commit of version {version}")
+            if header.kind != Kind.COMMIT:
+                raise PeerError(f"{ch.peer} sent {header.kind.name} during commit of version {version}, expected COMMIT")
         except RefitError as e:
             self.engine.fail(version, str(e))
             raise
@@ -184,13 +213,45 @@ class Receiver:
         failure = failure or self._finalize(version)
         if failure is not None:
             self.engine.fail(version, str(failure))
+            log.error("refit of version %d failed: %s", version, failure)
             ch.send(Header(Kind.DONE, status=1, version=version), {"message": f"receiver {self.rank}: {failure}"})
             raise failure
-        ch.send(Header(Kind.DONE, version=version))
+        ch.send(Header(Kind.DONE, version=version), done or None)
+        log.info("committed version %d (%d bytes, %d bucket(s))", version, m.nbytes, m.num_buckets)
+        if begin.status & 2:  # per-rank refit: committed only once every worker did (refit.colocated)
+            self._await_verdict(version)
         stats.add("commit", time.perf_counter() - t)
         stats.control_bytes = ch.bytes_sent + ch.bytes_received - ctrl0
         stats.seconds["total"] = time.perf_counter() - t0
         return stats
+
+    def _await_verdict(self, version: int) -> None:
+        assert self.channel is not None
+        header, payload = self.channel.expect(Kind.COMMIT, f"every worker's commit of version {version}")
+        if header.status:
+            reason = str(parse_json(payload, "COMMIT").get("message", "")) or "another worker failed"
+            self.engine.fail(version, f"another worker failed: {reason}")
+            raise RefitError(f"version {version} committed here but failed on another worker: {reason}")
+
+    def _verify(self, m: Manifest, payload: bytes, stats: RefitStats, done: dict) -> RefitError | None:
+        """Fingerprint mode: compare what the engine now holds with the digests of the trainer's live tensors."""
+        assert self.transport is not None
+        t = time.perf_counter()
+        try:
+            self.transport.flush()
+            bad, unreadable = compare(m, self.engine, parse_json(payload, "VERIFY").get("digests"))
+        except RefitError as e:
+            return e
+        except Exception as e:
+            return RefitError(f"engine could not be read back for the fingerprint check: {type(e).__name__}: {e}")
+        finally:
+            stats.add("verify", time.perf_counter() - t)
+        stats.unverified = done["unverified"] = unreadable
+        if bad:
+            shown = ", ".join(bad[:20]) + (f", ... and {len(bad) - 20} more" if len(bad) > 20 else "")
+            return IntegrityError(f"fingerprint check failed: the engine does not hold what the trainer holds for "
+                                  f"{len(bad)} tensor(s): {shown}")
+        return None
 
     def _finalize(self, version: int) -> RefitError | None:
         """Wait for every load, then commit; an engine that fails here still answers the sender."""

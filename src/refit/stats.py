@@ -18,6 +18,8 @@ class RefitStats:
     """Tensor bytes moved (without padding)."""
     control_bytes: int = 0
     """Control-channel bytes sent and received for the refit itself (handshake excluded)."""
+    unverified: int = 0
+    """Fingerprint mode: names an engine could not read back, so not compared (0 when every name was)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Time per stage: sender pack/send/wait/commit, receiver recv/verify/load/commit; 'total' is wall time."""
 

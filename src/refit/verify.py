@@ -32,3 +32,29 @@ def fingerprints(
 def differences(expected: Mapping[str, str], got: Mapping[str, str]) -> list[str]:
     """Sorted names whose fingerprints differ or are missing on either side."""
     return sorted(n for n in expected.keys() | got.keys() if expected.get(n) != got.get(n))
+
+
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
+_LANES = 1024
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as int64 words, zero-padded to whole lanes."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    pad = -raw.numel() % (8 * _LANES)
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    return raw.view(torch.int64).view(-1, _LANES)
+
+
+def digest64(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 tensor on `t`'s device: a position-weighted wrapping sum of `t`'s bytes.
+
+    Integer sums wrap identically on any device and in any reduction order, so the trainer's GPU and
+    the engine's CPU agree bit for bit. Weights depend on both the lane and the row, so moved,
+    transposed or stale bytes change the digest, not only flipped bits; the length is mixed in too.
+    """
+    words = _words(t)
+    lanes = torch.arange(_LANES, dtype=torch.int64, device=words.device) * _MIX + 1
+    rows = torch.arange(words.shape[0], dtype=torch.int64, device=words.device) * (_MIX ^ 0x5851F42D) + 3
+    return ((words * lanes).sum(dim=1) * rows).sum() + t.numel() * t.element_size()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import socket
+import termios
 import struct
+import threading
+import time
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -15,6 +19,8 @@ HEADER = struct.Struct("<4sBBHIIQ16sQQ8x")
 assert HEADER.size == 64
 MAX_JSON_BYTES = 64 << 20
 """Largest JSON payload accepted; checked before anything is allocated."""
+MAX_HELLO_BYTES = 4096
+"""Largest HELLO accepted: all that is read from a peer before its token is verified."""
 
 
 class Kind(IntEnum):
@@ -31,9 +37,12 @@ class Kind(IntEnum):
     ERROR = 11  # either way: JSON {"message": ...}; the session is over
     CLOSE = 12  # sender -> receiver: orderly end of session
     SOURCES = 13  # sender -> receiver: CUDA IPC handles of the source tensors (zero-copy, once per epoch)
+    HEARTBEAT = 14  # sender -> receiver, between refits: the sender is alive
+    VERIFY = 15  # sender -> receiver, after the last bucket: fingerprints of the live source tensors
 
 
-WITH_PAYLOAD = {Kind.HELLO, Kind.WELCOME, Kind.MANIFEST, Kind.REPORT, Kind.DONE, Kind.ERROR, Kind.SOURCES}
+WITH_PAYLOAD = {Kind.HELLO, Kind.WELCOME, Kind.MANIFEST, Kind.REPORT, Kind.COMMIT, Kind.DONE, Kind.ERROR, Kind.SOURCES,
+                Kind.VERIFY}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +80,11 @@ class Header:
 
 
 class Channel:
-    """A framed control connection to one peer, with a timeout on every read and byte counters."""
+    """A framed control connection to one peer, with a deadline on every whole message and byte counters.
+
+    Heartbeats are skipped by `recv` (and not counted as control bytes): an idle wait (`idle=True`)
+    starts its deadline anew at each one, an in-refit wait does not.
+    """
 
     def __init__(self, sock: socket.socket, *, peer: str, timeout_s: float) -> None:
         self.sock = sock
@@ -79,13 +92,15 @@ class Channel:
         self.timeout_s = timeout_s
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.heartbeats = 0
+        self._send_lock = threading.Lock()
         sock.settimeout(timeout_s)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
     def set_timeout(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self.sock.settimeout(timeout_s)
 
     def send(self, header: Header, payload: object = None) -> None:
         if payload is None or isinstance(payload, bytes):
@@ -95,18 +110,39 @@ class Channel:
         header = Header(**{**_fields(header), "nbytes": len(data)}) if header.kind in WITH_PAYLOAD else header
         msg = header.pack() + data
         try:
-            self.sock.sendall(msg)
+            with self._send_lock:
+                self.sock.settimeout(self.timeout_s)
+                self.sock.sendall(msg)
         except OSError as e:
             raise PeerError(f"cannot send {header.kind.name} to {self.peer}: {e}; is it still running?") from None
-        self.bytes_sent += len(msg)
+        if header.kind != Kind.HEARTBEAT:
+            self.bytes_sent += len(msg)
 
-    def recv(self, stage: str) -> tuple[Header, bytes]:
-        """The next message; an ERROR from the peer is raised as PeerError carrying its message."""
-        header = Header.unpack(self._read(HEADER.size, stage))
-        payload = self._read(header.nbytes, stage) if header.kind in WITH_PAYLOAD else b""
-        if header.kind == Kind.ERROR:
-            raise PeerError(f"{self.peer} failed: {_message(payload)}")
-        return header, payload
+    def unsent_bytes(self) -> int:
+        """Bytes queued on this socket that the peer has not taken yet (-1 where the OS cannot tell)."""
+        try:
+            return int.from_bytes(fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, bytes(4)), "little")
+        except (OSError, AttributeError, ValueError):
+            return -1
+
+    def recv(self, stage: str, *, idle: bool = False, max_payload: int = MAX_JSON_BYTES) -> tuple[Header, bytes]:
+        """The next message, read whole within the timeout; an ERROR from the peer is raised as PeerError."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            header = Header.unpack(self._read(HEADER.size, stage, deadline))
+            if header.kind == Kind.HEARTBEAT:
+                self.heartbeats += 1
+                if idle:  # the peer proved alive: wait on
+                    deadline = time.monotonic() + self.timeout_s
+                continue
+            if header.kind in WITH_PAYLOAD and header.nbytes > max_payload:
+                raise IntegrityError(f"{header.kind.name} of {header.nbytes} bytes from {self.peer} exceeds the "
+                                     f"{max_payload} allowed here")
+            payload = self._read(header.nbytes, stage, deadline) if header.kind in WITH_PAYLOAD else b""
+            self.bytes_received += HEADER.size + len(payload)
+            if header.kind == Kind.ERROR:
+                raise PeerError(f"{self.peer} failed: {_message(payload)}")
+            return header, payload
 
     def expect(self, kind: Kind, stage: str) -> tuple[Header, bytes]:
         header, payload = self.recv(stage)
@@ -114,11 +150,15 @@ class Channel:
             raise PeerError(f"{self.peer} sent {header.kind.name} during {stage}, expected {kind.name}")
         return header, payload
 
-    def _read(self, n: int, stage: str) -> bytes:
+    def _read(self, n: int, stage: str, deadline: float) -> bytes:
         buf = bytearray(n)
         view, got = memoryview(buf), 0
         while got < n:
+            remaining = deadline - time.monotonic()
             try:
+                if remaining <= 0:
+                    raise TimeoutError
+                self.sock.settimeout(remaining)
                 k = self.sock.recv_into(view[got:])
             except TimeoutError:
                 raise PeerError(
@@ -132,7 +172,6 @@ class Channel:
             if k == 0:
                 raise PeerError(f"{self.peer} closed the connection during {stage} (did it exit or crash?)")
             got += k
-        self.bytes_received += n
         return bytes(buf)
 
     def close(self) -> None:

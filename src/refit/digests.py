@@ -1,0 +1,130 @@
+"""Digests: the end-to-end check that the engine holds what the trainer holds (`verify="fingerprint"`).
+
+The sender digests each live source tensor after the wire cast, in the same pass that packs it (so a
+gathered tensor is read once). Each receiver, after its last load, digests what its engine now
+holds under every name (read back through `Engine.held`, in the wire dtype) and compares. A receiver
+that holds a shard of a tensor (tensor parallelism) names the region at the handshake, and the
+sender digests that region of its live tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from refit.engines.base import Engine, Region
+from refit.errors import PeerError
+from refit.manifest import Manifest
+from refit.source import Source
+from refit.verify import digest64
+
+Target = tuple[str, Region | None]
+
+
+def parse_regions(raw: object, m: Manifest) -> dict[str, Region]:
+    """The shards a receiver holds, as sent in its REPORT, checked against the manifest's shapes."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise PeerError("REPORT 'regions' must be an object of name: [dim, start, stop]")
+    names = set(m.names)
+    out: dict[str, Region] = {}
+    for name, r in raw.items():
+        ok = isinstance(r, list) and len(r) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in r)
+        shape = m.entry(name).spec.shape if ok and name in names else ()
+        if not (ok and 0 <= r[0] < len(shape) and 0 <= r[1] <= r[2] <= shape[r[0]]):
+            raise PeerError(f"REPORT names an impossible region {r!r} of {name!r}")
+        out[name] = (r[0], r[1], r[2])
+    return out
+
+
+class DigestPlan:
+    """One refit's digests on the sender: which (name, region) to digest in which bucket, and the results."""
+
+    def __init__(self, m: Manifest, regions: Sequence[dict[str, Region]]) -> None:
+        self.manifest = m
+        self.regions = list(regions)
+        self._done: dict[Target, torch.Tensor] = {}
+        self._by_bucket: dict[int, list[tuple[int, list[Target]]]] = {}
+        for b, segs in enumerate(m.segments):
+            for k, s in enumerate(segs):
+                if m.last_bucket[s.entry] == b:
+                    names = m.entries[s.entry].spec.names
+                    targets = list(dict.fromkeys((n, r.get(n)) for n in names for r in self.regions or [{}]))
+                    self._by_bucket.setdefault(b, []).append((k, targets))
+
+    def take(self, bucket: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Digest the tensors whose last bytes are in `bucket`; `tensors` as packed (one per segment)."""
+        dtype = {p.name: p.spec.dtype for p in self.manifest.entries}
+        with torch.no_grad():
+            for k, targets in self._by_bucket.get(bucket, []):
+                for name, region in targets:
+                    self._done[(name, region)] = digest64(_cut(tensors[k], region).to(dtype[self.manifest.entry(name).name]))
+
+    def take_all(self, source: Source) -> None:
+        """Digest every tensor now (zero-copy mode, where nothing was packed)."""
+        entries = self.manifest.entries
+        tensors = source.tensors([p.name for p in entries])
+        by_entry = {p.name: t for p, t in zip(entries, tensors)}
+        with torch.no_grad():
+            for targets in (t for b in self._by_bucket.values() for _, t in b):
+                for name, region in targets:
+                    primary = self.manifest.entry(name)
+                    self._done[(name, region)] = digest64(_cut(by_entry[primary.name], region).to(primary.spec.dtype))
+
+    def payloads(self) -> list[list[str]]:
+        """Per receiver, the hex digest of every name it loads, in `Manifest.names` order."""
+        keys = list(self._done)
+        hexes = dict(zip(keys, _hex([self._done[k] for k in keys]) if keys else []))
+        names = self.manifest.names
+        return [[hexes[(n, r.get(n))] for n in names] for r in self.regions or [{}]]
+
+
+def _cut(t: torch.Tensor, region: Region | None) -> torch.Tensor:
+    return t if region is None else t.narrow(region[0], region[1], region[2] - region[1])
+
+
+def _hex(parts: list[torch.Tensor]) -> list[str]:
+    values: list[int] = [0] * len(parts)
+    for device in {p.device for p in parts}:
+        idx = [i for i, p in enumerate(parts) if p.device == device]
+        for i, v in zip(idx, torch.stack([parts[i] for i in idx]).tolist()):
+            values[i] = v
+    return [f"{v & ((1 << 64) - 1):016x}" for v in values]
+
+
+def engine_regions(m: Manifest, engine: Engine) -> dict[str, list[int]]:
+    """The receiver's REPORT part: the regions its engine holds, for names held as shards."""
+    out = {}
+    for name in m.names:
+        held = engine.held(name)
+        if held is not None and held[1] is not None:
+            out[name] = list(held[1])
+    return out
+
+
+def compare(m: Manifest, engine: Engine, digests: object) -> tuple[list[str], int]:
+    """(names whose engine tensor differs from the trainer's, number of names the engine cannot read back)."""
+    names = m.names
+    if not (isinstance(digests, list) and len(digests) == len(names) and all(isinstance(d, str) for d in digests)):
+        raise PeerError(f"VERIFY must list one digest per name ({len(names)})")
+    held, wanted, unreadable = [], [], 0
+    for name, want in zip(names, digests):
+        got = engine.held(name)
+        if got is None:
+            unreadable += 1
+            continue
+        held.append((name, got[0], m.entry(name).spec.dtype))
+        wanted.append(want)
+    with torch.no_grad():
+        parts = [digest64(t.to(wire)) for _, t, wire in held]
+        lossy = {name for name, t, wire in held if t.dtype != wire and not _exact(t, wire)}
+    got_hex = _hex(parts) if parts else []
+    bad = sorted({name for (name, _, _), g, w in zip(held, got_hex, wanted) if g != w} | lossy)
+    return bad, unreadable
+
+
+def _exact(t: torch.Tensor, wire: torch.dtype) -> bool:
+    """The engine's wider tensor holds only values the wire dtype has (else it holds something not sent)."""
+    return torch.equal(t.to(wire).to(t.dtype).view(-1).view(torch.uint8), t.contiguous().view(-1).view(torch.uint8))
