@@ -1,8 +1,13 @@
-"""One rank of a 2-rank FSDP2 trainer on CPU (gloo), refitting into a peer engine process.
+"""One rank of a 2-rank trainer (FSDP2 or a plain replicated model), refitting into engine processes.
 
-Run with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and one JSON argument. Rank 0 prints its
-rendezvous, then one '@@rank0' JSON line per refit: the stats, the fingerprints of the full
-(unsharded) parameters in their wire dtypes, the gathers' peak and the predicted figure.
+Run with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and one JSON argument:
+- "mode": "lead" (rank 0 runs the one Sender, the others follow its gathers) or "ranked" (every
+  rank runs its own Sender for the worker on its own device, refit.colocated);
+- "model": "fsdp" or "replicated"; "device": "cpu" (gloo) or "cuda" (NCCL, "device_index" per rank);
+- "transport", "bucket_bytes", "steps", "dtype_change_at" (the step whose refit sends 3.bias as fp32).
+Rank 0 prints its rendezvous (ranked: every rank's, a list), then one '@@rank0' JSON line per
+refit: the stats (or the error), the fingerprints of the live full parameters in their wire dtypes,
+the gathers' peak, the predicted figure and how often each tensor was gathered.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from refit import Sender, Settings
+from refit import ModuleSource, RefitError, Sender, Settings
+from refit.colocated import RankedRefit
 from refit.fsdp import FsdpSource, _full, sharded_refit
 from refit.verify import fingerprints
 
@@ -23,39 +29,72 @@ from refit.verify import fingerprints
 def build(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Embedding(300, 64), torch.nn.Linear(64, 96), torch.nn.Linear(96, 48),
-                               torch.nn.Linear(48, 300))  # fmt: skip
+                               torch.nn.Linear(48, 301))  # fmt: skip
+
+
+def _model(args: dict, device: torch.device) -> tuple[torch.nn.Module, object]:
+    model = build(0).to(device)
+    if args.get("model", "fsdp") == "replicated":
+        return model, ModuleSource(model, wire_dtype=torch.bfloat16)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, FsdpSource(model, wire_dtype=torch.bfloat16)
+
+
+def _report(model: torch.nn.Module, source, sender, out: dict) -> None:
+    """Every rank gathers the live full tensors; rank 0 prints them with the refit's outcome."""
+    with torch.no_grad():
+        full = {n: _full(t) for n, t in sorted(model.state_dict(keep_vars=True).items())}
+    if dist.get_rank() != 0:
+        return
+    wire = {n: dt for s in source.specs() for n, dt in [(s.name, s.dtype), *((a, s.dtype) for a in getattr(s, "aliases", ()))]}
+    out["fingerprints"] = fingerprints(full.items(), wire)
+    out["model_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
+    if isinstance(source, FsdpSource):
+        out.update(peak=source.peak_gathered_bytes, gathers=dict(source.gather_counts),
+                   predicted=source.predicted_gather_bytes(sender.manifest) if sender.manifest else 0)  # fmt: skip
+    print("@@rank0 " + json.dumps(out), flush=True)
 
 
 def main() -> int:
     args = json.loads(sys.argv[1])
-    dist.init_process_group("gloo")
+    cuda = args.get("device", "cpu") == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
-    model = build(0)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", args.get("device_index", [0, 1])[rank])
+        torch.cuda.set_device(device)
+    model, source = _model(args, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    source = FsdpSource(model, wire_dtype=torch.bfloat16)
-    sender = None
-    if rank == 0:
-        sender = Sender(source, transport=args["transport"], settings=Settings(bucket_bytes=args["bucket_bytes"]))
+    ranked = args.get("mode", "lead") == "ranked"
+    settings = Settings(bucket_bytes=args["bucket_bytes"], timeout_s=args.get("timeout_s", 120.0))
+    sender = driver = None
+    if ranked:
+        sender = Sender(source, transport=args["transport"], settings=settings, device=device)
+        driver = RankedRefit(sender)
+        infos = driver.rendezvous()
+        if rank == 0:
+            print("@@rank0 " + json.dumps(infos), flush=True)
+    elif rank == 0:
+        sender = Sender(source, transport=args["transport"], settings=settings, device=device)
         print("@@rank0 " + json.dumps(sender.rendezvous()), flush=True)
     for version in range(1, args["steps"] + 1):
         if version > 1:
-            model(torch.arange(32)).square().mean().backward()
+            model(torch.arange(32, device=device)).square().mean().backward()
             opt.step()
             opt.zero_grad()
-        if version == args["steps"]:
+        if version == args.get("dtype_change_at", args["steps"]):
             source.set_wire_dtype("3.bias", torch.float32)
-        stats = sharded_refit(source, sender, version)
-        with torch.no_grad():
-            full = {n: _full(t) for n, t in sorted(model.state_dict(keep_vars=True).items())}
-        if rank == 0:
-            wire = {s.name: s.dtype for s in source.specs()}
-            print("@@rank0 " + json.dumps({"stats": stats.to_json(), "fingerprints": fingerprints(full.items(), wire),
-                  "peak": source.peak_gathered_bytes, "predicted": source.predicted_gather_bytes(sender.manifest),
-                  "model_bytes": sum(t.numel() * t.element_size() for t in full.values())}), flush=True)  # fmt: skip
+        out: dict = {"version": version}
+        try:
+            stats = driver.refit(version) if driver is not None else sharded_refit(source, sender, version)
+            out["stats"] = stats.to_json() if stats is not None else None
+        except RefitError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        _report(model, source, sender, out)
     if sender is not None:
         sender.close()
     dist.barrier()  # rank 0 hosts the store: leave together

@@ -1,15 +1,23 @@
-"""FsdpSource: a trainer sharded with FSDP2 (DTensor parameters) as the source, gathered bucket by bucket.
+"""FsdpSource: a trainer sharded with FSDP2 (DTensor parameters) as the source, each tensor gathered once per refit.
 
-Every trainer rank holds an FsdpSource over its sharded module. Rank 0 runs the Sender; the other
-ranks call `follow()` and take part in each bucket's gathers in the same order. Rank 0 announces
-each bucket's gathers with a 3-integer broadcast (go, first tensor, count) over the trainer's group,
-so the followers need no manifest and never wait on a refit that has ended or failed.
+Tensors are gathered along a fixed schedule: groups of consecutive names (in manifest order) of at
+most `gather_bytes` of full tensors each, one batched all-gather per group, the next group in flight
+while the current one is packed. A tensor that spans several buckets is gathered once and kept until
+its last bucket is packed; a group is dropped as soon as no later bucket needs it.
+
+Two ways to drive it, both on every trainer rank:
+- rank-0-led (`sharded_refit`): rank 0 runs the one Sender and announces each group with a
+  3-integer broadcast (go, first, count); the other ranks `follow()` and gather the same groups.
+- per rank (`refit.colocated.RankedRefit`): every rank runs its own Sender; all ranks walk the same
+  schedule, so their gathers pair up without announcements, whatever each rank's bucket layout.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -18,14 +26,47 @@ from torch import nn
 from refit.manifest import Manifest
 from refit.source import Source, WireDtypes
 
+DEFAULT_GATHER_BYTES = 64 << 20
+"""Gather budget when no driver set one (the drivers use the agreed bucket capacity)."""
+
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     full = getattr(t, "full_tensor", None)
     return full() if callable(full) else t
 
 
+def _dim0_group(t: torch.Tensor) -> dist.ProcessGroup | None:
+    """The group a DTensor is sharded over when its only sharding is along dim 0 (FSDP2, HSDP); else None."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = getattr(t, "placements", None)
+    if placements is None or t.dim() == 0:
+        return None
+    sharded = [i for i, p in enumerate(placements) if not isinstance(p, Replicate)]
+    if len(sharded) != 1 or placements[sharded[0]] != Shard(0):
+        return None
+    return t.device_mesh.get_group(sharded[0])
+
+
+@dataclass(slots=True)
+class _Group:
+    """One group's gathered tensors, possibly still in flight."""
+
+    index: int
+    first: int
+    last: int
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+    works: list = field(default_factory=list)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works = []
+
+
 class FsdpSource(WireDtypes, Source):
-    """Specs from the DTensors' global shapes (nothing gathered); tensors gathered only per bucket."""
+    """Specs from the DTensors' global shapes (nothing gathered); tensors gathered group by group."""
 
     stable_tensors = False
 
@@ -36,68 +77,218 @@ class FsdpSource(WireDtypes, Source):
         wire_dtype: torch.dtype | None = None,
         overrides: Mapping[str, torch.dtype] | None = None,
         group: dist.ProcessGroup | None = None,
+        gather_bytes: int | None = None,
+        prefetch: bool = True,
     ) -> None:
+        """`gather_bytes`: most bytes of full tensors one gather brings in (default: the drivers set the
+        agreed bucket capacity); `prefetch`: gather the next group while the current one is packed."""
+        if gather_bytes is not None and gather_bytes <= 0:
+            raise ValueError(f"gather_bytes ({gather_bytes}) must be > 0")
         self._tensors: dict[str, torch.Tensor] = dict(sorted(module.state_dict(keep_vars=True).items()))
-        self._names = list(self._tensors)
-        self._index = {n: i for i, n in enumerate(self._names)}
         self._init_wire(wire_dtype, overrides)
         self.group = group
         self.rank = dist.get_rank(group)
+        self.gather_bytes = gather_bytes
+        self.prefetch = prefetch
         self.peak_gathered_bytes = 0
         """Most bytes of gathered (full) tensors alive at once on this rank, for checking the budget."""
-        self._live = 0
+        self.gather_counts: Counter[str] = Counter()
+        """How many times each tensor was all-gathered (tests: once per refit)."""
+        self._order: list[str] = []
+        self._pos: dict[str, int] = {}
+        self._groups: list[tuple[int, int]] = []
+        self._group_of: list[int] = []
+        self._planned: tuple = ()
+        self._live: list[_Group] = []
+        self._next = 0
+        self._leading = False
+
+    # -- the schedule ------------------------------------------------------------------------------
+
+    def _gathered_nbytes(self, name: str) -> int:
+        t = self._tensors[name]
+        return t.numel() * t.element_size() if _dim0_group(t) is not None or hasattr(t, "full_tensor") else 0
+
+    def _plan(self) -> None:
+        """(Re)build the schedule from the sent names (aliases excluded) and the budget; deterministic,
+        so every rank builds the same one."""
+        order = sorted(s.name for s in self.specs())
+        budget = self.gather_bytes or DEFAULT_GATHER_BYTES
+        key = (tuple(order), budget)
+        if key == self._planned:
+            return
+        self._order, self._pos = order, {n: i for i, n in enumerate(order)}
+        self._groups, self._group_of = [], []
+        start, size = 0, 0
+        for i, n in enumerate(order):
+            b = self._gathered_nbytes(n)
+            if i > start and size + b > budget:
+                self._groups.append((start, i - 1))
+                start, size = i, 0
+            size += b
+            self._group_of.append(len(self._groups))
+        if order:
+            self._groups.append((start, len(order) - 1))
+        self._planned = key
+        self._live, self._next = [], 0
+
+    def begin(self) -> None:
+        """Start a pass over the schedule (every rank, before each refit)."""
+        self._plan()
+        self._live, self._next = [], 0
+
+    def end(self, *, drain: bool) -> None:
+        """End the pass; with `drain` (per-rank mode) first gather whatever this rank did not ask for,
+        so the other ranks' gathers still pair up after this rank's refit broke off."""
+        while drain and self._next < len(self._groups):
+            self._issue().wait()
+        self._live = []
+
+    # -- gathering ---------------------------------------------------------------------------------
+
+    def _issue(self) -> _Group:
+        """Start gathering the next group of the schedule (announced first when rank 0 leads)."""
+        first, last = self._groups[self._next]
+        self._next += 1
+        if self._leading:
+            self._control(1, first, last - first + 1)
+        g = self._gather(self._order[first : last + 1], self._next - 1, first)
+        self._live.append(g)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(x.nbytes for x in self._live))
+        return g
+
+    def _gather(self, names: Sequence[str], index: int, first: int) -> _Group:
+        """One batched all-gather per (process group, dtype) for dim-0 shards; other DTensors one by one."""
+        out: dict[str, torch.Tensor] = {}
+        batches: dict[tuple, tuple[dist.ProcessGroup, list[torch.Tensor], list[torch.Tensor]]] = {}
+        nbytes = 0
+        with torch.no_grad():
+            for n in names:
+                t = self._tensors[n]
+                pg = _dim0_group(t)
+                if pg is None:
+                    out[n] = _full(t)
+                    if out[n] is not t:
+                        self.gather_counts[n] += 1
+                        nbytes += out[n].numel() * out[n].element_size()
+                    continue
+                world, rows = dist.get_world_size(pg), t.shape[0]
+                chunk = -(-rows // world)
+                local = t.to_local()
+                if local.shape[0] != chunk or not local.is_contiguous():  # an uneven last shard: pad it
+                    padded = local.new_zeros((chunk, *t.shape[1:]))
+                    padded[: local.shape[0]].copy_(local)
+                    local = padded
+                full = torch.empty((chunk * world, *t.shape[1:]), dtype=local.dtype, device=local.device)
+                _, outs, ins = batches.setdefault((id(pg), local.dtype), (pg, [], []))
+                outs.append(full)
+                ins.append(local)
+                out[n] = full[:rows]
+                self.gather_counts[n] += 1
+                nbytes += full.numel() * full.element_size()
+        works = [_all_gather(pg, outs, ins) for pg, outs, ins in batches.values()]
+        return _Group(index, first, first + len(names) - 1, out, nbytes, [w for ws in works for w in ws])
+
+    def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """The full tensors for a run of consecutive names, gathering only groups not gathered yet."""
+        if not names:
+            return []
+        if not self._groups:
+            self._plan()
+        first, last = self._pos[names[0]], self._pos[names[-1]]
+        if list(names) != self._order[first : last + 1]:
+            raise ValueError("FsdpSource gathers contiguous runs of tensors in name order (as the planner lays them)")
+        need = self._group_of[first]
+        if need < self._next and all(g.index != need for g in self._live):
+            self.begin()  # a group already dropped is asked for again (a second read): a new pass
+        self._live = [g for g in self._live if g.last >= first]
+        while self._next <= self._group_of[last]:
+            self._issue()
+        if self.prefetch and self._next == self._group_of[last] + 1 < len(self._groups):
+            self._issue()
+        out = []
+        for g in self._live:
+            if g.first <= last:
+                g.wait()
+                out.extend(g.tensors[n] for n in self._order[max(g.first, first) : min(g.last, last) + 1])
+        return out
+
+    # -- rank-0-led mode ---------------------------------------------------------------------------
 
     def _control(self, go: int, first: int = 0, count: int = 0) -> tuple[int, int, int]:
         msg = torch.tensor([go, first, count], dtype=torch.int64)
         if dist.get_backend(self.group) == "nccl":
             msg = msg.cuda()
         dist.broadcast(msg, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        if self.rank == 0:  # reading it back would wait for the gathers queued before it
+            return go, first, count
         go, first, count = (int(v) for v in msg.tolist())
         return go, first, count
-
-    def _gather(self, names: Sequence[str]) -> list[torch.Tensor]:
-        with torch.no_grad():
-            out = [_full(self._tensors[n]) for n in names]
-        self._live = sum(t.numel() * t.element_size() for t in out)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._live)
-        return out
-
-    def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
-        """Rank 0 (inside `leading()`): announce the gathers, then take part in them."""
-        if self.rank != 0:
-            raise ValueError("only trainer rank 0 sends; the other ranks call follow()")
-        first = self._index[names[0]] if names else 0
-        if list(names) != self._names[first : first + len(names)]:
-            raise ValueError("FsdpSource gathers contiguous runs of tensors in name order (as the planner lays them)")
-        self._control(1, first, len(names))
-        return self._gather(names)
 
     @contextlib.contextmanager
     def leading(self) -> Iterator[None]:
         """Rank 0: wrap each Sender.refit so the followers are released however it ends."""
+        self.begin()
+        self._leading = True
         try:
             yield
         finally:
+            self._leading = False
+            self.end(drain=False)
             self._control(0)
 
     def follow(self) -> None:
         """Ranks other than 0: take part in one refit's gathers until rank 0 says it ended."""
+        self._plan()
         while True:
             go, first, count = self._control(0)
             if not go:
                 return
-            self._gather(self._names[first : first + count])
+            self._gather(self._order[first : first + count], -1, first).wait()
 
     def predicted_gather_bytes(self, manifest: Manifest) -> int:
-        """Peak bytes of full tensors alive at once: the largest bucket's tensors in their training dtype."""
-        own = {n: t.element_size() * t.numel() for n, t in self._tensors.items()}
-        return max((sum(own[manifest.entries[s.entry].name] for s in segs) for segs in manifest.segments), default=0)
+        """Peak bytes of full tensors alive at once for this manifest's buckets (prefetch included)."""
+        self._plan()
+        sizes = [sum(self._padded_nbytes(n) for n in self._order[a : b + 1]) for a, b in self._groups]
+        peak, live, nxt = 0, [], 0
+        for segs in manifest.segments:
+            names = [manifest.entries[s.entry].name for s in segs]
+            if not names:
+                continue
+            first, last = self._pos[names[0]], self._pos[names[-1]]
+            live = [g for g in live if self._groups[g][1] >= first]
+            while nxt <= self._group_of[last] or (self.prefetch and nxt == self._group_of[last] + 1 < len(sizes)):
+                live.append(nxt)
+                nxt += 1
+                peak = max(peak, sum(sizes[g] for g in live))
+        return peak
+
+    def _padded_nbytes(self, name: str) -> int:
+        t = self._tensors[name]
+        pg = _dim0_group(t)
+        if pg is None:
+            return self._gathered_nbytes(name)
+        world = dist.get_world_size(pg)
+        return -(-t.shape[0] // world) * world * (t.numel() // max(t.shape[0], 1)) * t.element_size()
+
+
+def _all_gather(pg: dist.ProcessGroup, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> list:
+    """One coalesced all-gather where the backend has it, else one all-gather per tensor, all in flight."""
+    try:
+        return [pg.allgather_into_tensor_coalesced(outs, ins)]
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return [dist.all_gather_into_tensor(o, i, group=pg, async_op=True) for o, i in zip(outs, ins)]
 
 
 def sharded_refit(source: FsdpSource, sender, version: int):
-    """Call on every trainer rank: rank 0 (which holds `sender`) refits, the others follow its gathers."""
+    """Call on every trainer rank: rank 0 (which holds `sender`) refits, the others follow its gathers.
+    Unless set, the gather budget is the bucket capacity the Sender agreed with its receivers."""
     if source.rank == 0:
         with source.leading():
+            if source.gather_bytes is None:
+                sender.connect()
+                source.gather_bytes = sender.capacity
+                source.begin()
             return sender.refit(version)
     source.follow()
     return None

@@ -59,6 +59,8 @@ class Settings:
     """Limit on every blocking wait: rendezvous, handshake, each bucket, commit (REFIT_TIMEOUT)."""
     host: str = field(default_factory=lambda: os.environ.get("REFIT_HOST", DEFAULT_HOST))
     """Address the sender listens on; loopback unless told otherwise (REFIT_HOST)."""
+    ifname: str | None = field(default_factory=lambda: os.environ.get("REFIT_IFNAME") or None)
+    """Network interface to listen on and advertise, and for collective groups to bind (REFIT_IFNAME)."""
     token: str = field(default_factory=lambda: os.environ.get("REFIT_TOKEN") or secrets.token_hex(16))
     """Shared secret every connection must present (REFIT_TOKEN; generated per session if unset)."""
     cuda_ipc: bool = field(default_factory=lambda: os.environ.get("REFIT_CUDA_IPC", "1") != "0")

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from refit import device as devices
 from refit.errors import PeerError
 from refit.settings import Settings
 from refit.spec import dtype_from_name, dtype_name
@@ -43,7 +44,7 @@ def export(buf: torch.Tensor) -> dict:
     storage = buf.untyped_storage()
     dev, handle, size, offset, ref_handle, ref_offset, event, event_sync = storage._share_cuda_()
     b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
-    return {"device": dev, "handle": b64(handle), "size": size, "offset": offset, "ref_handle": b64(ref_handle),
+    return {"device": dev, "uuid": devices.uuid(buf.device), "handle": b64(handle), "size": size, "offset": offset, "ref_handle": b64(ref_handle),
             "ref_offset": ref_offset, "event": b64(event), "event_sync": bool(event_sync),
             "storage_offset": buf.storage_offset(), "shape": list(buf.shape), "stride": list(buf.stride()),
             "dtype": dtype_name(buf.dtype)}  # fmt: skip
@@ -53,9 +54,10 @@ def open_tensor(h: dict) -> torch.Tensor:
     """Open a tensor exported by `export` in another process (maps the sender's memory; no copy)."""
     global _OPENED
     d = base64.b64decode
+    index = _local_index(h)
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
-            h["device"], d(h["handle"]), h["size"], h["offset"], d(h["ref_handle"]), h["ref_offset"],
+            index, d(h["handle"]), h["size"], h["offset"], d(h["ref_handle"]), h["ref_offset"],
             d(h["event"]), h["event_sync"],
         )  # fmt: skip
     except Exception as e:
@@ -68,6 +70,18 @@ def open_tensor(h: dict) -> torch.Tensor:
     _OPENED += 1
     t = torch.empty(0, dtype=dtype_from_name(h["dtype"]), device=storage.device)
     return t.set_(storage, h["storage_offset"], tuple(h["shape"]), tuple(h["stride"]))
+
+
+def _local_index(h: dict) -> int:
+    """The exporter's GPU as this process numbers it: by UUID, since CUDA_VISIBLE_DEVICES may differ."""
+    uuid = h.get("uuid")
+    if not isinstance(uuid, str):
+        return int(h["device"])
+    index = devices.local_index(uuid)
+    if index is None:
+        raise PeerError(f"the sender's GPU ({uuid}) is not visible in this process (CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); make it visible, or use 'nccl'")  # fmt: skip
+    return index
 
 
 class CudaIpcTransport(Transport):

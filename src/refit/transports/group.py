@@ -10,6 +10,7 @@ from abc import abstractmethod
 import torch
 import torch.distributed as dist
 
+from refit import address
 from refit.errors import PeerError
 from refit.settings import Settings
 from refit.transports.base import Pending, Transport
@@ -23,8 +24,8 @@ class BroadcastTransport(Transport):
         self._rank, self._size, self._settings = rank, size, settings
         self._prefix = prefix
         """Store keys only peers that were given the token can find."""
-        self._host = settings.host
-        """Address this rank's group binds to: the sender's host (loopback unless told otherwise)."""
+        self._host = address.advertised(address.listen_host(settings), settings)
+        """Local address this rank's group binds to (a receiver's is the one that routes to the sender)."""
         self._store: dist.Store | None = None
         self._pg: dist.ProcessGroup | None = None
         self._opts = dist.BroadcastOptions()
@@ -42,17 +43,18 @@ class BroadcastTransport(Transport):
     def offer(
         cls, *, capacity: int, num_slots: int, num_receivers: int, device: torch.device, settings: Settings
     ) -> tuple[Transport, dict]:
+        listen = address.listen_host(settings)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind((settings.host, 0))  # the store listens where we say, loopback by default
+        listener.bind((listen, 0))  # the store listens where we say, loopback by default
         listener.listen(128)
         port = listener.getsockname()[1]
         buffers = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(num_slots)]
         t = cls(buffers, rank=0, size=num_receivers + 1, settings=settings, prefix=f"refit-{cls.name}/{settings.token}/")
         t._store = dist.TCPStore(
-            settings.host, port, num_receivers + 1, True, datetime.timedelta(seconds=settings.timeout_s),
+            listen, port, num_receivers + 1, True, datetime.timedelta(seconds=settings.timeout_s),
             wait_for_workers=False, master_listen_fd=listener.detach(),
         )  # fmt: skip
-        info = {"host": settings.host, "port": port, "size": num_receivers + 1, "capacity": capacity,
+        info = {"host": t._host, "port": port, "size": num_receivers + 1, "capacity": capacity,
                 "slots": num_slots, "prefix": t._prefix}  # fmt: skip
         return t, info
 
@@ -63,7 +65,7 @@ class BroadcastTransport(Transport):
             raise PeerError(f"{cls.name} setup info is malformed: {info!r:.200}")
         buffers = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(slots)]
         t = cls(buffers, rank=rank, size=size, settings=settings, prefix=str(info.get("prefix")))
-        t._host = host
+        t._host = address.towards(host, settings)
         try:
             t._store = dist.TCPStore(host, port, size, False, datetime.timedelta(seconds=settings.timeout_s))
         except Exception as e:

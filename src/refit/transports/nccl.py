@@ -7,6 +7,7 @@ overlaps the broadcast of bucket i; the streams order buffer reuse without host 
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ class NcclTransport(BroadcastTransport):
     device_type = "cuda"
 
     def _group(self, store: dist.Store) -> dist.ProcessGroup:
+        if self._settings.ifname and "NCCL_SOCKET_IFNAME" not in os.environ:
+            os.environ["NCCL_SOCKET_IFNAME"] = self._settings.ifname  # read by NCCL when the communicator starts
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = datetime.timedelta(seconds=self._settings.timeout_s)
         device = self.buffers[0].device

@@ -1,0 +1,38 @@
+"""Starts the ranks of tests/fsdp_trainer.py and reads rank 0's JSON lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args: dict, *, world: int = 2, envs: list[dict] | None = None) -> list[subprocess.Popen]:
+    """`world` trainer processes; `envs[r]` is extra environment for rank r (e.g. CUDA_VISIBLE_DEVICES)."""
+    script = os.path.join(os.path.dirname(__file__), "fsdp_trainer.py")
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path]),
+               **((envs or [{}] * world)[rank])}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, script, json.dumps(args)], env=env, text=True,
+                                      stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL))  # fmt: skip
+    return procs
+
+
+def line(proc: subprocess.Popen):
+    """Rank 0's next JSON line."""
+    assert proc.stdout is not None
+    for text in proc.stdout:
+        if text.startswith("@@rank0 "):
+            return json.loads(text[len("@@rank0 ") :])
+    raise AssertionError(f"rank 0 exited with {proc.wait()}")
