@@ -1,8 +1,16 @@
-"""shm transport: colocated CPU processes share bucket buffers through memory-mapped files in /dev/shm."""
+"""shm transport: colocated CPU processes share bucket buffers through anonymous shared memory.
+
+Each buffer is a memfd (no name in any file system): receivers map it through the sender's
+`/proc/<pid>/fd/<n>`, and the kernel frees it once the last process that mapped it is gone, however
+each one ended. Where memfd is missing the buffers are files in /dev/shm, unlinked as soon as every
+receiver mapped them; files of dead senders are swept at the next offer. No name carries the token.
+"""
 
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import tempfile
 
 import torch
@@ -16,37 +24,43 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-class ShmTransport(Transport):
-    """Buffers are shared memory: 'sending' is writing them; the bucket header says when they are ready.
+_PROC_FD = re.compile(r"/proc/\d+/fd/\d+")
+_FILE = re.compile(r"refit-(\d+)-[0-9a-f]+-\d+")
 
-    The files are unlinked as soon as every receiver has mapped them, so nothing is left behind even
-    if a process dies.
-    """
+
+class ShmTransport(Transport):
+    """Buffers are shared memory: 'sending' is writing them; the bucket header says when they are ready."""
 
     name = "shm"
     device_type = "cpu"
 
-    def __init__(self, buffers: list[torch.Tensor], paths: list[str]) -> None:
+    def __init__(self, buffers: list[torch.Tensor], paths: list[str], fds: list[int]) -> None:
         self.buffers = buffers
         self._paths = paths
+        self._fds = fds
         self._pinned = [b for b in buffers if _pin(b)]
 
     @classmethod
     def offer(
         cls, *, capacity: int, num_slots: int, num_receivers: int, device: torch.device, settings: Settings
     ) -> tuple[Transport, dict]:
-        paths, buffers = [], []
+        paths, buffers, fds, files = [], [], [], []
+        memfd = hasattr(os, "memfd_create")
+        if not memfd:
+            _sweep()
+        tag = secrets.token_hex(4)
         for slot in range(num_slots):
-            path = os.path.join(_shm_dir(), f"refit-{os.getpid()}-{settings.token[:8]}-{id(paths):x}-{slot}")
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
+            if memfd:
+                fd = os.memfd_create(f"refit-{slot}", os.MFD_CLOEXEC)
                 os.ftruncate(fd, capacity)
-            finally:
-                os.close(fd)
-            paths.append(path)
+                fds.append(fd)
+                paths.append(f"/proc/{os.getpid()}/fd/{fd}")
+            else:
+                files.append(_create_file(os.path.join(_shm_dir(), f"refit-{os.getpid()}-{tag}-{slot}"), capacity))
+                paths.append(files[-1])
             # Touch every page now, so no refit pays the first-use page faults.
-            buffers.append(torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8).zero_())
-        return cls(buffers, paths), {"paths": paths, "capacity": capacity}
+            buffers.append(torch.from_file(paths[-1], shared=True, size=capacity, dtype=torch.uint8).zero_())
+        return cls(buffers, files, fds), {"paths": paths, "capacity": capacity}
 
     @classmethod
     def join(cls, info: dict, *, rank: int, device: torch.device, settings: Settings) -> Transport:
@@ -55,19 +69,19 @@ class ShmTransport(Transport):
             raise PeerError(f"shm setup info is malformed: {info!r:.200}")
         buffers = []
         for path in paths:
-            if not isinstance(path, str) or not os.path.basename(path).startswith("refit-"):
+            if not isinstance(path, str) or not (_PROC_FD.fullmatch(path) or _FILE.fullmatch(os.path.basename(path))):
                 raise PeerError(f"shm setup names an unexpected path {path!r}")
             try:
                 size = os.stat(path).st_size
             except OSError as e:
-                raise PeerError(f"cannot open shared buffer {path}: {e}; are both sides on one host?") from None
+                raise PeerError(f"cannot open shared buffer {path}: {e}; are both sides on one host, in one PID namespace, as one user?") from None
             if size != capacity:
                 raise PeerError(f"shared buffer {path} has {size} bytes, expected {capacity}")
             buffers.append(torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8))
-        return cls(buffers, [])
+        return cls(buffers, [], [])
 
     def joined(self) -> None:
-        self._unlink()
+        self._unlink()  # every receiver mapped the buffers: the mappings keep them alive from here
 
     def send(self, slot: int, nbytes: int) -> Pending:
         return DONE
@@ -81,7 +95,9 @@ class ShmTransport(Transport):
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-        self._paths = []
+        for fd in self._fds:
+            os.close(fd)
+        self._paths, self._fds = [], []
 
     def close(self) -> None:
         self._unlink()
@@ -89,6 +105,27 @@ class ShmTransport(Transport):
             torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
         self._pinned = []
         self.buffers = []
+
+
+def _create_file(path: str, capacity: int) -> str:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, capacity)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _sweep() -> None:
+    """Remove buffer files left by senders that died before every receiver mapped them."""
+    root = _shm_dir()
+    for name in os.listdir(root):
+        m = _FILE.fullmatch(name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            try:
+                os.unlink(os.path.join(root, name))
+            except OSError:
+                pass
 
 
 def _pin(buf: torch.Tensor) -> bool:
