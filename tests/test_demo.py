@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from refit.cli import main
 
 
-@pytest.mark.parametrize("transport", ["shm", "gloo"])
-def test_demo_verifies_every_refit_including_a_dtype_change(transport: str, capsys: pytest.CaptureFixture) -> None:
-    code = main(["demo", "--transport", transport, "--steps", "3", "--dtype-change-at", "1", "--layers", "2",
+def test_demo_verifies_every_refit_including_a_dtype_change(capsys: pytest.CaptureFixture) -> None:
+    code = main(["demo", "--transport", "shm", "--steps", "3", "--dtype-change-at", "1", "--layers", "2",
                  "--hidden", "128", "--bucket-bytes", "262144"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out
     assert "all refits verified" in out and out.count("✓") == 6
     assert "2*" in out  # the dtype change started epoch 2
+    assert "The stages overlap" in out and "n/a" not in out  # the legend; a real load column
+
+
+def test_demo_json_carries_every_refit_with_the_engines_load_time(capsys: pytest.CaptureFixture) -> None:
+    code = main(["demo", "--transport", "gloo", "--steps", "2", "--dtype-change-at", "1", "--layers", "2",
+                 "--hidden", "128", "--bucket-bytes", "262144", "--json"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    [result] = json.loads(captured.out)  # stdout is JSON alone; the table went to stderr
+    assert result["transport"] == "gloo" and result["ok"] and "all refits verified" in captured.err
+    assert [(r["version"], r["epoch"], r["handshake"]) for r in result["refits"]] == [(1, 1, True), (2, 2, True)]
+    for r in result["refits"]:
+        assert r["params_ok"] and r["generate_ok"] and r["seconds"]["load"] > 0 and r["seconds"]["total"] > 0
 
 
 def test_demo_with_an_fsdp2_trainer_over_two_ranks(capfd: pytest.CaptureFixture) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 LOGGER_NAME = "refit"
 
@@ -37,12 +38,26 @@ def configure(verbosity: int = 0) -> None:
     """
     logger = logging.getLogger(LOGGER_NAME)
     logger.setLevel(level(verbosity))
-    if not logger.handlers:
-        handler = logging.StreamHandler()
+    if not any(isinstance(h, _Stderr) for h in logger.handlers):
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s refit %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
-        logger.propagate = False
     quiet_libraries(verbosity)
+
+
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of the record (a test's capture, a redirected stream)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):  # type: ignore[no-untyped-def]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:  # type: ignore[no-untyped-def]
+        pass
 
 
 def quiet_libraries(verbosity: int) -> None:
