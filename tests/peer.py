@@ -29,13 +29,40 @@ def make_tensors(specs: list[list], seed: int, device: str = "cpu") -> dict[str,
 
 class RecordingEngine(ModuleEngine):
     """A ModuleEngine that records the order of begin/load/commit calls, and can inject one fault:
-    {"kind": "die" | "slow" | "raise" | "commit", "version": v, "at_load": k, "seconds": s}."""
+    {"kind": "die" | "slow" | "raise" | "commit" | "corrupt", "version": v, "at_load": k, "seconds": s}.
+    "corrupt" changes one element of the tensor named "name" after its load, as a buggy engine would.
+    With `shard` {"name", "dim", "start", "stop"} it holds only that slice of one tensor (tensor parallel)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], fault: dict | None = None) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], fault: dict | None = None, shard: dict | None = None) -> None:
+        self.shard = shard or {}
+        if self.shard:
+            full = tensors[self.shard["name"]]
+            self.full_shape = list(full.shape)
+            tensors = {**tensors, self.shard["name"]: self._cut(full).clone()}
         super().__init__(tensors)
         self.events: list[str] = []
         self.fault = fault or {}
         self._version = 0
+
+    def _cut(self, t: torch.Tensor) -> torch.Tensor:
+        s = self.shard
+        return t.narrow(s["dim"], s["start"], s["stop"] - s["start"])
+
+    def specs(self) -> list:
+        from refit.spec import TensorSpec
+
+        specs = super().specs()
+        if self.shard:  # the engine expects the global shape; it keeps only its slice
+            specs = [TensorSpec(x.name, tuple(self.full_shape), x.dtype) if x.name == self.shard["name"] else x
+                     for x in specs]  # fmt: skip
+        return specs
+
+    def held(self, name: str):
+        got = super().held(name)
+        if got is not None and self.shard and name == self.shard["name"]:
+            s = self.shard
+            return got[0], (s["dim"], s["start"], s["stop"])
+        return got
 
     def begin(self, version: int) -> None:
         self.events.append(f"begin {version}")
@@ -53,7 +80,12 @@ class RecordingEngine(ModuleEngine):
                 time.sleep(f["seconds"])  # the fault under test, not synchronisation
             if f["kind"] == "raise":
                 raise RuntimeError("injected engine failure")
+        if self.shard:
+            tensors = [(n, self._cut(t) if n == self.shard["name"] else t) for n, t in tensors]
         super().load(tensors)
+        if f.get("kind") == "corrupt" and f["version"] == self._version and f["name"] in dict(tensors):
+            self.tensor(f["name"]).view(-1)[0] += 1
+            self.fault = {}
 
     def commit(self, version: int) -> None:
         self.events.append(f"commit {version}")
@@ -64,7 +96,8 @@ class RecordingEngine(ModuleEngine):
 
 
 def _report(engine: RecordingEngine, receiver: Receiver, **extra: object) -> dict:
-    wire = {p.name: p.spec.dtype for p in receiver.manifest.entries} if receiver.manifest else {}
+    m = receiver.manifest
+    wire = {n: m.entry(n).spec.dtype for n in m.names} if m else {}
     own = {n: t.dtype for n, t in engine.module.items()}
     fps = fingerprints(engine.module.items(), {**own, **wire}, held=True)
     w = engine.weights
@@ -83,7 +116,7 @@ def main() -> int:
     device = args.get("device", "cpu")
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    engine = RecordingEngine(make_tensors(args["specs"], args.get("seed", 99), device), args.get("fault"))
+    engine = RecordingEngine(make_tensors(args["specs"], args.get("seed", 99), device), args.get("fault"), args.get("shard"))
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 60.0))
     rendezvous = {**args["rendezvous"], **args.get("override", {})}
     with Receiver(engine, rendezvous, settings=settings, device=torch.device(device)) as receiver:
