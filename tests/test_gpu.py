@@ -98,3 +98,25 @@ def test_cuda_ipc_falls_back_to_pinned_host_memory_with_a_warning(monkeypatch: p
     with pytest.warns(RuntimeWarning, match=r"cuda-ipc cannot be used \(REFIT_CUDA_IPC=0\); staging through pinned"):
         reports = _refits("cuda-ipc", ["cuda:0"])
     assert all(r["handles_opened"] == 0 for r in reports)
+
+
+# -- per-rank colocated: each trainer rank feeds the engine worker on its own GPU ------------------
+
+
+@needs_two
+@pytest.mark.parametrize("visible", ["shared", "per_process"])
+def test_per_rank_fsdp2_nccl_refit_feeds_the_worker_on_each_gpu_bitwise(visible: str) -> None:
+    """2 FSDP2 ranks (NCCL) and 2 engine workers, one per GPU, over cuda-ipc, with a dtype change.
+    per_process: each trainer rank sees only its GPU and each worker sees both in reverse order, so
+    device indices differ across processes and only the UUIDs match."""
+    from test_topology import check_refits, per_rank
+
+    args = {"model": "fsdp", "transport": "cuda-ipc", "steps": 3, "device": "cuda", "device_index": [0, 1]}
+    kwargs: dict = {"worker_devices": ["cuda:0", "cuda:1"]}
+    if visible == "per_process":
+        args.update(device_index=[0, 0], envs=[{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}])
+        kwargs = {"worker_devices": ["cuda:1", "cuda:0"], "worker_env": [{"CUDA_VISIBLE_DEVICES": "1,0"}] * 2}
+    with per_rank(args, **kwargs) as (ranks, workers, infos):
+        assert len({i["device_uuid"] for i in infos}) == 2
+        sent = check_refits(ranks, workers, 3, fsdp=True)
+        assert sent["stats"]["epoch"] == 2

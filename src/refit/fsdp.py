@@ -72,7 +72,7 @@ class FsdpSource(WireDtypes, Source):
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | Mapping[str, torch.Tensor],
         *,
         wire_dtype: torch.dtype | None = None,
         overrides: Mapping[str, torch.dtype] | None = None,
@@ -84,7 +84,8 @@ class FsdpSource(WireDtypes, Source):
         agreed bucket capacity); `prefetch`: gather the next group while the current one is packed."""
         if gather_bytes is not None and gather_bytes <= 0:
             raise ValueError(f"gather_bytes ({gather_bytes}) must be > 0")
-        self._tensors: dict[str, torch.Tensor] = dict(sorted(module.state_dict(keep_vars=True).items()))
+        items = module.state_dict(keep_vars=True) if isinstance(module, nn.Module) else module
+        self._tensors: dict[str, torch.Tensor] = dict(sorted(items.items()))
         self._init_wire(wire_dtype, overrides)
         self.group = group
         self.rank = dist.get_rank(group)
