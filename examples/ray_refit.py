@@ -3,7 +3,9 @@
 This is the shape NeMo-RL and verl use: trainer and engine are actors, the rendezvous info (a small
 JSON-able dict) travels through a Ray call, and the weights travel over refit's own transport.
 
-    pip install 'refit[ray,demo]' && python examples/ray_refit.py --transport shm,gloo
+refit is not on the package index: install it from its checkout, then run the example there.
+
+    pip install -e '.[ray,demo]' && python examples/ray_refit.py --transport shm,gloo
 """
 
 from __future__ import annotations
@@ -89,9 +91,10 @@ def run(transport: str, steps: int) -> bool:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--transport", default="shm,gloo")
-    parser.add_argument("--steps", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser.add_argument("--transport", default="shm,gloo", help="comma-separated: shm, gloo, run one after the other")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps, each followed by a refit")
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ok = all([run(t, args.steps) for t in args.transport.split(",")])

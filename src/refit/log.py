@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 LOGGER_NAME = "refit"
 
@@ -60,10 +61,18 @@ class _Stderr(logging.StreamHandler):
         pass
 
 
+QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error", "TORCH_CPP_LOG_LEVEL": "ERROR",
+             "PYTHONWARNINGS": "ignore::FutureWarning"}  # fmt: skip
+"""Set by the `refit` command unless -v (explicit settings win); listed in the README."""
+
+
 def quiet_libraries(verbosity: int) -> None:
-    """vLLM and transformers print tens of lines of their own per engine start; keep only their errors
-    unless -v. vLLM reads VLLM_LOGGING_LEVEL once, at import, in every one of its processes (which
-    inherit this environment), so this must run before vLLM is imported; an explicit setting wins."""
+    """vLLM, transformers and torch print tens of lines of their own per engine start; keep only their
+    errors unless -v. Each reads its variable once, at import, in every process (vLLM's workers inherit
+    this environment), so this must run before they are imported."""
     if verbosity < 1:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        for name, value in QUIET_ENV.items():
+            os.environ.setdefault(name, value)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        # Some vLLM modules warn at import, before vLLM has configured its logging from the variable above.
+        logging.getLogger("vllm").setLevel(logging.ERROR)

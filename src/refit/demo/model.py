@@ -57,7 +57,10 @@ def build_model(config, *, seed: int, dtype: torch.dtype = torch.float32) -> tor
 
 def save(model: torch.nn.Module, tokenizer, path: str) -> str:
     """Write model and tokenizer as a local checkpoint directory (for engines that load from disk)."""
+    from transformers.utils import logging as hf_logging
+
     os.makedirs(path, exist_ok=True)
+    hf_logging.disable_progress_bar()  # its "Writing model shards" bar, for a file of a few MB
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
