@@ -110,6 +110,7 @@ def test_kernel_equals_copy_bitwise_on_cuda(src_dtype: torch.dtype, dst_dtype: t
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     c = _check("cuda", src_dtype, dst_dtype, offset)
-    aligned_kernel_dtypes = {torch.float32, torch.bfloat16, torch.float16} | ({src_dtype} if src_dtype == dst_dtype else set())
-    if offset % 8 == 0 and {src_dtype, dst_dtype} <= aligned_kernel_dtypes:
+    casts = {torch.float32, torch.bfloat16, torch.float16}
+    aligned = all(offset * t.itemsize % 16 == 0 for t in (src_dtype, dst_dtype))
+    if aligned and (src_dtype == dst_dtype or {src_dtype, dst_dtype} <= casts):
         assert c.num_launches >= 1 and c.num_fallback <= 1  # only the transposed source falls back

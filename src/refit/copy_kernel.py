@@ -34,9 +34,10 @@ _foreach_copy = getattr(torch, "_foreach_copy_", None)
 CHUNK_BYTES = 1 << 20
 """Bytes of one chunk (one program of the kernel); large enough that scheduling programs is free,
 small enough that a few big tensors still spread over every multiprocessor."""
-BLOCK_BYTES = 16 << 10
-"""Bytes one program moves per loop step."""
-NUM_WARPS = 8
+BLOCK_BYTES = 32 << 10
+"""Bytes one program moves per loop step (of 8, 16 and 32 KiB with 4, 8 and 16 warps, 32 KiB and 16 warps
+was fastest on an H200: 1.06x a flat copy for the 7B and MoE shape sets)."""
+NUM_WARPS = 16
 ALIGN = 16
 """Source and target addresses must be multiples of this for the kernel (it moves 16 bytes per access)."""
 

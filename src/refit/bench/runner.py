@@ -28,6 +28,10 @@ from refit.spec import TensorSpec, dtype_from_name, dtype_name
 from refit.wire import Header, Kind
 
 METHODS = ("floor", "foreach", "kernel", "refit", "checksum", "zero_copy", "serial", "per_tensor", "per_tensor_meta")
+SENDER_STAGES = ("handshake", "pack", "send", "wait", "commit")
+"""Sender stages in the report; `handshake` includes the per-refit signature check."""
+RECEIVER_STAGES = ("recv", "load", "commit")
+"""The first receiver's stages in the report, as `recv.<stage>`."""
 LOCAL = {"foreach", "kernel"}
 """Copies of the tensors inside the sender's process: measured for colocated transports only."""
 COLOCATED = {"shm", "cuda-ipc"}
@@ -216,15 +220,18 @@ def _refit(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: tor
     stats = []
     bucket_bytes = min(cfg.bucket_bytes, align_up(sum(s.nbytes for s in source.specs()), 256))
     probe = MemoryProbe(device)  # before the Sender, its buffers and its group exist
-    with _session(workers, source, cfg, device, mode="refit", bucket_bytes=bucket_bytes,
-                  num_slots=num_slots, zero_copy=zero_copy, verify_checksum=verify_checksum) as sender:  # fmt: skip
+    with _session(workers, source, cfg, device, mode="refit", bucket_bytes=bucket_bytes, num_slots=num_slots,
+                  zero_copy=zero_copy, verify_checksum=verify_checksum, warmup=cfg.warmup) as sender:  # fmt: skip
         times = _timed(lambda: stats.append(sender.refit(next(version))), device, cfg)
         sender_peak = probe.peak_extra()
         predicted = sender.predicted_memory()
         nbytes = sender.manifest.nbytes if sender.manifest else 0
     timed = stats[cfg.warmup :]
-    stages = {k: statistics.median(s.seconds.get(k, 0.0) for s in timed) for k in ("pack", "send", "wait", "commit")}
-    peaks = [r["peak_extra_bytes"] for r in workers.replies()]
+    stages = {k: statistics.median(s.seconds.get(k, 0.0) for s in timed) for k in SENDER_STAGES}
+    replies = workers.replies()
+    peaks = [r["peak_extra_bytes"] for r in replies]
+    received = replies[0].get("stages", {})
+    stages |= {f"recv.{k}": received[k] for k in RECEIVER_STAGES if k in received}
     memory = {"predicted_sender": predicted["sender"], "predicted_receiver": predicted["receiver"],
               "measured_sender": sender_peak, "measured_receiver": None if None in peaks else max(peaks)}  # fmt: skip
     return Result(name, nbytes, times, stages, memory)

@@ -7,6 +7,7 @@ line a job; it answers one '@@bench' JSON line per job.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 import torch
@@ -63,14 +64,20 @@ def _per_tensor(r: Receiver, engine: ModuleEngine, job: dict, specs: list[list])
 def run_job(job: dict, engine: ModuleEngine, specs: list[list], device: torch.device) -> dict:
     settings = Settings(bucket_bytes=job.get("bucket_bytes"), timeout_s=job.get("timeout_s", 300.0))
     probe = MemoryProbe(device)  # before the Receiver, its buffers and its staging tensor exist
+    stages: dict[str, float] = {}
     with Receiver(engine, job["rendezvous"], settings=settings, device=device) as r:
         if job["mode"] == "refit":
-            r.serve()
+            stats = []
+            while (s := r.receive()) is not None:
+                stats.append(s)
+            timed = stats[job.get("warmup", 0) :] or stats
+            keys = sorted({k for s in timed for k in s.seconds})
+            stages = {k: statistics.median(s.seconds.get(k, 0.0) for s in timed) for k in keys}
         else:
             r.connect()
             _floor(r, job) if job["mode"] == "floor" else _per_tensor(r, engine, job, specs)
             r.channel.expect(Kind.CLOSE, "end of bench job")  # type: ignore[union-attr]
-    return {"mode": job["mode"], "peak_extra_bytes": probe.peak_extra()}
+    return {"mode": job["mode"], "peak_extra_bytes": probe.peak_extra(), "stages": stages}
 
 
 def main() -> int:
