@@ -84,15 +84,19 @@ def run(transport: str, steps: int) -> bool:
         got, sent = ray.get([engine.receive.remote(), trainer.refit.remote(version)])  # both sides at once
         same = ray.get(engine.generate.remote(prompts)) == ray.get(trainer.reference.remote(prompts))
         ok &= same and got["version"] == version
-        print(f"{transport} v{version}: loss {loss:.3f}, {sent['nbytes'] / 1e6:.1f} MB in {sent['seconds']['total'] * 1e3:.1f} ms,"
-              f" generation {'equal' if same else 'DIFFERENT'}")  # fmt: skip
+        ms = sent["seconds"]["total"] * 1e3
+        print(
+            f"{transport} v{version}: loss {loss:.3f}, {sent['nbytes'] / 1e6:.1f} MB in {ms:.1f} ms, "
+            f"generation {'equal' if same else 'DIFFERENT'}"
+        )
     ray.get(trainer.close.remote())
     return ok
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--transport", default="shm,gloo", help="comma-separated: shm, gloo, run one after the other")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps, each followed by a refit")
     args = parser.parse_args()

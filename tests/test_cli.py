@@ -55,15 +55,18 @@ def test_a_mistake_gets_one_line_naming_the_problem_and_the_fix(argv: list[str],
 
 
 @no_cuda
-@pytest.mark.parametrize("argv", [["demo", "--transport", "nccl"], ["demo", "--transport", "shm,cuda-ipc"],
-                                  ["bench", "--transport", "nccl"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv", [["demo", "--transport", "nccl"], ["demo", "--transport", "shm,cuda-ipc"], ["bench", "--transport", "nccl"]]
+)
 def test_a_gpu_transport_without_cuda_is_a_clean_error(argv: list[str]) -> None:
     _one_line_error(_run(*argv), "needs a CUDA GPU", "use 'shm'")
 
 
 def test_demo_with_vllm_missing_says_how_to_install_it() -> None:
     code = "import sys; sys.modules['vllm'] = None; from refit.cli import main; sys.exit(main(sys.argv[1:]))"
-    _one_line_error(_run("demo", "--engine", "vllm", code=code), "--engine vllm needs vllm", "pip install", "--engine module")
+    _one_line_error(
+        _run("demo", "--engine", "vllm", code=code), "--engine vllm needs vllm", "pip install", "--engine module"
+    )
 
 
 @no_cuda
@@ -128,10 +131,18 @@ def test_plan_help_lists_its_presets() -> None:
     assert f"presets: {', '.join(PRESETS)}" in text
 
 
-@pytest.mark.parametrize("argv,level", [(["-v", "plan"], logging.INFO), (["plan", "-vv"], logging.DEBUG),
-                                        (["plan", "-q"], logging.ERROR), (["plan"], logging.WARNING)])  # fmt: skip
-def test_verbosity_flags_set_the_refit_logger_before_or_after_the_command(argv: list[str], level: int,
-                                                                          monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,level",
+    [
+        (["-v", "plan"], logging.INFO),
+        (["plan", "-vv"], logging.DEBUG),
+        (["plan", "-q"], logging.ERROR),
+        (["plan"], logging.WARNING),
+    ],
+)
+def test_verbosity_flags_set_the_refit_logger_before_or_after_the_command(
+    argv: list[str], level: int, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     assert main([*argv, "--preset", "tiny"]) == 0
     assert logging.getLogger("refit").level == level

@@ -8,10 +8,12 @@ import pytest
 
 from refit.cli import main
 
+SMALL = "--layers 2 --hidden 128 --bucket-bytes 262144".split()
+"""A 0.7M-parameter model in 256 KiB buckets: several buckets, seconds per refit on 2 cores."""
+
 
 def test_demo_verifies_every_refit_including_a_dtype_change(capsys: pytest.CaptureFixture) -> None:
-    code = main(["demo", "--transport", "shm", "--steps", "3", "--dtype-change-at", "1", "--layers", "2",
-                 "--hidden", "128", "--bucket-bytes", "262144"])  # fmt: skip
+    code = main(["demo", "--transport", "shm", "--steps", "3", "--dtype-change-at", "1", *SMALL])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "all refits verified" in out and out.count("✓") == 6
@@ -20,8 +22,7 @@ def test_demo_verifies_every_refit_including_a_dtype_change(capsys: pytest.Captu
 
 
 def test_demo_json_carries_every_refit_with_the_engines_load_time(capsys: pytest.CaptureFixture) -> None:
-    code = main(["demo", "--transport", "gloo", "--steps", "2", "--dtype-change-at", "1", "--layers", "2",
-                 "--hidden", "128", "--bucket-bytes", "262144", "--json"])  # fmt: skip
+    code = main(["demo", "--transport", "gloo", "--steps", "2", "--dtype-change-at", "1", "--json", *SMALL])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     [result] = json.loads(captured.out)  # stdout is JSON alone; the table went to stderr
@@ -32,8 +33,22 @@ def test_demo_json_carries_every_refit_with_the_engines_load_time(capsys: pytest
 
 
 def test_demo_with_an_fsdp2_trainer_over_two_ranks(capfd: pytest.CaptureFixture) -> None:
-    code = main(["demo", "--trainer", "fsdp", "--ranks", "2", "--transport", "gloo", "--steps", "2", "--dtype-change-at",
-                 "0", "--layers", "2", "--hidden", "128", "--bucket-bytes", "262144"])  # fmt: skip
+    code = main(
+        [
+            "demo",
+            "--trainer",
+            "fsdp",
+            "--ranks",
+            "2",
+            "--transport",
+            "gloo",
+            "--steps",
+            "2",
+            "--dtype-change-at",
+            "0",
+            *SMALL,
+        ]
+    )
     captured = capfd.readouterr()
     out = captured.out
     assert code == 0, out + captured.err[-3000:]

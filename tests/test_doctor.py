@@ -86,8 +86,15 @@ def test_expandable_segments_make_cuda_ipc_stage_through_host_memory() -> None:
 def test_a_failed_ipc_probe_with_no_dev_shm_to_fall_back_on_rules_cuda_ipc_out() -> None:
     ok = lambda name: Check(name=name, status=OK, detail="")  # noqa: E731
     probe = Check(name="cuda-ipc probe", status=FAIL, detail="opening the handle failed", fix=doctor._IPC_FIX)
-    report = Report(checks=[ok("cuda"), ok("rendezvous"), ok("allocator"), probe,
-                            Check(name="/dev/shm", status=FAIL, detail="no /dev/shm")])  # fmt: skip
+    report = Report(
+        checks=[
+            ok("cuda"),
+            ok("rendezvous"),
+            ok("allocator"),
+            probe,
+            Check(name="/dev/shm", status=FAIL, detail="no /dev/shm"),
+        ]
+    )
     v = verdict(report, "cuda-ipc")
     assert v.status == FAIL and "--ipc=host" in v.fix
 

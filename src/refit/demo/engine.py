@@ -47,14 +47,16 @@ def main(argv: list[str]) -> int:
             assert receiver.manifest is not None
             wire = {p.name: p.spec.dtype for p in receiver.manifest.entries}
             engine.ensure_current()
-            emit({
-                "event": "refit",
-                "version": engine.weights.version,
-                "state": engine.weights.state.value,
-                "stats": stats.to_json(),
-                "fingerprints": fingerprints(model.state_dict().items(), wire, held=True),
-                "generated": greedy(model, args["prompts"]),
-            })  # fmt: skip
+            emit(
+                {
+                    "event": "refit",
+                    "version": engine.weights.version,
+                    "state": engine.weights.state.value,
+                    "stats": stats.to_json(),
+                    "fingerprints": fingerprints(model.state_dict().items(), wire, held=True),
+                    "generated": greedy(model, args["prompts"]),
+                }
+            )
 
 
 if __name__ == "__main__":

@@ -27,9 +27,11 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - 2, special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
+        vocab_size=VOCAB_SIZE - 2,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([TEXT] * 4, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>")
 
@@ -39,11 +41,20 @@ def model_config(*, layers: int = 8, hidden: int = 512, ffn: int = 1536, dtype: 
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), head_dim=64,
-        max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
-        pad_token_id=1, torch_dtype=dtype,
-    )  # fmt: skip
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        torch_dtype=dtype,
+    )
 
 
 def build_model(config, *, seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -75,8 +86,14 @@ def greedy(model: torch.nn.Module, prompts: list[list[int]], *, new_tokens: int 
         out = []
         for ids in prompts:
             x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                               pad_token_id=1, eos_token_id=None)  # fmt: skip
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=1,
+                eos_token_id=None,
+            )
             out.append(y[0, len(ids) :].tolist())
         return out
     finally:

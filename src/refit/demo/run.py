@@ -17,9 +17,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 import refit
+from refit.cli import WIDE
 from refit.demo.engine import MARK
 from refit.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
-from refit.cli import WIDE
 from refit.errors import RefitError
 from refit.log import configure, get_logger
 from refit.sender import Sender
@@ -71,8 +71,10 @@ class DemoConfig:
         if self.trainer == "fsdp" and self.engine != "module":
             raise ValueError("--trainer fsdp runs with --engine module; drop --engine vllm or --trainer fsdp")
         if self.layers < 1 or self.hidden < 64 or self.hidden % 64 or (self.hidden // 64) % max(1, self.hidden // 256):
-            raise ValueError(f"layers ({self.layers}) must be >= 1 and hidden ({self.hidden}) a multiple of 64 whose "
-                             "head count (hidden/64) divides by its KV heads (hidden/256), e.g. 128, 256, 512, 1024")  # fmt: skip
+            raise ValueError(
+                f"layers ({self.layers}) must be >= 1 and hidden ({self.hidden}) a multiple of 64 whose "
+                "head count (hidden/64) divides by its KV heads (hidden/256), e.g. 128, 256, 512, 1024"
+            )
 
 
 @dataclass(slots=True)
@@ -124,9 +126,16 @@ class VllmSide:
         from refit.engines.vllm import VllmRefit
 
         path = save(model, tok, os.path.join(workdir, "model"))
-        self.llm = LLM(model=path, load_format="dummy", enforce_eager=True, dtype="float32",
-                       kv_cache_memory_bytes=64 << 20, max_model_len=512, weight_transfer_config={"backend": "refit"},
-                       worker_extension_cls="refit.engines.vllm.RefitWorkerExtension")  # fmt: skip
+        self.llm = LLM(
+            model=path,
+            load_format="dummy",
+            enforce_eager=True,
+            dtype="float32",
+            kv_cache_memory_bytes=64 << 20,
+            max_model_len=512,
+            weight_transfer_config={"backend": "refit"},
+            worker_extension_cls="refit.engines.vllm.RefitWorkerExtension",
+        )
         self.driver = VllmRefit(self.llm, sender)
         self.sender, self.prompts = sender, prompts
         self._seconds: dict[str, float] = {}
@@ -145,14 +154,22 @@ class VllmSide:
 
         assert self.sender.manifest is not None
         names = [p.name for p in self.sender.manifest.entries]
-        sent = {p.name: t.detach().to(p.spec.dtype) for p, t in zip(self.sender.manifest.entries,
-                                                                   self.sender.source.tensors(names))}  # fmt: skip
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in self.prompts],
-                                 SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)  # fmt: skip
-        return {"event": "refit", "stats": {"seconds": self._seconds},
-                "fingerprints": self.llm.collective_rpc("refit_fingerprints")[0],
-                "expected": expected_fingerprints(sent, self.llm.collective_rpc("refit_layout")[0]),
-                "generated": [list(o.outputs[0].token_ids) for o in outs]}  # fmt: skip
+        sent = {
+            p.name: t.detach().to(p.spec.dtype)
+            for p, t in zip(self.sender.manifest.entries, self.sender.source.tensors(names))
+        }
+        outs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in self.prompts],
+            SamplingParams(temperature=0, max_tokens=12),
+            use_tqdm=False,
+        )
+        return {
+            "event": "refit",
+            "stats": {"seconds": self._seconds},
+            "fingerprints": self.llm.collective_rpc("refit_fingerprints")[0],
+            "expected": expected_fingerprints(sent, self.llm.collective_rpc("refit_layout")[0]),
+            "generated": [list(o.outputs[0].token_ids) for o in outs],
+        }
 
     def close(self) -> int:
         self.driver.close()
@@ -188,8 +205,9 @@ class PlainTrainer:
         return dict(self.model.state_dict())
 
 
-def _check(weights: dict[str, torch.Tensor], reference: torch.nn.Module, sender: Sender, prompts: list,
-           report: dict) -> Row:  # fmt: skip
+def _check(
+    weights: dict[str, torch.Tensor], reference: torch.nn.Module, sender: Sender, prompts: list, report: dict
+) -> Row:
     """Compare the engine's report with what the trainer sent and with the trainer's own generation."""
     assert sender.manifest is not None
     wire = {p.name: p.spec.dtype for p in sender.manifest.entries}
@@ -225,23 +243,26 @@ def run(cfg: DemoConfig, console: Console, trainer=None) -> bool:
         reference = build_model(model_config(**mcfg), seed=0)
     model, source = trainer.model, trainer.source
     nparams = sum(p.numel() for p in model.parameters())
-    console.print(f"[bold]refit demo[/] over [cyan]{cfg.transport}[/] into a [cyan]{cfg.engine}[/] engine: Llama-style "
-                  f"LM, {nparams / 1e6:.1f}M params, fp32 master weights sent as bf16, {cfg.steps} steps"
-                  f"{f', trainer sharded with FSDP2 over {cfg.ranks} ranks' if cfg.trainer == 'fsdp' else ''}")  # fmt: skip
-    sender = Sender(source, transport=cfg.transport, settings=Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s))
-    rows: list[dict] = []
+    console.print(
+        f"[bold]refit demo[/] over [cyan]{cfg.transport}[/] into a [cyan]{cfg.engine}[/] engine: Llama-style "
+        f"LM, {nparams / 1e6:.1f}M params, fp32 master weights sent as bf16, {cfg.steps} steps"
+        f"{f', trainer sharded with FSDP2 over {cfg.ranks} ranks' if cfg.trainer == 'fsdp' else ''}"
+    )
+    sender = Sender(
+        source, transport=cfg.transport, settings=Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
+    )
     with tempfile.TemporaryDirectory() as workdir:
         engine = _start_engine(cfg, console, sender, model, tok, prompts, mcfg, workdir)
         try:
-            ok = _loop(cfg, console, trainer, engine, reference, prompts, rows)
+            ok, rows = _loop(cfg, console, trainer, engine, reference, prompts)
         finally:
             engine.close()
     mem = sender.predicted_memory() if sender.manifest else {}
     _show(cfg, console, rows, mem, ok)
     if cfg.json_path:
+        result = {"transport": cfg.transport, "engine": cfg.engine, "trainer": cfg.trainer, "params": nparams}
         with open(cfg.json_path, "w") as f:
-            json.dump({"transport": cfg.transport, "engine": cfg.engine, "trainer": cfg.trainer, "params": nparams,
-                       "ok": ok, "refits": rows, "predicted_memory": mem}, f)  # fmt: skip
+            json.dump({**result, "ok": ok, "refits": rows, "predicted_memory": mem}, f)
     return ok
 
 
@@ -253,26 +274,54 @@ def _console(console: Console, cfg: DemoConfig) -> Console:
     return Console(file=stream, width=None if stream.isatty() else WIDE)
 
 
-def _start_engine(cfg: DemoConfig, console: Console, sender: Sender, model: torch.nn.Module, tok, prompts: list,
-                  mcfg: dict, workdir: str) -> EngineProcess | VllmSide:  # fmt: skip
+def _start_engine(
+    cfg: DemoConfig,
+    console: Console,
+    sender: Sender,
+    model: torch.nn.Module,
+    tok,
+    prompts: list,
+    mcfg: dict,
+    workdir: str,
+) -> EngineProcess | VllmSide:
     if cfg.engine == "vllm":
         t0 = time.perf_counter()
         with console.status("starting vLLM from dummy weights (a minute or two on CPU; -v shows its logs)"):
             engine: EngineProcess | VllmSide = VllmSide(sender, model, tok, prompts, workdir)
         log.info("vLLM started in %.1f s", time.perf_counter() - t0)
         return engine
-    engine = EngineProcess(sender, {"rendezvous": sender.rendezvous(), "model": mcfg, "prompts": prompts,
-                                    "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s,
-                                    "verbosity": cfg.verbosity})  # fmt: skip
+    engine = EngineProcess(
+        sender,
+        {
+            "rendezvous": sender.rendezvous(),
+            "model": mcfg,
+            "prompts": prompts,
+            "bucket_bytes": cfg.bucket_bytes,
+            "timeout_s": cfg.timeout_s,
+            "verbosity": cfg.verbosity,
+        },
+    )
     log.info("engine process %d started", engine.proc.pid)
     return engine
 
 
-def _loop(cfg: DemoConfig, console: Console, trainer, engine: EngineProcess | VllmSide, reference: torch.nn.Module,
-          prompts: list, rows: list[dict]) -> bool:  # fmt: skip
-    """Train, refit and check `cfg.steps` times; each refit's row goes to `rows`."""
-    ok = True
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+def _loop(
+    cfg: DemoConfig,
+    console: Console,
+    trainer,
+    engine: EngineProcess | VllmSide,
+    reference: torch.nn.Module,
+    prompts: list,
+) -> tuple[bool, list[dict]]:
+    """Train, refit and check `cfg.steps` times: whether all verified, and one row per refit."""
+    ok, rows = True, []
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("", total=cfg.steps)
         for step in range(1, cfg.steps + 1):
@@ -290,11 +339,13 @@ def _loop(cfg: DemoConfig, console: Console, trainer, engine: EngineProcess | Vl
             row = _check(trainer.full_weights(), reference, engine.sender, prompts, report)
             ok &= not row.problems
             rows.append(_row(stats, row, loss))
-            log.info("step %d: loss %.3f, refit %.1f ms, verified %s", step, loss, stats.total_s * 1e3, not row.problems)
+            log.info(
+                "step %d: loss %.3f, refit %.1f ms, verified %s", step, loss, stats.total_s * 1e3, not row.problems
+            )
             for p in row.problems:
                 console.print(f"[red]step {step}: {escape(p)}[/]")
             progress.advance(task)
-    return ok
+    return ok, rows
 
 
 def _show(cfg: DemoConfig, console: Console, rows: list[dict], mem: dict, ok: bool) -> None:
@@ -302,29 +353,42 @@ def _show(cfg: DemoConfig, console: Console, rows: list[dict], mem: dict, ok: bo
     console.print(LEGEND)
     if cfg.engine == "vllm" and cfg.verbosity > 0:
         console.print(ROTARY_NOTE)
-    console.print(f"predicted peak extra memory: sender {mem.get('sender', 0) / 2**20:.1f} MiB, "
-                  f"receiver {mem.get('receiver', 0) / 2**20:.1f} MiB")  # fmt: skip
+    console.print(
+        f"predicted peak extra memory: sender {mem.get('sender', 0) / 2**20:.1f} MiB, "
+        f"receiver {mem.get('receiver', 0) / 2**20:.1f} MiB"
+    )
     console.print("[green]all refits verified[/]" if ok else "[red]verification FAILED[/]")
 
 
-LEGEND = ("times in ms. The stages overlap (bucket i+1 is packed while bucket i is sent and loaded), so pack + send "
-          "+ wait + load exceed total. load: the engine's own time. epoch*: a handshake began a new epoch. "
-          "params: every engine tensor bitwise what was sent; gen: the engine's greedy output equals the trainer's.")  # fmt: skip
-ROTARY_NOTE = ("vLLM's 'RotaryEmbedding: Failed to load weights' warning is expected: the rotary cos/sin cache is "
-               "computed from the config, no checkpoint carries it, and vLLM puts its own cache back after each refit.")  # fmt: skip
+LEGEND = (
+    "times in ms. The stages overlap (bucket i+1 is packed while bucket i is sent and loaded), so pack + send "
+    "+ wait + load exceed total. load: the engine's own time. epoch*: a handshake began a new epoch. "
+    "params: every engine tensor bitwise what was sent; gen: the engine's greedy output equals the trainer's."
+)
+ROTARY_NOTE = (
+    "vLLM's 'RotaryEmbedding: Failed to load weights' warning is expected: the rotary cos/sin cache is "
+    "computed from the config, no checkpoint carries it, and vLLM puts its own cache back after each refit."
+)
 
 
 def _table(transport: str, rows: list[dict]) -> Table:
     t = Table(title=f"refits over {transport}")
-    for col in ("ver", "epoch", "loss", "MB", "bkts", "pack", "send", "wait", "load", "total", "GB/s", "params",
-                "gen"):  # fmt: skip
+    for col in ("ver", "epoch", "loss", "MB", "bkts", "pack", "send", "wait", "load", "total", "GB/s", "params", "gen"):
         t.add_column(col, justify="right")
     mark = lambda ok: "[green]✓[/]" if ok else "[red]✗[/]"  # noqa: E731
     ms = lambda r, k: "n/a" if r["seconds"].get(k) is None else f"{r['seconds'][k] * 1e3:.1f}"  # noqa: E731
     for r in rows:
-        t.add_row(str(r["version"]), f"{r['epoch']}{'*' if r['handshake'] else ''}", f"{r['loss']:.3f}",
-                  f"{r['nbytes'] / 1e6:.1f}", str(r["num_buckets"]), *(ms(r, k) for k in ("pack", "send", "wait", "load", "total")),
-                  f"{r['gbps']:.2f}", mark(r["params_ok"]), mark(r["generate_ok"]))  # fmt: skip
+        t.add_row(
+            str(r["version"]),
+            f"{r['epoch']}{'*' if r['handshake'] else ''}",
+            f"{r['loss']:.3f}",
+            f"{r['nbytes'] / 1e6:.1f}",
+            str(r["num_buckets"]),
+            *(ms(r, k) for k in ("pack", "send", "wait", "load", "total")),
+            f"{r['gbps']:.2f}",
+            mark(r["params_ok"]),
+            mark(r["generate_ok"]),
+        )
     return t
 
 
@@ -332,6 +396,16 @@ def _row(s: RefitStats, row: Row, loss: float) -> dict:
     """One refit as the table and the JSON show it: the sender's stages plus the engine's own load time."""
     seconds = {k: s.seconds.get(k, 0.0) for k in ("pack", "send", "wait", "commit", "total")}
     seconds["load"] = row.engine["stats"]["seconds"].get("load")
-    return {"version": s.version, "epoch": s.epoch, "handshake": s.handshake, "loss": loss, "nbytes": s.nbytes,
-            "num_buckets": s.num_buckets, "seconds": seconds, "gbps": s.gbps, "params_ok": row.params_ok,
-            "generate_ok": row.generate_ok, "problems": row.problems}  # fmt: skip
+    return {
+        "version": s.version,
+        "epoch": s.epoch,
+        "handshake": s.handshake,
+        "loss": loss,
+        "nbytes": s.nbytes,
+        "num_buckets": s.num_buckets,
+        "seconds": seconds,
+        "gbps": s.gbps,
+        "params_ok": row.params_ok,
+        "generate_ok": row.generate_ok,
+        "problems": row.problems,
+    }

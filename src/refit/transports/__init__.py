@@ -43,9 +43,15 @@ def unavailable(name: str) -> str:
     if name not in _CUDA:
         return ""
     if not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}, but no GPU is visible"
-        return (f"transport {name!r} needs a CUDA GPU, and this torch {torch.__version__} is {build}; "
-                "use 'shm' (same host) or 'gloo' (across hosts) on CPU, or run on a GPU machine with a CUDA build of torch")  # fmt: skip
+        build = (
+            "a CPU-only build"
+            if torch.version.cuda is None
+            else f"built for CUDA {torch.version.cuda}, but no GPU is visible"
+        )
+        return (
+            f"transport {name!r} needs a CUDA GPU, and this torch {torch.__version__} is {build}; "
+            "use 'shm' (same host) or 'gloo' (across hosts) on CPU, or run on a GPU machine with a CUDA build of torch"
+        )
     if name == "nccl" and not torch.distributed.is_nccl_available():
         return f"transport 'nccl' needs torch built with NCCL, and this torch {torch.__version__} has none; use 'gloo'"
     return ""
