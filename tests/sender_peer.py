@@ -1,4 +1,7 @@
-"""A sender in its own process, for the fault tests: refits version 1, then dies during version 2.
+"""A sender in its own process, for the fault tests. By `mode`: refits version 1, then dies during
+version 2 ("die", the default), stops itself between refits ("hang": SIGSTOP, as a hung process or a
+vanished host looks), exits between refits ("exit"), or dies right after its transport was set up,
+before any receiver is ready ("die_at_setup").
 
 Run as `python tests/sender_peer.py '<json>'`; prints the rendezvous as one '@@sender' JSON line.
 """
@@ -7,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 from peer import make_tensors
@@ -17,9 +21,23 @@ def main() -> int:
     args = json.loads(sys.argv[1])
     tensors = make_tensors(args["specs"], seed=1)
     sender = Sender(ModuleSource(tensors), transport=args["transport"],
-                    settings=Settings(bucket_bytes=args["bucket_bytes"], timeout_s=30))  # fmt: skip
+                    settings=Settings(bucket_bytes=args["bucket_bytes"], timeout_s=args.get("timeout_s", 30)))  # fmt: skip
     print("@@sender " + json.dumps(sender.rendezvous()), flush=True)
+    mode = args.get("mode", "die")
+    if mode == "die_at_setup":
+        offer = sender._transport_cls.offer
+
+        def dying_offer(**kwargs):
+            offer(**kwargs)
+            print("@@offered", flush=True)
+            os._exit(18)  # the fault under test: buffers exist, no receiver has mapped them yet
+
+        sender._transport_cls.offer = dying_offer
     sender.refit(1)
+    if mode == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if mode == "exit":
+        os._exit(0)
     send, sent = sender.transport.send, [0]
 
     def dying_send(slot: int, nbytes: int):

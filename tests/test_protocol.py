@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import sent_fingerprints, session
+from conftest import live_fingerprints, session
 from refit import HandshakeError
 
 # Mixed dtypes, an odd-sized tensor and one larger than a 4 KiB bucket.
@@ -29,7 +29,7 @@ def test_every_refit_is_bitwise_exact(transport: str, receivers: int) -> None:
         for version in range(1, 4):
             _step(tensors, version)
             stats = sender.refit(version)
-            expected = sent_fingerprints(sender)
+            expected = live_fingerprints(tensors, sender.manifest)
             for peer in peers:
                 report = peer.report()
                 assert report["event"] == "refit", report
@@ -40,10 +40,10 @@ def test_every_refit_is_bitwise_exact(transport: str, receivers: int) -> None:
 
 def test_oversize_tensor_spans_buckets_and_arrives_whole(transport: str) -> None:
     specs = [["big", [5000], "float32"], ["small", [3], "float32"]]  # 20 KB in 4 KiB buckets
-    with session(specs, transport=transport) as (sender, _, (peer,)):
+    with session(specs, transport=transport) as (sender, tensors, (peer,)):
         stats = sender.refit(1)
         assert stats.num_buckets == 5
-        assert peer.report()["fingerprints"] == sent_fingerprints(sender)
+        assert peer.report()["fingerprints"] == live_fingerprints(tensors, sender.manifest)
 
 
 def _control_bytes(num_tensors: int) -> tuple[int, int]:
@@ -109,7 +109,7 @@ def test_dtype_change_starts_a_new_epoch_and_stays_exact(transport: str) -> None
     assert (first.epoch, second.epoch, third.epoch) == (1, 2, 2)
     assert second.handshake and not third.handshake
     assert sender.manifest.entry("layer.1.weight").spec.dtype == torch.float32
-    assert report["fingerprints"] == sent_fingerprints(sender)
+    assert report["fingerprints"] == live_fingerprints(tensors, sender.manifest)
 
 
 def test_version_is_committed_only_after_the_last_bucket() -> None:
@@ -132,4 +132,4 @@ def test_new_storage_without_a_spec_change_keeps_the_epoch_and_stays_exact(trans
         stats = sender.refit(2)
         report = peer.report()
     assert (stats.epoch, stats.handshake) == (1, False)
-    assert report["fingerprints"] == sent_fingerprints(sender)
+    assert report["fingerprints"] == live_fingerprints(tensors, sender.manifest)

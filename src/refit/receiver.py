@@ -82,7 +82,9 @@ class Receiver:
         limit = bucket_capacity(bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio,
                                 free=free_bytes(self.device))  # fmt: skip
         ch.send(Header(Kind.HELLO), {"token": self.rendezvous.get("token", ""), "capacity": limit})
-        welcome = parse_json(ch.expect(Kind.WELCOME, "rendezvous")[1], "WELCOME")
+        ch.set_timeout(self.settings.connect_timeout_s)  # the sender admits every receiver first; they start slowly
+        welcome = parse_json(ch.expect(Kind.WELCOME, "rendezvous (waiting for every receiver to connect)")[1], "WELCOME")
+        ch.set_timeout(self.settings.timeout_s)
         rank, capacity, info = welcome.get("rank"), welcome.get("capacity"), welcome.get("info")
         name = welcome.get("transport")
         if isinstance(name, str) and name != self.rendezvous.get("transport"):  # the sender fell back

@@ -199,7 +199,7 @@ class Sender:
 
     def _admit(self) -> list[int]:
         """Admit every receiver (token checked by the lobby); return their bucket capacity limits."""
-        arrivals = self._session.lobby.admit(self.num_receivers, self.settings.timeout_s)
+        arrivals = self._session.lobby.admit(self.num_receivers, self.settings.connect_timeout_s)
         limits = []
         for rank, a in enumerate(arrivals, start=1):
             ch = Channel(a.sock, peer=f"receiver {rank} ({a.addr})", timeout_s=self.settings.timeout_s)

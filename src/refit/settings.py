@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_RATIO = 0.2
 DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_CONNECT_TIMEOUT_S = 600.0
 DEFAULT_HOST = "127.0.0.1"
 
 
@@ -56,7 +57,11 @@ class Settings:
     bucket_bytes: int | None = field(default_factory=_bucket_bytes)
     """Explicit bucket capacity in bytes; overrides `ratio` (REFIT_BUCKET_BYTES)."""
     timeout_s: float = field(default_factory=lambda: _float("REFIT_TIMEOUT", DEFAULT_TIMEOUT_S))
-    """Limit on every blocking wait: rendezvous, handshake, each bucket, commit (REFIT_TIMEOUT)."""
+    """Limit on every wait inside a refit (handshake, each bucket, commit), and how long a receiver waits
+    between refits without a heartbeat before it calls the sender dead (REFIT_TIMEOUT)."""
+    connect_timeout_s: float = field(default_factory=lambda: _float("REFIT_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT_S))
+    """How long the rendezvous waits for every receiver to connect: it spans the engine processes'
+    start-up, which can take minutes (REFIT_CONNECT_TIMEOUT)."""
     host: str = field(default_factory=lambda: os.environ.get("REFIT_HOST", DEFAULT_HOST))
     """Address the sender listens on; loopback unless told otherwise (REFIT_HOST)."""
     ifname: str | None = field(default_factory=lambda: os.environ.get("REFIT_IFNAME") or None)
@@ -71,7 +76,7 @@ class Settings:
             raise ValueError(f"ratio ({self.ratio}) must be in (0, 1]")
         if self.bucket_bytes is not None and self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes ({self.bucket_bytes}) must be > 0")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s ({self.timeout_s}) must be > 0")
+        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError(f"timeout_s ({self.timeout_s}) and connect_timeout_s ({self.connect_timeout_s}) must be > 0")
         if not self.token:
             raise ValueError("token must be non-empty")

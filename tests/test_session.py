@@ -1,0 +1,186 @@
+"""Sessions as long as training, in real processes: idle time is not a failure, a hung or dead peer is
+found by liveness checks, the rendezvous admits only real receivers, and nothing is left behind."""
+
+from __future__ import annotations
+
+import gc
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+from conftest import live_fingerprints, session
+from peer import make_tensors
+from refit import ModuleEngine, ModuleSource, PeerError, Receiver, Sender, Settings
+from refit.wire import HEADER, Channel, Header, Kind
+
+SPECS = [["a", [64, 16], "float32"], ["b", [10], "float32"]]
+HERE = os.path.dirname(__file__)
+
+
+def _sender_process(mode: str, timeout_s: float) -> tuple[subprocess.Popen, dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, *sys.path])}
+    args = {"specs": SPECS, "transport": "shm", "bucket_bytes": 4096, "mode": mode, "timeout_s": timeout_s}
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "sender_peer.py"), json.dumps(args)],
+                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    return proc, json.loads(proc.stdout.readline().removeprefix("@@sender "))
+
+
+def test_idle_time_longer_than_the_timeout_between_refits_is_not_a_failure() -> None:
+    # Short in-refit timeout on both sides; the trainer then "trains" for three times as long.
+    with session(SPECS, transport="shm", timeout_s=1.5) as (sender, live, (peer,)):
+        sender.refit(1)
+        peer.report()
+        time.sleep(4.5)  # the condition under test: a training step longer than REFIT_TIMEOUT
+        with torch.no_grad():
+            live["a"].add_(1.0)
+        stats = sender.refit(2)
+        report = peer.report()
+        assert report["state"] == "current" and report["version"] == 2 and stats.version == 2
+        assert report["fingerprints"] == live_fingerprints(live, sender.manifest)
+
+
+@pytest.mark.parametrize(("mode", "needle"), [("hang", "no heartbeat from the sender"),
+                                              ("exit", "closed the connection")])  # fmt: skip
+def test_a_hung_or_dead_sender_is_found_between_refits_within_the_timeout(mode: str, needle: str) -> None:
+    proc, rendezvous = _sender_process(mode, timeout_s=2.0)
+    engine = ModuleEngine(make_tensors(SPECS, seed=4))
+    try:
+        with Receiver(engine, rendezvous, settings=Settings(timeout_s=2.0)) as receiver:
+            assert receiver.receive().version == 1
+            start = time.monotonic()
+            with pytest.raises(PeerError, match=needle):
+                receiver.receive()
+            assert time.monotonic() - start < 2.0 + 8.0  # the timeout, plus slack for a loaded machine
+            assert engine.weights.state.value == "current" and engine.weights.version == 1
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _admit_in_thread(sender: Sender) -> threading.Thread:
+    t = threading.Thread(target=sender.connect)
+    t.start()
+    return t
+
+
+def test_slow_and_hostile_connections_neither_delay_nor_get_blamed_for_real_receivers() -> None:
+    with session(SPECS, transport="shm") as (sender, live, (peer,)):
+        sender._session.lobby.hello_timeout_s = 3600.0  # a trickler could otherwise be dropped first
+        host, port = sender.rendezvous()["host"], sender.rendezvous()["port"]
+        silent = socket.create_connection((host, port))
+        trickle = socket.create_connection((host, port))
+        trickle.sendall(Header(Kind.HELLO, nbytes=100).pack()[:10])  # and then nothing more
+        huge = socket.create_connection((host, port))
+        huge.sendall(Header(Kind.HELLO, nbytes=60 << 20).pack())  # claims 60 MiB of HELLO
+        sender.refit(1)  # admits the real receiver while all three are still open
+        assert peer.report()["fingerprints"] == live_fingerprints(live, sender.manifest)
+        huge.settimeout(60)
+        assert huge.recv(1) == b""  # dropped on its header alone: nothing past 4 KiB is read before a token
+        assert sender._session.lobby.refused >= 1
+        for s in (silent, trickle, huge):
+            s.close()
+
+
+def test_a_message_that_trickles_in_fails_at_its_whole_message_deadline() -> None:
+    a, b = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle() -> None:
+        data = Header(Kind.DONE, nbytes=0).pack()
+        for byte in data:
+            if stop.wait(0.2):  # the fault under test: one byte every 0.2 s, each well inside the timeout
+                return
+            b.sendall(bytes([byte]))
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    try:
+        ch = Channel(a, peer="slow peer", timeout_s=1.0)
+        start = time.monotonic()
+        with pytest.raises(PeerError, match="did not answer within 1s"):
+            ch.recv("commit")
+        assert time.monotonic() - start < 1.0 + 5.0 and HEADER.size * 0.2 > 5.0
+    finally:
+        stop.set()
+        t.join()
+        a.close()
+        b.close()
+
+
+def test_a_sender_dying_before_every_receiver_is_ready_leaves_no_shared_memory() -> None:
+    before = set(glob.glob("/dev/shm/refit-*"))
+    proc, rendezvous = _sender_process("die_at_setup", timeout_s=30.0)
+    engine = ModuleEngine(make_tensors(SPECS, seed=4))
+    with pytest.raises(PeerError):
+        Receiver(engine, rendezvous, settings=Settings(timeout_s=30.0)).connect()
+    assert proc.wait() == 18
+    assert set(glob.glob("/dev/shm/refit-*")) == before
+
+
+def test_shared_memory_names_carry_no_part_of_the_token() -> None:
+    from refit.transports.shm import ShmTransport
+
+    settings = Settings(token="f00dfeedcafe1234")
+    transport, info = ShmTransport.offer(capacity=4096, num_slots=2, num_receivers=1, device=torch.device("cpu"),
+                                         settings=settings)  # fmt: skip
+    try:
+        assert all("f00d" not in p for p in info["paths"])
+    finally:
+        transport.close()
+
+
+def test_a_receiver_that_cannot_join_tells_the_sender_and_closes_its_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    from refit.transports.shm import ShmTransport
+
+    def broken_join(*args, **kwargs):
+        raise PeerError("no shared memory here")
+
+    monkeypatch.setattr(ShmTransport, "join", broken_join)
+    sender = Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", settings=Settings(timeout_s=30))
+    fds = len(os.listdir("/proc/self/fd"))
+    errors: list[BaseException] = []
+    receiver = Receiver(ModuleEngine(make_tensors(SPECS, seed=2)), sender.rendezvous())
+    t = threading.Thread(target=lambda: _catch(receiver.connect, errors))
+    t.start()
+    with pytest.raises(PeerError, match="receiver 1 .* failed: receiver could not join: no shared memory here"):
+        sender.connect()
+    t.join()
+    sender.close()
+    assert isinstance(errors[0], PeerError) and receiver.channel is None
+    assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+def _catch(fn, errors: list[BaseException]) -> None:
+    try:
+        fn()
+    except BaseException as e:
+        errors.append(e)
+
+
+def test_an_unclosed_sender_is_released_when_dropped() -> None:
+    sender = Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", settings=Settings(timeout_s=30))
+    receiver = Receiver(ModuleEngine(make_tensors(SPECS, seed=2)), sender.rendezvous())
+    results: list = []
+    t = threading.Thread(target=lambda: results.extend([receiver.receive(), receiver.receive()]))
+    t.start()
+    sender.refit(1)
+    address = (sender.rendezvous()["host"], sender.rendezvous()["port"])
+    ref = weakref.ref(sender)
+    del sender
+    gc.collect()
+    t.join()
+    receiver.close()
+    assert ref() is None and results[0].version == 1 and results[1] is None  # the receiver was told CLOSE
+    assert not [th for th in threading.enumerate() if th.name in ("refit-heartbeat", "refit-lobby")]
+    with pytest.raises(OSError):
+        socket.create_connection(address, timeout=5)
