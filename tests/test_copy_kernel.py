@@ -46,10 +46,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def _check(device: str, src_dtype: torch.dtype, dst_dtype: torch.dtype, offset: int) -> BatchedCopy:
+def _check(device: str, src_dtype: torch.dtype, dst_dtype: torch.dtype, offset: int, programs_per_sm: int = 0) -> BatchedCopy:
     dst, src = _pairs(device, src_dtype, dst_dtype, offset=offset)
     ref = [torch.empty_like(d).copy_(s) for d, s in zip(dst, src)]
-    copy = BatchedCopy(dst, src, chunk_bytes=1 << 16, block_bytes=1 << 12)  # small chunks: many per tensor
+    # Small chunks: many per tensor, and (with programs_per_sm) many per program.
+    copy = BatchedCopy(dst, src, chunk_bytes=1 << 16, block_bytes=1 << 12, programs_per_sm=programs_per_sm)
     copy.run()
     g = torch.Generator(device=device).manual_seed(offset)
     for _ in range(2):  # a replay copies the sources' current values
@@ -83,7 +84,10 @@ def test_copy_plan_replays_current_values_and_rejects_mismatched_lists() -> None
 _INTERPRETED = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
+import test_copy_kernel as t
 from test_copy_kernel import _check, DTYPES
+# The interpreter runs each program in Python: small tensors, still several chunks each (64 KiB chunks).
+t.SHAPES[:] = [s for s in t.SHAPES if torch.Size(s).numel() < 100_000] + [(40_000,), (3, 30_001)]
 same = [(s, d) for s, d in DTYPES if s == d]
 for offset in (0, 1, 8):
     for s, d in same:
@@ -106,10 +110,12 @@ def test_kernel_equals_copy_bitwise_under_triton_interpreter() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("src_dtype,dst_dtype", DTYPES)
 @pytest.mark.parametrize("offset", [0, 1, 8])
-def test_kernel_equals_copy_bitwise_on_cuda(src_dtype: torch.dtype, dst_dtype: torch.dtype, offset: int) -> None:
+@pytest.mark.parametrize("programs_per_sm", [0, 1])
+def test_kernel_equals_copy_bitwise_on_cuda(src_dtype: torch.dtype, dst_dtype: torch.dtype, offset: int,
+                                            programs_per_sm: int) -> None:  # fmt: skip
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    c = _check("cuda", src_dtype, dst_dtype, offset)
+    c = _check("cuda", src_dtype, dst_dtype, offset, programs_per_sm)
     casts = {torch.float32, torch.bfloat16, torch.float16}
     aligned = all(offset * t.itemsize % 16 == 0 for t in (src_dtype, dst_dtype))
     if aligned and (src_dtype == dst_dtype or {src_dtype, dst_dtype} <= casts):

@@ -38,6 +38,9 @@ BLOCK_BYTES = 32 << 10
 """Bytes one program moves per loop step (of 8, 16 and 32 KiB with 4, 8 and 16 warps, 32 KiB and 16 warps
 was fastest on an H200: 1.06x a flat copy for the 7B and MoE shape sets)."""
 NUM_WARPS = 16
+PROGRAMS_PER_SM = int(os.environ.get("REFIT_COPY_PROGRAMS_PER_SM", "0"))
+"""0: one program per chunk. k > 0: k programs per multiprocessor, each walking every P-th chunk, which
+leaves room on the device for kernels running beside the copy (NCCL's broadcast)."""
 ALIGN = 16
 """Source and target addresses must be multiples of this for the kernel (it moves 16 bytes per access)."""
 
@@ -57,24 +60,25 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _copy_chunks(table, src, dst, BLOCK: tl.constexpr, VEC: tl.constexpr):
-        """One program per table row (source offset, target offset, length), in elements of src/dst."""
-        row = table + tl.program_id(0).to(tl.int64) * 3
-        s0 = tl.load(row)
-        d0 = tl.load(row + 1)
-        n = tl.load(row + 2)
+    def _copy_chunks(table, num_rows, src, dst, BLOCK: tl.constexpr, VEC: tl.constexpr):
+        """Program p copies table rows p, p + P, ... (source offset, target offset, length), in elements."""
         lane = tl.arange(0, BLOCK)
-        full = n - n % BLOCK
-        for i in range(0, full, BLOCK):
-            # Row offsets are multiples of VEC (checked when the table is built): 16-byte accesses.
-            so = tl.max_contiguous(tl.multiple_of(s0 + i + lane, VEC), BLOCK)
-            do = tl.max_contiguous(tl.multiple_of(d0 + i + lane, VEC), BLOCK)
-            x = tl.load(src + so, cache_modifier=".cg")
-            tl.store(dst + do, x.to(dst.dtype.element_ty), cache_modifier=".cs")
-        if full < n:
-            mask = full + lane < n
-            x = tl.load(src + s0 + full + lane, mask=mask)
-            tl.store(dst + d0 + full + lane, x.to(dst.dtype.element_ty), mask=mask)
+        for r in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+            row = table + r * 3
+            s0 = tl.load(row)
+            d0 = tl.load(row + 1)
+            n = tl.load(row + 2)
+            full = n - n % BLOCK
+            for i in range(0, full, BLOCK):
+                # Row offsets are multiples of VEC (checked when the table is built): 16-byte accesses.
+                so = tl.max_contiguous(tl.multiple_of(s0 + i + lane, VEC), BLOCK)
+                do = tl.max_contiguous(tl.multiple_of(d0 + i + lane, VEC), BLOCK)
+                x = tl.load(src + so, cache_modifier=".cg")
+                tl.store(dst + do, x.to(dst.dtype.element_ty), cache_modifier=".cs")
+            if full < n:
+                mask = full + lane < n
+                x = tl.load(src + s0 + full + lane, mask=mask)
+                tl.store(dst + d0 + full + lane, x.to(dst.dtype.element_ty), mask=mask)
 
 
 @dataclass(slots=True)
@@ -88,6 +92,7 @@ class _Launch:
     block: int
     vec: int
     num_chunks: int
+    num_programs: int
     num_warps: int
 
     def run(self) -> None:
@@ -99,8 +104,8 @@ class _Launch:
             self._go()
 
     def _go(self) -> None:
-        _copy_chunks[(self.num_chunks,)](self.table, self.src_anchor, self.dst_anchor, BLOCK=self.block, VEC=self.vec,
-                                         num_warps=self.num_warps)  # fmt: skip
+        _copy_chunks[(self.num_programs,)](self.table, self.num_chunks, self.src_anchor, self.dst_anchor,
+                                           BLOCK=self.block, VEC=self.vec, num_warps=self.num_warps)  # fmt: skip
 
 
 def _key(d: torch.Tensor, s: torch.Tensor) -> tuple[torch.dtype, torch.dtype] | None:
@@ -130,21 +135,25 @@ def _table(pairs: list[tuple[int, int, int]], src_base: int, dst_base: int, src_
 
 
 def _launch(device: torch.device, st: torch.dtype, dt: torch.dtype, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-            chunk_bytes: int, block_bytes: int, num_warps: int) -> _Launch:  # fmt: skip
+            chunk_bytes: int, block_bytes: int, num_warps: int, programs_per_sm: int) -> _Launch:  # fmt: skip
     src_anchor = torch.empty(ALIGN, dtype=st, device=device)
     dst_anchor = torch.empty(ALIGN, dtype=dt, device=device)
     ss, ds = src_anchor.element_size(), dst_anchor.element_size()
     rows = [(s.data_ptr(), d.data_ptr(), d.nbytes // ds if st == dt else d.numel()) for d, s in pairs]
     width = max(ss, ds)
     table = _table(rows, src_anchor.data_ptr(), dst_anchor.data_ptr(), ss, ds, chunk_bytes // width, device)
-    return _Launch(table, src_anchor, dst_anchor, block_bytes // width, ALIGN // width, len(table), num_warps)
+    programs = len(table)
+    if programs_per_sm and device.type == "cuda":
+        programs = min(programs, programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+    return _Launch(table, src_anchor, dst_anchor, block_bytes // width, ALIGN // width, len(table), programs, num_warps)
 
 
 class BatchedCopy:
     """dst[i].copy_(src[i]) for every i, planned once at construction and replayed by `run()`."""
 
     def __init__(self, dst: list[torch.Tensor], src: list[torch.Tensor], *, chunk_bytes: int = CHUNK_BYTES,
-                 block_bytes: int = BLOCK_BYTES, num_warps: int = NUM_WARPS) -> None:  # fmt: skip
+                 block_bytes: int = BLOCK_BYTES, num_warps: int = NUM_WARPS,
+                 programs_per_sm: int = PROGRAMS_PER_SM) -> None:  # fmt: skip
         """The keyword arguments tune the kernel (the bench sweeps them); the defaults suit an H200."""
         if len(dst) != len(src):
             raise ValueError(f"BatchedCopy needs as many targets ({len(dst)}) as sources ({len(src)})")
@@ -161,7 +170,7 @@ class BatchedCopy:
                 self._rest_src.append(s)
             else:
                 groups.setdefault((d.device, *key), []).append((d, s))
-        self._launches = [_launch(dev, st, dt, ps, chunk_bytes, block_bytes, num_warps)
+        self._launches = [_launch(dev, st, dt, ps, chunk_bytes, block_bytes, num_warps, programs_per_sm)
                           for (dev, st, dt), ps in groups.items()]  # fmt: skip
         self._foreach = _foreach_copy is not None and all(
             d.dtype == s.dtype and d.device == s.device for d, s in zip(self._rest_dst, self._rest_src)

@@ -32,7 +32,7 @@ def _time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times)
 
 
-def run(preset: str, layers: int | None, repeats: int, tunings: list[tuple[int, int, int]]) -> dict:
+def run(preset: str, layers: int | None, repeats: int, tunings: list[tuple[int, int, int, int]]) -> dict:
     shape = PRESETS[preset] if layers is None else PRESETS[preset].truncated(layers)
     spec_list = specs(shape, torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -46,13 +46,13 @@ def run(preset: str, layers: int | None, repeats: int, tunings: list[tuple[int, 
     del flat_src, flat_dst
     out["foreach"] = _time(lambda: torch._foreach_copy_(dst, src), repeats)
     out["kernel"] = {}
-    for chunk, block, warps in tunings:
-        plan = BatchedCopy(dst, src, chunk_bytes=chunk, block_bytes=block, num_warps=warps)
+    for chunk, block, warps, per_sm in tunings:
+        plan = BatchedCopy(dst, src, chunk_bytes=chunk, block_bytes=block, num_warps=warps, programs_per_sm=per_sm)
         for d in dst:
             d.fill_(0)
         t = _time(plan.run, repeats)
         ok = all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in zip(dst, src))
-        out["kernel"][f"{chunk >> 10}K/{block >> 10}K/{warps}w"] = {"s": t, "bitwise_equal": ok}
+        out["kernel"][f"{chunk >> 10}K/{block >> 10}K/{warps}w/{per_sm or 'all'}"] = {"s": t, "bitwise_equal": ok}
     return out
 
 
@@ -64,10 +64,12 @@ def main() -> int:
     p.add_argument("--chunks", default="262144,1048576,4194304")
     p.add_argument("--blocks", default="8192,16384,32768")
     p.add_argument("--warps", default="4,8,16")
+    p.add_argument("--per-sm", default="0", help="programs per multiprocessor (0: one per chunk)")
     p.add_argument("--json")
     a = p.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    tunings = [t for t in itertools.product(ints(a.chunks), ints(a.blocks), ints(a.warps)) if t[0] % t[1] == 0]
+    grid = itertools.product(ints(a.chunks), ints(a.blocks), ints(a.warps), ints(a.per_sm))
+    tunings = [t for t in grid if t[0] % t[1] == 0]
     reports = []
     for preset in a.preset.split(","):
         r = run(preset, a.layers, a.repeats, tunings)
@@ -77,7 +79,7 @@ def main() -> int:
               f"({2 * r['nbytes'] / flat / 1e12:.2f} TB/s read+write); _foreach_copy_ {r['foreach'] * 1e3:.2f} ms "
               f"({r['foreach'] / flat:.3f}x)")  # fmt: skip
         for k, v in sorted(r["kernel"].items(), key=lambda kv: kv[1]["s"]):
-            print(f"  kernel {k:>14}: {v['s'] * 1e3:.2f} ms  {v['s'] / flat:.3f}x flat  equal={v['bitwise_equal']}")
+            print(f"  kernel {k:>18}: {v['s'] * 1e3:.2f} ms  {v['s'] / flat:.3f}x flat  equal={v['bitwise_equal']}")
         torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as f:

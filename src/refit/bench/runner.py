@@ -176,6 +176,7 @@ def _floor(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: tor
         dst = torch.empty_like(src)
         times = _timed(lambda: dst.copy_(src), device, cfg)
         del src, dst
+        _release(device)
         return Result("floor", nbytes, times)
     size = align_up(min(nbytes, 1 << 30), 256)
     count = 4
@@ -210,7 +211,14 @@ def _local_copy(method: str, tensors: dict[str, torch.Tensor], cfg: BenchConfig,
             raise RuntimeError(f"the batched copy kernel wrote wrong bytes into {len(bad)} tensors, e.g. {bad[:3]}")
         del plan
     del dst
+    _release(device)
     return Result(method, nbytes, times)
+
+
+def _release(device: torch.device) -> None:
+    """Hand cached blocks back, so the receiver processes on this device can have them."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _refit(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: torch.device, *, num_slots: int,
