@@ -149,6 +149,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
             bucket_bytes=args.bucket_bytes,
             methods=tuple(args.methods.split(",")) if args.methods else METHODS,
         )
+        log.info("bench: %s, %d receiver(s), over %s", preset, n, cfg.transport)
         reports.append(run_bench(cfg))
         show(reports[-1:], console)
     show_scaling(reports, console)

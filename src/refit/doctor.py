@@ -21,8 +21,10 @@ from importlib import metadata, util
 import torch
 
 from refit.budget import NUM_SLOTS, bucket_capacity, free_bytes
+from refit.log import get_logger
 from refit.settings import Settings
 
+log = get_logger("doctor")
 OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
 GiB, MiB = 1 << 30, 1 << 20
 SMALL_SHM = 1 << 30
@@ -93,6 +95,9 @@ def diagnose(*, transports: list[str], settings: Settings | None = None, probe: 
     checks += [check_container(), check_vllm(), check_ray()]
     report = Report(checks=checks)
     report.verdicts = [verdict(report, t) for t in transports]
+    for c in report.checks:
+        log.debug("%s: %s: %s", c.name, c.status, c.detail)
+    log.info("verdicts: %s", ", ".join(f"{v.transport} {v.status}" for v in report.verdicts))
     return report
 
 
