@@ -313,7 +313,7 @@ class Receiver:
             except Exception as e:  # the engine's own error, reported to the sender by message
                 failure = RefitError(f"engine failed to load bucket {b}: {type(e).__name__}: {e}")
         self.transport.release(slot)
-        self.channel.send(Header(Kind.ACK, status=int(failure is not None), index=b, version=header.version))
+        self.channel.send(Header(Kind.ACK, status=int(failure is not None), slot=slot, index=b, version=header.version))
         return failure
 
     def close(self) -> None:
