@@ -249,7 +249,10 @@ def run(cfg: DemoConfig, console: Console, trainer=None) -> bool:
         f"{f', trainer sharded with FSDP2 over {cfg.ranks} ranks' if cfg.trainer == 'fsdp' else ''}"
     )
     sender = Sender(
-        source, transport=cfg.transport, settings=Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
+        source,
+        transport=cfg.transport,
+        settings=Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s),
+        verify="fingerprint",  # every refit ends with the engine's digests checked against the trainer's live tensors
     )
     with tempfile.TemporaryDirectory() as workdir:
         engine = _start_engine(cfg, console, sender, model, tok, prompts, mcfg, workdir)
