@@ -19,6 +19,8 @@ def test_demo_verifies_every_refit_including_a_dtype_change(capsys: pytest.Captu
     assert "all refits verified" in out and out.count("✓") == 6
     assert "2*" in out  # the dtype change started epoch 2
     assert "The stages overlap" in out and "n/a" not in out  # the legend; a real load column
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 3 and all(row.count("✓") == 2 for row in rows)  # captured output: one line per refit
 
 
 def test_demo_json_carries_every_refit_with_the_engines_load_time(capsys: pytest.CaptureFixture) -> None:
