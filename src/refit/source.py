@@ -86,6 +86,8 @@ def alias_key(name: str, t: torch.Tensor, wire: torch.dtype) -> Hashable:
     local = getattr(t, "_local_tensor", t)  # a DTensor: its shard's storage identifies it
     if t.numel() == 0:
         return name
+    if local.device.type == "meta":  # no storage address: only the very same tensor object is an alias
+        return (id(t), wire)
     return (local.device, local.data_ptr(), local.stride(), t.dtype, tuple(t.shape), wire)
 
 
