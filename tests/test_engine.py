@@ -37,3 +37,19 @@ def test_copy_plans_of_an_old_manifest_are_dropped_after_one_refit() -> None:
     assert list(engine._plans) == [id(new)]
     engine.load(new)
     assert torch.equal(engine.tensor("w"), torch.full((4,), 3.0))
+
+
+def test_a_target_the_inference_side_replaced_receives_the_bytes_not_its_predecessor() -> None:
+    model = torch.nn.Linear(4, 3)
+    engine = ModuleEngine(model)
+    engine.begin(1)
+    engine.load(batch := [("weight", torch.ones(3, 4)), ("bias", torch.ones(3))])
+    engine.commit(1)
+    model.to(torch.float64)  # replaces every parameter's storage on the engine side
+    model.bias = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))  # and one parameter object
+    engine.begin(2)
+    engine.load(batch)  # the same list again: a cached plan would write into the old tensors
+    engine.commit(2)
+    assert torch.equal(model.weight, torch.ones(3, 4, dtype=torch.float64))
+    assert torch.equal(model.bias, torch.ones(3, dtype=torch.float64))
+    assert engine.held("bias")[0] is model.bias

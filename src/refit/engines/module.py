@@ -8,31 +8,51 @@ import torch
 from torch import nn
 
 from refit.engines.base import Engine
-from refit.packing import CopyPlan
+from refit.packing import CopyPlan, layout_key
 from refit.spec import TensorSpec
+from refit.state_layout import StateLayout
 
 
 class ModuleEngine(Engine):
-    """Loads into a module's parameters and buffers (or a state dict's tensors) in place, under no_grad."""
+    """Loads into a module's parameters and buffers (or a state dict's tensors) in place, under no_grad.
+
+    The targets are re-read at every handshake and refit, so a parameter or buffer the inference side
+    replaced (`module.to()`, a reassigned buffer) receives the bytes, not its stale predecessor; copy
+    plans are dropped whenever any target's storage, dtype, shape or strides changed."""
 
     def __init__(self, module: nn.Module | Mapping[str, torch.Tensor], *, name_map: Mapping[str, str] | None = None) -> None:
         """`name_map` maps sender names to this module's names where they differ."""
         super().__init__()
         self.module = module
-        own = dict(module.state_dict(keep_vars=True) if isinstance(module, nn.Module) else module)
+        self._layout = StateLayout(module) if isinstance(module, nn.Module) else None
+        own = self._own()
         name_map = dict(name_map or {})
         unknown = sorted(v for v in name_map.values() if v not in own)
         if unknown:
             raise ValueError(f"name_map targets names the module does not have: {unknown[:10]}")
-        inverse = {v: k for k, v in name_map.items()}
-        self._targets: dict[str, torch.Tensor] = {inverse.get(n, n): t for n, t in own.items()}
+        self._inverse = {v: k for k, v in name_map.items()}
         self._plans: dict[int, tuple[list, CopyPlan]] = {}
         self._used: set[int] = set()
+        self._key: object = None
+        self._targets: dict[str, torch.Tensor] = {}
+        self._refresh()
+
+    def _own(self) -> dict[str, torch.Tensor]:
+        return self._layout.read() if self._layout is not None else dict(self.module)  # type: ignore[arg-type]
+
+    def _refresh(self) -> None:
+        """Re-read the live targets; forget every copy plan if any of them was replaced or re-laid-out."""
+        self._targets = {self._inverse.get(n, n): t for n, t in self._own().items()}
+        key = (tuple(self._targets), layout_key(list(self._targets.values())))
+        if key != self._key:
+            self._plans, self._key = {}, key
 
     def specs(self) -> list[TensorSpec]:
+        self._refresh()
         return [TensorSpec.of(n, t) for n, t in self._targets.items()]
 
     def begin(self, version: int) -> None:
+        self._refresh()
         # Plans unused in the last refit belong to an old manifest; dropping them frees the old
         # buffers' views and staging tensor, which they would otherwise keep alive.
         self._plans = {k: v for k, v in self._plans.items() if k in self._used}
