@@ -192,6 +192,7 @@ def test_demo_with_a_vllm_engine_verifies_every_refit() -> None:
                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "all refits verified" in out.stdout and out.stdout.count("✓") == 4
+    assert "n/a" not in out.stdout and "Failed to load weights" not in out.stdout + out.stderr  # real load; quiet vLLM
 
 
 def test_failed_refit_refuses_generation_until_a_retry_succeeds(world: dict) -> None:

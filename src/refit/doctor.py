@@ -58,6 +58,8 @@ class Verdict:
 
 @dataclass(kw_only=True, slots=True)
 class Report:
+    """Every check, and a verdict for each transport asked about."""
+
     checks: list[Check] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
 
