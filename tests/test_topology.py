@@ -161,3 +161,29 @@ def test_gloo_refit_between_two_hosts_advertises_and_binds_a_reachable_address(t
         assert worker.wait(timeout=60) == 0
     finally:
         assert sender.wait(timeout=60) == 0
+
+
+# -- vLLM at tensor-parallel 2, one worker per trainer rank ---------------------------------------
+
+
+@pytest.mark.vllm
+def test_vllm_tensor_parallel_2_fed_by_a_2_rank_fsdp2_trainer_one_worker_per_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("vllm")
+    from refit.demo.model import PROMPTS, build_model, build_tokenizer, model_config, save
+
+    tok = build_tokenizer()
+    path = save(build_model(model_config(layers=2, hidden=256, ffn=768), seed=0), tok, str(tmp_path))
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # two CPU workers on this machine's one NUMA node
+    script = os.path.join(HERE, "vllm_ranked.py")
+    port = __import__("trainer_ranks").free_port()
+    procs = [subprocess.Popen([sys.executable, script, path, json.dumps(prompts)], text=True,
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                              env={**env, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "PYTHONPATH": os.pathsep.join([HERE, *sys.path])})
+             for r in range(2)]  # fmt: skip
+    result = _json(procs[0], "@@ranked ")
+    assert [p.wait(timeout=600) for p in procs] == [0, 0]
+    assert result["rendezvous"] == 2 and result["gathers"] == [1] and result["buckets"] > 3
+    assert result["out"] == result["trainer"]

@@ -65,13 +65,30 @@ class RankedRefit:
         self._device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
         self._agreed = False
         self._voted = False
+        self._infos: list[dict] | None = None
         self.log = get_logger("sender", self.rank)
         sender.verdict = self._vote
 
+    @property
+    def num_receivers(self) -> int:
+        """Engine workers fed in all (one per trainer rank), as drivers such as VllmRefit check."""
+        return self.world
+
+    @property
+    def settings(self):  # type: ignore[no-untyped-def]
+        return self.sender.settings
+
     def rendezvous(self) -> list[dict]:
-        """Every rank's rendezvous, in rank order, each with its trainer rank and device UUID."""
-        own = {**self.sender.rendezvous(), "trainer_rank": self.rank, "device_uuid": devices.uuid(self.sender.device)}
-        return self._all_gather_json(own)
+        """Every rank's rendezvous, in rank order, each with its trainer rank and device UUID.
+        Collective the first time; later calls (on any rank) return the same list."""
+        if self._infos is None:
+            own = {**self.sender.rendezvous(), "trainer_rank": self.rank, "device_uuid": devices.uuid(self.sender.device)}
+            self._infos = self._all_gather_json(own)
+        return self._infos
+
+    def connect(self) -> None:
+        """Accept this rank's worker(s) and agree on the gather budget (collective; the first refit does it too)."""
+        self._agree()
 
     def refit(self, version: int) -> RefitStats:
         """Refit every worker to `version`; returns this rank's stats once every worker committed."""
