@@ -369,8 +369,9 @@ LEGEND = (
     "params: every engine tensor bitwise what was sent; gen: the engine's greedy output equals the trainer's."
 )
 ROTARY_NOTE = (
-    "vLLM's 'RotaryEmbedding: Failed to load weights' warning is expected: the rotary cos/sin cache is "
-    "computed from the config, no checkpoint carries it, and vLLM puts its own cache back after each refit."
+    "If vLLM logged 'RotaryEmbedding: Failed to load weights' above, that is expected: its layerwise reload "
+    "(which refit uses only where a module falls back to vLLM's loader) finds no checkpoint tensor for the rotary "
+    "cos/sin cache, which is computed from the config, and puts vLLM's own cache back."
 )
 
 
