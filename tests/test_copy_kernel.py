@@ -46,11 +46,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def _check(device: str, src_dtype: torch.dtype, dst_dtype: torch.dtype, offset: int, programs_per_sm: int = 0) -> BatchedCopy:
+def _check(device: str, src_dtype: torch.dtype, dst_dtype: torch.dtype, offset: int, programs: int = 0) -> BatchedCopy:
     dst, src = _pairs(device, src_dtype, dst_dtype, offset=offset)
     ref = [torch.empty_like(d).copy_(s) for d, s in zip(dst, src)]
-    # Small chunks: many per tensor, and (with programs_per_sm) many per program.
-    copy = BatchedCopy(dst, src, chunk_bytes=1 << 16, block_bytes=1 << 12, programs_per_sm=programs_per_sm)
+    # Small chunks: many per tensor, and (with programs > 0) many per program.
+    copy = BatchedCopy(dst, src, chunk_bytes=1 << 16, block_bytes=1 << 12, programs=programs)
     copy.run()
     g = torch.Generator(device=device).manual_seed(offset)
     for _ in range(2):  # a replay copies the sources' current values
@@ -93,6 +93,7 @@ for offset in (0, 1, 8):
     for s, d in same:
         c = _check("cpu", s, d, offset)
         assert offset or c.num_launches >= 1, (s, offset)
+_check("cpu", torch.bfloat16, torch.bfloat16, 0, programs=3)  # few programs, each walking many chunks
 print("ok")
 """
 
@@ -110,12 +111,12 @@ def test_kernel_equals_copy_bitwise_under_triton_interpreter() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("src_dtype,dst_dtype", DTYPES)
 @pytest.mark.parametrize("offset", [0, 1, 8])
-@pytest.mark.parametrize("programs_per_sm", [0, 1])
+@pytest.mark.parametrize("programs", [0, 3])
 def test_kernel_equals_copy_bitwise_on_cuda(src_dtype: torch.dtype, dst_dtype: torch.dtype, offset: int,
-                                            programs_per_sm: int) -> None:  # fmt: skip
+                                            programs: int) -> None:  # fmt: skip
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    c = _check("cuda", src_dtype, dst_dtype, offset, programs_per_sm)
+    c = _check("cuda", src_dtype, dst_dtype, offset, programs)
     casts = {torch.float32, torch.bfloat16, torch.float16}
     aligned = all(offset * t.itemsize % 16 == 0 for t in (src_dtype, dst_dtype))
     if aligned and (src_dtype == dst_dtype or {src_dtype, dst_dtype} <= casts):

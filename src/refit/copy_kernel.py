@@ -31,16 +31,17 @@ if torch.cuda.is_available() or _INTERPRET:  # importing Triton takes ~0.2 s: on
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 256 << 10
 """Bytes of one chunk (one program of the kernel); large enough that scheduling programs is free,
 small enough that a few big tensors still spread over every multiprocessor."""
-BLOCK_BYTES = 32 << 10
-"""Bytes one program moves per loop step (of 8, 16 and 32 KiB with 4, 8 and 16 warps, 32 KiB and 16 warps
-was fastest on an H200: 1.06x a flat copy for the 7B and MoE shape sets)."""
+BLOCK_BYTES = 64 << 10
+"""Bytes one program moves per loop step. On an H200, 64 KiB steps, 16 warps and 256 KiB chunks copied
+the 7B and MoE shape sets at 1.06x a flat copy of their bytes (8 to 64 KiB, 4 to 32 warps, 256 KiB to
+4 MiB chunks swept; `python -m refit.bench.copybench`)."""
 NUM_WARPS = 16
-PROGRAMS_PER_SM = int(os.environ.get("REFIT_COPY_PROGRAMS_PER_SM", "0"))
-"""0: one program per chunk. k > 0: k programs per multiprocessor, each walking every P-th chunk, which
-leaves room on the device for kernels running beside the copy (NCCL's broadcast)."""
+PROGRAMS = int(os.environ.get("REFIT_COPY_PROGRAMS", "0"))
+"""0: one program per chunk (fastest alone). k > 0: at most k programs, each walking every k-th chunk: a
+slower copy that leaves memory bandwidth to a collective running beside it."""
 ALIGN = 16
 """Source and target addresses must be multiples of this for the kernel (it moves 16 bytes per access)."""
 
@@ -135,17 +136,15 @@ def _table(pairs: list[tuple[int, int, int]], src_base: int, dst_base: int, src_
 
 
 def _launch(device: torch.device, st: torch.dtype, dt: torch.dtype, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-            chunk_bytes: int, block_bytes: int, num_warps: int, programs_per_sm: int) -> _Launch:  # fmt: skip
+            chunk_bytes: int, block_bytes: int, num_warps: int, programs: int) -> _Launch:  # fmt: skip
     src_anchor = torch.empty(ALIGN, dtype=st, device=device)
     dst_anchor = torch.empty(ALIGN, dtype=dt, device=device)
     ss, ds = src_anchor.element_size(), dst_anchor.element_size()
     rows = [(s.data_ptr(), d.data_ptr(), d.nbytes // ds if st == dt else d.numel()) for d, s in pairs]
     width = max(ss, ds)
     table = _table(rows, src_anchor.data_ptr(), dst_anchor.data_ptr(), ss, ds, chunk_bytes // width, device)
-    programs = len(table)
-    if programs_per_sm and device.type == "cuda":
-        programs = min(programs, programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
-    return _Launch(table, src_anchor, dst_anchor, block_bytes // width, ALIGN // width, len(table), programs, num_warps)
+    grid = min(len(table), programs) if programs > 0 else len(table)
+    return _Launch(table, src_anchor, dst_anchor, block_bytes // width, ALIGN // width, len(table), grid, num_warps)
 
 
 class BatchedCopy:
@@ -153,7 +152,7 @@ class BatchedCopy:
 
     def __init__(self, dst: list[torch.Tensor], src: list[torch.Tensor], *, chunk_bytes: int = CHUNK_BYTES,
                  block_bytes: int = BLOCK_BYTES, num_warps: int = NUM_WARPS,
-                 programs_per_sm: int = PROGRAMS_PER_SM) -> None:  # fmt: skip
+                 programs: int = PROGRAMS) -> None:  # fmt: skip
         """The keyword arguments tune the kernel (the bench sweeps them); the defaults suit an H200."""
         if len(dst) != len(src):
             raise ValueError(f"BatchedCopy needs as many targets ({len(dst)}) as sources ({len(src)})")
@@ -170,7 +169,7 @@ class BatchedCopy:
                 self._rest_src.append(s)
             else:
                 groups.setdefault((d.device, *key), []).append((d, s))
-        self._launches = [_launch(dev, st, dt, ps, chunk_bytes, block_bytes, num_warps, programs_per_sm)
+        self._launches = [_launch(dev, st, dt, ps, chunk_bytes, block_bytes, num_warps, programs)
                           for (dev, st, dt), ps in groups.items()]  # fmt: skip
         self._foreach = _foreach_copy is not None and all(
             d.dtype == s.dtype and d.device == s.device for d, s in zip(self._rest_dst, self._rest_src)

@@ -46,13 +46,13 @@ def run(preset: str, layers: int | None, repeats: int, tunings: list[tuple[int, 
     del flat_src, flat_dst
     out["foreach"] = _time(lambda: torch._foreach_copy_(dst, src), repeats)
     out["kernel"] = {}
-    for chunk, block, warps, per_sm in tunings:
-        plan = BatchedCopy(dst, src, chunk_bytes=chunk, block_bytes=block, num_warps=warps, programs_per_sm=per_sm)
+    for chunk, block, warps, programs in tunings:
+        plan = BatchedCopy(dst, src, chunk_bytes=chunk, block_bytes=block, num_warps=warps, programs=programs)
         for d in dst:
             d.fill_(0)
         t = _time(plan.run, repeats)
         ok = all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in zip(dst, src))
-        out["kernel"][f"{chunk >> 10}K/{block >> 10}K/{warps}w/{per_sm or 'all'}"] = {"s": t, "bitwise_equal": ok}
+        out["kernel"][f"{chunk >> 10}K/{block >> 10}K/{warps}w/{programs or 'all'}"] = {"s": t, "bitwise_equal": ok}
     return out
 
 
@@ -61,14 +61,14 @@ def main() -> int:
     p.add_argument("--preset", default="qwen2-7b,moe")
     p.add_argument("--layers", type=int)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--chunks", default="262144,1048576,4194304")
-    p.add_argument("--blocks", default="8192,16384,32768")
-    p.add_argument("--warps", default="4,8,16")
-    p.add_argument("--per-sm", default="0", help="programs per multiprocessor (0: one per chunk)")
+    p.add_argument("--chunks", default="262144,1048576")
+    p.add_argument("--blocks", default="32768,65536")
+    p.add_argument("--warps", default="16,32")
+    p.add_argument("--programs", default="0", help="at most this many programs (0: one per chunk)")
     p.add_argument("--json")
     a = p.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    grid = itertools.product(ints(a.chunks), ints(a.blocks), ints(a.warps), ints(a.per_sm))
+    grid = itertools.product(ints(a.chunks), ints(a.blocks), ints(a.warps), ints(a.programs))
     tunings = [t for t in grid if t[0] % t[1] == 0]
     reports = []
     for preset in a.preset.split(","):
