@@ -46,6 +46,9 @@ MISTAKES = [
     (["demo", "--trainer", "fsdp", "--engine", "vllm"], ["--trainer fsdp runs with --engine module"]),
     (["bench", "--receivers", "one"], ["--receivers takes comma-separated integers"]),
     (["doctor", "--transport", "carrier-pigeon"], ["unknown transport 'carrier-pigeon'"]),
+    (["demo", "--transport", ","], ["--transport needs at least one of shm"]),
+    (["plan", "--json", "/nonexistent/plan.json"], ["cannot write into /nonexistent", "writable folder"]),
+    (["bench", "--quick", "--json", "/nonexistent/bench.json"], ["cannot write into /nonexistent"]),
 ]
 
 

