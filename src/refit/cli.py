@@ -443,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         formatter_class=_Help,
         description="Move trained weights into a running inference engine.",
+        epilog="New here? `refit doctor` says which transports work on this machine; `refit demo` shows a refit.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_demo_parser, _bench_parser, _plan_parser, _doctor_parser):
