@@ -39,7 +39,7 @@ def test_a_cpu_machine_gets_shm_and_gloo_and_is_told_why_not_the_gpu_transports(
 def test_doctor_exits_1_only_when_an_asked_transport_cannot_work() -> None:
     bad = _refit("doctor", "--transport", "nccl")
     assert bad.returncode == 1, bad.stderr
-    assert "nccl cannot work on this machine" in bad.stdout and "CUDA build of torch" in bad.stdout
+    assert "nccl cannot work on this machine" in bad.stdout and "fix: install a CUDA build of torch" in bad.stdout
     good = _refit("doctor", "--transport", "shm,gloo")
     assert good.returncode == 0, good.stdout + good.stderr
     assert _refit("doctor").returncode == 0  # nothing asked: a report, not a verdict

@@ -251,7 +251,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
 
 
 _MARK = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]", "info": "[dim]info[/]"}
-_VERDICT = {"ok": "[green]works[/]", "warn": "[yellow]works, with a caveat[/]", "fail": "[red]will not work[/]"}
+_VERDICT = {"ok": "[green]works[/]", "warn": "[yellow]works, but[/]", "fail": "[red]will not work[/]"}
 
 
 def _doctor(args: argparse.Namespace, console: Console) -> int:
@@ -267,21 +267,30 @@ def _doctor(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         _emit_json({**report.to_json(), "asked": asked if args.transport else [], "ok": not failed}, args.json)
         return 1 if failed else 0
-    checks = Table(title="refit doctor: this machine", title_justify="left")
-    for col in ("check", "", "detail", "what to change"):
-        checks.add_column(col)
+    checks = _doctor_table("refit doctor: this machine")
     for c in report.checks:
-        checks.add_row(escape(c.name), _MARK[c.status], escape(c.detail), escape(c.fix) if c.status != "ok" else "")
-    verdicts = Table(title="transports", title_justify="left")
-    for col in ("transport", "verdict", "why", "what to change"):
-        verdicts.add_column(col)
+        label = "note" if c.status == "info" else "fix"
+        checks.add_row(_MARK[c.status], escape(c.name), _with_fix(c.detail, c.fix if c.status != "ok" else "", label))
+    verdicts = _doctor_table("transports")
     for v in report.verdicts:
-        verdicts.add_row(v.transport, _VERDICT[v.status], escape(v.reason), escape(v.fix))
+        verdicts.add_row(_VERDICT[v.status], v.transport, _with_fix(v.reason, v.fix))
     console.print(checks)
     console.print(verdicts)
     if failed:
-        console.print(f"[red]{', '.join(failed)} cannot work on this machine[/] (see 'what to change')")
+        console.print(f"[red]{', '.join(failed)} cannot work on this machine[/] (see 'fix:' above)")
     return 1 if failed else 0
+
+
+def _doctor_table(title: str) -> Table:
+    """A borderless list: status, name, detail; a fix goes on its own line under the detail."""
+    table = Table(title=title, title_justify="left", title_style="bold", box=None, show_header=False)
+    for _ in range(3):
+        table.add_column(no_wrap=False)
+    return table
+
+
+def _with_fix(detail: str, fix: str, label: str = "fix") -> str:
+    return escape(detail) + (f"\n[cyan]{label}:[/] {escape(fix)}" if fix else "")
 
 
 class _Help(argparse.HelpFormatter):
