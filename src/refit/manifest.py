@@ -6,6 +6,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 from refit.spec import TensorSpec, dtype_from_name, dtype_name
 
@@ -14,13 +15,14 @@ MAX_TENSORS = 1_000_000
 MAX_NAME_CHARS = 1024
 MAX_DIMS = 16
 MAX_BUCKETS = 1 << 24
+MAX_ALIASES = 64
 MAX_BYTES = 1 << 56
 """Largest capacity, tensor or offset accepted from a peer (64 PiB): keeps every sum far from overflow."""
 
 
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where one tensor's bytes sit: from `offset` of `bucket` on, continuing into the next buckets if larger."""
+class Placement(NamedTuple):
+    """Where one tensor's bytes sit: from `offset` of `bucket` on, continuing into the next buckets if larger.
+    (Tuples, not dataclasses: a manifest holds up to a million and is parsed in one go.)"""
 
     spec: TensorSpec
     bucket: int
@@ -35,8 +37,7 @@ class Placement:
         return self.spec.nbytes
 
 
-@dataclass(frozen=True, slots=True)
-class Segment:
+class Segment(NamedTuple):
     """A byte range of one tensor inside one bucket: tensor bytes [lo, hi) live at bucket offset `at`."""
 
     entry: int
@@ -70,7 +71,7 @@ class Manifest:
     def num_buckets(self) -> int:
         return len(self.bucket_nbytes)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes of tensor data (without padding)."""
         return sum(p.nbytes for p in self.entries)
@@ -79,7 +80,7 @@ class Manifest:
         """The placement carrying `name` (a primary name or an alias)."""
         return self.entries[self._index[name]]
 
-    @property
+    @cached_property
     def names(self) -> list[str]:
         """Every name the receivers load, aliases included."""
         return [n for p in self.entries for n in p.spec.names]
@@ -122,12 +123,19 @@ class Manifest:
         }
 
     @cached_property
+    def _canonical_json(self) -> bytes:
+        return _dumps(self.canonical())
+
+    @cached_property
     def digest(self) -> bytes:
         """16 bytes of SHA-256 over the canonical JSON (layout only; the epoch is not in it)."""
-        return hashlib.sha256(_dumps(self.canonical())).digest()[:16]
+        return hashlib.sha256(self._canonical_json).digest()[:16]
 
     def to_json(self) -> bytes:
-        return _dumps({**self.canonical(), "epoch": self.epoch})
+        """The canonical JSON with the epoch: keys sort as ...capacity, epoch, format..., so the epoch goes
+        in just before the top-level "format" key (the first one: tensor names come after it)."""
+        head, sep, tail = self._canonical_json.partition(b',"format":')
+        return head + b',"epoch":%d' % self.epoch + sep + tail
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
@@ -136,12 +144,22 @@ class Manifest:
             obj = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"manifest is not valid JSON: {e}") from None
-        return _parse(obj)
+        m = _parse(obj)
+        # The digest covers the bytes that were parsed, less the epoch: no need to re-encode 100k entries.
+        # Bytes not in canonical form get another digest than the sender's, which BEGIN then rejects.
+        head, sep, tail = data.partition(b',"format":')
+        epoch = b',"epoch":%d' % m.epoch
+        if sep and head.endswith(epoch):
+            m.__dict__["_canonical_json"] = head[: -len(epoch)] + sep + tail
+        return m
 
 
 def _entry(p: Placement) -> list:
-    row = [p.name, list(p.spec.shape), dtype_name(p.spec.dtype), p.bucket, p.offset, p.nbytes]
-    return [*row, list(p.spec.aliases)] if p.spec.aliases else row
+    spec = p.spec
+    row = [spec.name, list(spec.shape), dtype_name(spec.dtype), p.bucket, p.offset, spec.nbytes]
+    if spec.aliases:
+        row.append(list(spec.aliases))
+    return row
 
 
 def _dumps(obj: dict) -> bytes:
@@ -200,29 +218,39 @@ def _is_int(v: object, lo: int, hi: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
+def _ints(values: list) -> bool:
+    """Every value a plain int in [0, MAX_BYTES] (bools excluded); one pass in C for the common case."""
+    if not values:
+        return True
+    return set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= MAX_BYTES
+
+
 def _name(v: object) -> str:
-    if not isinstance(v, str) or not 0 < len(v) <= MAX_NAME_CHARS:
+    if type(v) is not str or not 0 < len(v) <= MAX_NAME_CHARS:
         raise ValueError(f"manifest tensor names must be non-empty strings of at most {MAX_NAME_CHARS} characters")
     return v
 
 
 def _parse_entry(t: object) -> Placement:
-    if not (isinstance(t, list) and len(t) in (6, 7)):
+    if not (type(t) is list and len(t) in (6, 7)):
         raise ValueError(f"manifest tensor entry must be [name, shape, dtype, bucket, offset, nbytes(, aliases)], "
                          f"got {t!r:.200}")
     name, shape, dtype, bucket, offset, nbytes = t[:6]
     name = _name(name)
-    aliases = t[6] if len(t) == 7 else []
-    if not (isinstance(aliases, list) and aliases and len(aliases) <= MAX_DIMS * 4) and len(t) == 7:
-        raise ValueError(f"manifest aliases of {name!r} must be a non-empty list of names")
-    aliases = tuple(_name(a) for a in aliases)
-    if list(aliases) != sorted(set(aliases)) or name in aliases:
-        raise ValueError(f"manifest aliases of {name!r} must be sorted, distinct and differ from the name")
-    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_int(d, 0, MAX_BYTES) for d in shape)):
+    aliases: tuple[str, ...] = ()
+    if len(t) == 7:
+        raw = t[6]
+        if not (type(raw) is list and 0 < len(raw) <= MAX_ALIASES):
+            raise ValueError(f"manifest aliases of {name!r} must be a non-empty list of at most {MAX_ALIASES} names")
+        aliases = tuple(_name(a) for a in raw)
+        if list(aliases) != sorted(set(aliases)) or name in aliases:
+            raise ValueError(f"manifest aliases of {name!r} must be sorted, distinct and differ from the name")
+    if not (type(shape) is list and len(shape) <= MAX_DIMS and _ints(shape)):
         raise ValueError(f"manifest shape of {name!r} must be a list of at most {MAX_DIMS} integers >= 0")
-    if not all(_is_int(v, 0, MAX_BYTES) for v in (bucket, offset, nbytes)):
+    if not (type(bucket) is int and type(offset) is int and type(nbytes) is int
+            and 0 <= bucket <= MAX_BYTES and 0 <= offset <= MAX_BYTES and 0 <= nbytes <= MAX_BYTES):  # fmt: skip
         raise ValueError(f"manifest bucket/offset/nbytes of {name!r} must be integers in [0, {MAX_BYTES}]")
-    if not isinstance(dtype, str):
+    if type(dtype) is not str:
         raise ValueError(f"manifest dtype of {name!r} must be a string")
     spec = TensorSpec(name, tuple(shape), dtype_from_name(dtype), aliases)
     if spec.nbytes != nbytes:

@@ -47,8 +47,15 @@ LayoutKey = tuple
 
 
 def layout_key(tensors: Sequence[torch.Tensor]) -> LayoutKey:
-    """Changes whenever any tensor is replaced, moved, reshaped, restrided or recast; cheap (no data read)."""
-    return tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors)
+    """Changes whenever any tensor is replaced, moved, reshaped, restrided or recast; reads metadata only,
+    one C call per field for all tensors (about 0.5 us a tensor)."""
+    T = torch.Tensor
+    return (tuple(map(T.data_ptr, tensors)), tuple(map(T.size, tensors)), tuple(map(T.stride, tensors)),
+            tuple(map(_dtype, tensors)))  # fmt: skip
+
+
+def _dtype(t: torch.Tensor) -> torch.dtype:
+    return t.dtype
 
 
 class Packer:
@@ -64,15 +71,20 @@ class Packer:
         self._buffers = buffers
         self._plans: dict[tuple[int, int], _PackPlan] = {}
 
-    def pack(self, bucket: int, slot: int, tensors: Sequence[torch.Tensor], *, cache: bool = True) -> None:
+    def pack(self, bucket: int, slot: int, tensors: Sequence[torch.Tensor], *, cache: bool = True,
+             generation: int | None = None) -> None:  # fmt: skip
         """Fill `slot`'s buffer with bucket `bucket`; `tensors[k]` is the source of the bucket's k-th segment.
-        With `cache=False` (fresh tensors each time, e.g. gathered) nothing keeps them alive afterwards."""
-        key = layout_key(tensors) if cache else None
+        With `cache=False` (fresh tensors each time, e.g. gathered) nothing keeps them alive afterwards.
+        `generation`: the caller vouches that no source tensor's layout changed since a plan made in the
+        same generation (it checked every tensor's layout at once); otherwise this bucket's are checked."""
         hit = self._plans.get((bucket, slot)) if cache else None
-        if hit is None or hit.key != key:
-            hit = self._build(bucket, slot, tensors, key)
-            if cache:
-                self._plans[(bucket, slot)] = hit
+        if hit is None or generation is None or hit.generation != generation:
+            key = layout_key(tensors) if cache else None
+            if hit is None or hit.key != key:
+                hit = self._build(bucket, slot, tensors, key)
+                if cache:
+                    self._plans[(bucket, slot)] = hit
+            hit.generation = generation
         hit.run()
 
     def _build(self, bucket: int, slot: int, tensors: Sequence[torch.Tensor], key: LayoutKey | None) -> _PackPlan:
@@ -83,8 +95,11 @@ class Packer:
             target = typed_view(buf, s.at, s.hi - s.lo, spec.dtype)
             whole = s.lo == 0 and s.hi == spec.nbytes
             if t.is_contiguous():
+                flat = t.view(-1)[s.lo // spec.dtype.itemsize : s.hi // spec.dtype.itemsize]
+                if flat.data_ptr() == target.data_ptr() and flat.dtype == target.dtype:
+                    continue  # already in place: gathered straight into the bucket (refit.fsdp)
                 dst.append(target)
-                src.append(t.view(-1)[s.lo // spec.dtype.itemsize : s.hi // spec.dtype.itemsize])
+                src.append(flat)
             elif whole:  # strided: copy_ walks its strides, still reading the live storage
                 dst.append(target.view(spec.shape))
                 src.append(t)
@@ -98,6 +113,7 @@ class _PackPlan:
     key: LayoutKey | None
     plan: CopyPlan
     fresh: list[tuple[torch.Tensor, torch.Tensor, int, int]]
+    generation: int | None = None
 
     def run(self) -> None:
         self.plan.run()

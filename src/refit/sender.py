@@ -149,6 +149,7 @@ class Sender:
         self._packer: Packer | None = None
         self._bucket_names: list[list[str]] = []
         self._epoch = 0
+        self._generation = 0
         self.verdict: Callable[[str], str] | None = None
         """Set by a per-rank driver (refit.colocated): given this Sender's failure ('' when its receivers
         committed), returns the failure across every trainer rank ('' when every worker committed).
@@ -311,9 +312,12 @@ class Sender:
     def _refit_connected(self, version: int, t_connect: float) -> RefitStats:
         t0 = time.perf_counter()
         signature = self.source.signature()
-        handshake = self.manifest is None or (signature != self._signature and self._changed())
+        moved = signature != self._signature
+        handshake = self.manifest is None or (moved and self._changed())
         if handshake:
             self._handshake()
+        if moved or not self.source.signature_covers_layout:
+            self._generation += 1  # cached copy plans must check their tensors' layout again
         self._signature = signature
         m = self.manifest
         assert m is not None
@@ -351,7 +355,7 @@ class Sender:
                 self._retire(b - slots, inflight[slot], version, stats, errors)
             t = time.perf_counter()
             tensors = self.source.tensors(self._bucket_names[b])
-            self._packer.pack(b, slot, tensors, cache=self.source.stable_tensors)
+            self._packer.pack(b, slot, tensors, cache=self.source.stable_tensors, generation=self._generation)
             if digests is not None:
                 digests.take(b, tensors)
             nbytes = m.bucket_nbytes[b]

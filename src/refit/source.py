@@ -19,6 +19,9 @@ class Source(ABC):
     stable_tensors: bool = True
     """True when `tensors` returns the same long-lived tensors every refit (so copy plans may be cached);
     False when it materialises fresh ones (gathers), which must be dropped after each bucket."""
+    signature_covers_layout: bool = False
+    """True when `signature()` changes whenever any tensor's storage, dtype, shape or strides change (not
+    only its spec): then an unchanged signature vouches for every cached copy plan at once."""
 
     @abstractmethod
     def specs(self) -> list[TensorSpec]:
@@ -97,6 +100,8 @@ class ModuleSource(WireDtypes, Source):
     are sent from what the module holds now. A mapping is re-read too (pass the module, not a
     `state_dict()` copy, to see replacements)."""
 
+    signature_covers_layout = True
+
     def __init__(
         self,
         weights: nn.Module | Mapping[str, torch.Tensor],
@@ -119,8 +124,8 @@ class ModuleSource(WireDtypes, Source):
         replaced, moved, reshaped, restrided or recast, or a name appears or vanishes; the Sender then
         compares full specs (a new epoch only if a spec or an alias changed)."""
         self._tensors = self._read()
-        return (tuple(self._tensors), layout_key(list(self._tensors.values())),
-                tuple(sorted(self._overrides.items(), key=str)))  # fmt: skip
+        overrides = tuple(sorted(self._overrides.items(), key=str)) if self._overrides else ()
+        return tuple(self._tensors), layout_key(list(self._tensors.values())), overrides
 
     def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
         return [self._tensors[n] for n in names]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,13 +67,17 @@ class TensorSpec:
     """Wire dtype: what the bytes in the bucket are."""
     aliases: tuple[str, ...] = ()
     """Other names of the same tensor (same storage and view, e.g. tied embeddings): sent once, loaded under each."""
+    nbytes: int = field(init=False, repr=False, compare=False)
+    """Bytes on the wire (computed once: manifests of 100k tensors read it many times)."""
 
     def __post_init__(self) -> None:
-        if not self.name or not all(self.aliases):
+        if not self.name or (self.aliases and not all(self.aliases)):
             raise ValueError("a tensor spec needs non-empty names")
-        if any(d < 0 for d in self.shape):
+        if self.shape and min(self.shape) < 0:
             raise ValueError(f"tensor {self.name!r} has a negative dimension in shape {self.shape}")
-        dtype_name(self.dtype)
+        if self.dtype not in _NAMES:
+            dtype_name(self.dtype)
+        object.__setattr__(self, "nbytes", math.prod(self.shape) * self.dtype.itemsize)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -82,15 +86,13 @@ class TensorSpec:
 
     def expanded(self) -> list[TensorSpec]:
         """One alias-free spec per name, for validation against an engine."""
+        if not self.aliases:
+            return [self]
         return [TensorSpec(n, self.shape, self.dtype) for n in self.names]
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorSpec:
