@@ -472,7 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.verbosity = -1 if getattr(args, "quiet", False) else getattr(args, "verbose", 0)
     configure(args.verbosity)
-    console = console_for(stderr=getattr(args, "json", None) == "-" and args.command != "bench")
+    json_out = getattr(args, "json", None) == "-" and args.command != "bench"
+    if json_out:  # stdout carries the JSON alone: vLLM's logs (shown with -v) go to stderr
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    console = console_for(stderr=json_out)
     from refit.errors import RefitError
 
     try:

@@ -142,8 +142,8 @@ class VllmSide:
 
     def refit(self, version: int) -> RefitStats:
         stats = self.driver.refit(version)
-        # The driver reports the workers' own engine time as "load" (absent from older drivers: shown as n/a).
-        self._seconds = {k: v for k, v in stats.seconds.items() if k == "load"}
+        # The driver adds the workers' own engine time as "load"; without it the column reads n/a.
+        self._seconds = {"load": stats.seconds["load"]} if "load" in stats.seconds else {}
         return stats
 
     def report(self) -> dict:
