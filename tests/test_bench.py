@@ -27,7 +27,8 @@ def test_deepseek_v3_preset_has_mla_fp8_weights_with_block_scales_and_truncates_
 
     full = {s.name: s for s in specs(PRESETS["deepseek-v3"], torch.bfloat16)}
     assert len(full) == 90427 and round(sum(s.nbytes for s in full.values()) / 1e9) == 673
-    w, scale = full["model.layers.3.self_attn.kv_b_proj.weight"], full["model.layers.3.self_attn.kv_b_proj.weight_scale_inv"]
+    kv_b = "model.layers.3.self_attn.kv_b_proj."
+    w, scale = full[kv_b + "weight"], full[kv_b + "weight_scale_inv"]
     assert (w.shape, w.dtype, scale.shape, scale.dtype) == ((32768, 512), torch.float8_e4m3fn, (256, 4), torch.float32)
     assert full["model.layers.60.mlp.experts.255.down_proj.weight"].shape == (7168, 2048)
     assert full["model.layers.60.mlp.shared_experts.gate_proj.weight_scale_inv"].shape == (16, 56)
@@ -58,7 +59,8 @@ def test_quick_bench_reports_every_method_and_refit_beats_per_tensor_metadata(tm
     # Not a terminal: every row, stage cells included, stays on one line.
     assert re.search(r"per-tensor, metadata every refit +│ +[0-9.]+ │", out)
     assert re.search(r"floor: one flat host copy of the model's bytes +│ +[0-9.]+ │", out)
-    assert re.search(r"refit \(pipelined buckets\) .*│ handshake [0-9.]+ pack [0-9.]+ send .* recv\.commit [0-9.]+ +│", out)
+    stage_cells = r"│ handshake [0-9.]+ pack [0-9.]+ send .* recv\.commit [0-9.]+ +│"
+    assert re.search(r"refit \(pipelined buckets\) .*" + stage_cells, out)
     assert "scaling with the tensor count" in out
 
 

@@ -46,7 +46,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def _check(device: str, src_dtype: torch.dtype, dst_dtype: torch.dtype, offset: int, programs: int = 0) -> BatchedCopy:
+def _check(device: str, src_dtype: torch.dtype, dst_dtype: torch.dtype, offset: int,
+           programs: int | None = None) -> BatchedCopy:  # fmt: skip
     dst, src = _pairs(device, src_dtype, dst_dtype, offset=offset)
     ref = [torch.empty_like(d).copy_(s) for d, s in zip(dst, src)]
     # Small chunks: many per tensor, and (with programs > 0) many per program.
@@ -81,6 +82,14 @@ def test_copy_plan_replays_current_values_and_rejects_mismatched_lists() -> None
         BatchedCopy(dst, src[:1])
 
 
+def test_sharing_device_caps_programs_for_plans_made_inside() -> None:
+    from refit import copy_kernel
+
+    with copy_kernel.sharing_device(5):
+        assert copy_kernel._programs.get() == 5
+    assert copy_kernel._programs.get() == copy_kernel.PROGRAMS
+
+
 _INTERPRETED = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -94,6 +103,10 @@ for offset in (0, 1, 8):
         c = _check("cpu", s, d, offset)
         assert offset or c.num_launches >= 1, (s, offset)
 _check("cpu", torch.bfloat16, torch.bfloat16, 0, programs=3)  # few programs, each walking many chunks
+from refit import copy_kernel
+with copy_kernel.sharing_device(2):
+    c = _check("cpu", torch.int32, torch.int32, 0)
+assert all(l.num_programs <= 2 for l in c._launches), [l.num_programs for l in c._launches]
 print("ok")
 """
 

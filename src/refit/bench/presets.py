@@ -72,7 +72,8 @@ PRESETS: dict[str, Shape] = {
     # weights with 128x128 block scales. The multi-token-prediction layer (model.layers.61) is left out.
     "deepseek-v3": Shape(layers=61, hidden=7168, ffn=18432, vocab=129280, heads=128, kv_heads=128, head_dim=128,
                          experts=256, expert_ffn=2048, dense_layers=3, shared_experts=1, router_bias=True,
-                         q_lora_rank=1536, kv_lora_rank=512, rope_head_dim=64, v_head_dim=128, fp8_block=128),  # fmt: skip
+                         q_lora_rank=1536, kv_lora_rank=512, rope_head_dim=64, v_head_dim=128,
+                         fp8_block=128),  # fmt: skip
 }
 
 
@@ -86,7 +87,8 @@ def specs(shape: Shape, dtype: torch.dtype) -> list[TensorSpec]:
         p = f"model.layers.{i}."
         out += [TensorSpec(p + "input_layernorm.weight", (shape.hidden,), dtype),
                 TensorSpec(p + "post_attention_layernorm.weight", (shape.hidden,), dtype)]  # fmt: skip
-        out += _mla(p + "self_attn.", shape, dtype) if shape.kv_lora_rank else _attention(p + "self_attn.", shape, dtype)
+        attention = _mla if shape.kv_lora_rank else _attention
+        out += attention(p + "self_attn.", shape, dtype)
         out += _mlp(p + "mlp.", shape, dtype, moe=shape.experts > 0 and i >= shape.dense_layers)
     return out
 
@@ -131,7 +133,8 @@ def _mlp(p: str, shape: Shape, dtype: torch.dtype, *, moe: bool) -> list[TensorS
     h = shape.hidden
 
     def ffn(prefix: str, width: int) -> list[TensorSpec]:
-        return [*_linear(prefix + "gate_proj", width, h, shape, dtype), *_linear(prefix + "up_proj", width, h, shape, dtype),
+        return [*_linear(prefix + "gate_proj", width, h, shape, dtype),
+                *_linear(prefix + "up_proj", width, h, shape, dtype),
                 *_linear(prefix + "down_proj", h, width, shape, dtype)]  # fmt: skip
 
     if not moe:
