@@ -52,6 +52,7 @@ class Receiver:
         self._unpacker: Unpacker | None = None
         self._sources: list[tuple[str, torch.Tensor]] = []
         self._broken = ""
+        self._idle_timeout_s = self.settings.timeout_s
 
     def connect(self) -> None:
         """Connect to the sender, present the token and join the transport. On failure the sender is
@@ -86,6 +87,10 @@ class Receiver:
         welcome = parse_json(ch.expect(Kind.WELCOME, "rendezvous (waiting for every receiver to connect)")[1], "WELCOME")
         ch.set_timeout(self.settings.timeout_s)
         rank, capacity, info = welcome.get("rank"), welcome.get("capacity"), welcome.get("info")
+        beat = welcome.get("heartbeat_s")
+        if isinstance(beat, (int, float)) and not isinstance(beat, bool) and 0 < beat < 3600:
+            # Never call a live sender dead for beating slower than this side's own timeout allows.
+            self._idle_timeout_s = max(self.settings.timeout_s, 3 * float(beat))
         name = welcome.get("transport")
         if isinstance(name, str) and name != self.rendezvous.get("transport"):  # the sender fell back
             self._transport_cls = transports.get(name)
@@ -114,7 +119,8 @@ class Receiver:
         assert self.channel is not None
         while True:
             header, payload = self.channel.recv("waiting for the next refit (no heartbeat from the sender: "
-                                                "is its process alive and its host reachable?)", idle=True)
+                                                "is its process alive and its host reachable?)", idle=True,
+                                                timeout_s=self._idle_timeout_s)  # fmt: skip
             if header.kind == Kind.MANIFEST:
                 self._handshake(header, payload)
             elif header.kind == Kind.SOURCES:

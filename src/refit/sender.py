@@ -185,15 +185,16 @@ class Sender:
             device=self.device, settings=self.settings,
         )  # fmt: skip
         self._session.transport = transport
+        interval = min(HEARTBEAT_MAX_S, self.settings.timeout_s / 4)
         for rank, ch in enumerate(self.channels, start=1):
-            ch.send(Header(Kind.WELCOME), {"rank": rank, "capacity": self.capacity, "transport": self.transport_name,
-                                           "info": info})  # fmt: skip
+            welcome = {"rank": rank, "capacity": self.capacity, "transport": self.transport_name, "info": info,
+                       "heartbeat_s": interval}  # fmt: skip
+            ch.send(Header(Kind.WELCOME), welcome)
         transport.establish()
         for ch in self.channels:
             ch.expect(Kind.READY, "transport setup")
         transport.joined()
         self._session.lobby.refuse_late(self.num_receivers)
-        interval = min(HEARTBEAT_MAX_S, self.settings.timeout_s / 4)
         self._session.pulse = _Pulse(self._session.channels, interval)
         log.info("connected %d receiver(s) over %s, buckets of %d bytes", self.num_receivers, self.transport_name,
                  self.capacity)  # fmt: skip

@@ -125,20 +125,22 @@ class Channel:
         except (OSError, AttributeError, ValueError):
             return -1
 
-    def recv(self, stage: str, *, idle: bool = False, max_payload: int = MAX_JSON_BYTES) -> tuple[Header, bytes]:
+    def recv(self, stage: str, *, idle: bool = False, max_payload: int = MAX_JSON_BYTES,
+             timeout_s: float | None = None) -> tuple[Header, bytes]:  # fmt: skip
         """The next message, read whole within the timeout; an ERROR from the peer is raised as PeerError."""
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
-            header = Header.unpack(self._read(HEADER.size, stage, deadline))
+            header = Header.unpack(self._read(HEADER.size, stage, deadline, timeout_s))
             if header.kind == Kind.HEARTBEAT:
                 self.heartbeats += 1
                 if idle:  # the peer proved alive: wait on
-                    deadline = time.monotonic() + self.timeout_s
+                    deadline = time.monotonic() + timeout_s
                 continue
             if header.kind in WITH_PAYLOAD and header.nbytes > max_payload:
                 raise IntegrityError(f"{header.kind.name} of {header.nbytes} bytes from {self.peer} exceeds the "
                                      f"{max_payload} allowed here")
-            payload = self._read(header.nbytes, stage, deadline) if header.kind in WITH_PAYLOAD else b""
+            payload = self._read(header.nbytes, stage, deadline, timeout_s) if header.kind in WITH_PAYLOAD else b""
             self.bytes_received += HEADER.size + len(payload)
             if header.kind == Kind.ERROR:
                 raise PeerError(f"{self.peer} failed: {_message(payload)}")
@@ -150,7 +152,7 @@ class Channel:
             raise PeerError(f"{self.peer} sent {header.kind.name} during {stage}, expected {kind.name}")
         return header, payload
 
-    def _read(self, n: int, stage: str, deadline: float) -> bytes:
+    def _read(self, n: int, stage: str, deadline: float, timeout_s: float) -> bytes:
         buf = bytearray(n)
         view, got = memoryview(buf), 0
         while got < n:
@@ -162,7 +164,7 @@ class Channel:
                 k = self.sock.recv_into(view[got:])
             except TimeoutError:
                 raise PeerError(
-                    f"{self.peer} did not answer within {self.timeout_s:g}s during {stage}; "
+                    f"{self.peer} did not answer within {timeout_s:g}s during {stage}; "
                     "check that it is alive, or raise the timeout (REFIT_TIMEOUT)"
                 ) from None
             except ConnectionResetError:
