@@ -53,7 +53,7 @@ def _report(model: torch.nn.Module, source, sender, out: dict) -> None:
     out["fingerprints"] = fingerprints(full.items(), wire)
     out["model_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
     if isinstance(source, FsdpSource):
-        out.update(peak=source.peak_gathered_bytes, gathers=dict(source.gather_counts),
+        out.update(peak=source.peak_gathered_bytes, gathers=dict(source.gather_counts), in_place=source.in_place_bytes,
                    predicted=source.predicted_gather_bytes(sender.manifest) if sender.manifest else 0)  # fmt: skip
     print("@@rank0 " + json.dumps(out), flush=True)
 

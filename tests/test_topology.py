@@ -72,6 +72,8 @@ def test_per_rank_refit_feeds_each_worker_bitwise_from_the_rank_on_its_device(mo
         assert [i["trainer_rank"] for i in infos] == [0, 1] and infos[0]["port"] != infos[1]["port"]
         sent = check_refits(ranks, workers, 3, fsdp=model == "fsdp")
         assert sent["stats"]["epoch"] == 2  # the dtype change at the last step re-handshook
+        if model == "fsdp":  # evenly sharded whole tensors went straight into the bucket buffers
+            assert sent["in_place"] > 0
 
 
 def test_a_failure_on_one_worker_leaves_every_worker_failed_until_the_retry() -> None:

@@ -21,6 +21,7 @@ ranks never hang on it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 
@@ -31,6 +32,9 @@ from refit import device as devices
 from refit.errors import RefitError
 from refit.fsdp import FsdpSource
 from refit.log import get_logger
+from refit.manifest import Manifest
+from refit.planner import plan
+from refit.spec import dtype_name
 from refit.stats import RefitStats
 
 NO_LIMIT = 1 << 62
@@ -66,6 +70,9 @@ class RankedRefit:
         self._agreed = False
         self._voted = False
         self._infos: list[dict] | None = None
+        self.gather_into_buckets = True
+        """Gather along the buckets, straight into the bucket buffers, when every rank has one layout."""
+        self._cached: tuple = ((), None, 0)
         self.log = get_logger("sender", self.rank)
         sender.verdict = self._vote
 
@@ -102,7 +109,7 @@ class RankedRefit:
         except RefitError as e:
             error = e
         if gathers:
-            source.begin()
+            source.begin(layout=self._layout(), sender=self.sender)
         try:
             if error is None:
                 stats = self.sender.refit(version)
@@ -136,6 +143,22 @@ class RankedRefit:
             source.gather_bytes = int(t.item()) if int(t.item()) < NO_LIMIT else None
         if error is not None:
             raise error
+
+    def _layout(self) -> Manifest | None:
+        """This refit's bucket layout when every rank has the same one (same specs and capacity), else None.
+        Collective (one all-reduce); the layout is planned again only when the source's signature moves."""
+        source, capacity = self.sender.source, self.sender.capacity
+        key = (source.signature(), capacity)
+        if key != self._cached[0]:
+            specs = source.specs()
+            layout = plan(specs, capacity=capacity) if capacity and self.gather_into_buckets else None
+            text = json.dumps([capacity, sorted([s.name, list(s.shape), dtype_name(s.dtype), list(s.aliases)] for s in specs)])
+            digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+            self._cached = (key, layout, digest if layout is not None else -1)
+        _, layout, digest = self._cached
+        t = torch.tensor([digest, -digest], dtype=torch.int64, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return layout if digest >= 0 and int(t[0].item()) == -int(t[1].item()) == digest else None
 
     def _vote(self, own: str) -> str:
         """Phase two: '' when every rank's workers committed, else every failing rank's reason."""

@@ -95,6 +95,8 @@ class FsdpSource(WireDtypes, Source):
         """Most bytes of gathered (full) tensors alive at once on this rank, for checking the budget."""
         self.gather_counts: Counter[str] = Counter()
         """How many times each tensor was all-gathered (tests: once per refit)."""
+        self.in_place_bytes = 0
+        """Bytes gathered straight into a Sender's bucket buffer (per-rank mode), so never packed."""
         self._order: list[str] = []
         self._pos: dict[str, int] = {}
         self._groups: list[tuple[int, int]] = []
@@ -103,6 +105,7 @@ class FsdpSource(WireDtypes, Source):
         self._live: list[_Group] = []
         self._next = 0
         self._leading = False
+        self._buckets: _BucketGathers | None = None
 
     # -- the schedule ------------------------------------------------------------------------------
 
@@ -133,14 +136,22 @@ class FsdpSource(WireDtypes, Source):
         self._planned = key
         self._live, self._next = [], 0
 
-    def begin(self) -> None:
-        """Start a pass over the schedule (every rank, before each refit)."""
+    def begin(self, *, layout: Manifest | None = None, sender=None) -> None:  # type: ignore[no-untyped-def]
+        """Start a pass (every rank, before each refit). With `layout` (per-rank mode, the same bucket
+        layout on every rank) gathers follow the buckets instead of the schedule, and whole, evenly
+        sharded tensors are gathered straight into `sender`'s bucket buffer."""
         self._plan()
         self._live, self._next = [], 0
+        self._buckets = _BucketGathers(self, layout, sender) if layout is not None else None
 
     def end(self, *, drain: bool) -> None:
         """End the pass; with `drain` (per-rank mode) first gather whatever this rank did not ask for,
         so the other ranks' gathers still pair up after this rank's refit broke off."""
+        if self._buckets is not None:
+            if drain:
+                self._buckets.drain()
+            self._buckets = None
+            return
         while drain and self._next < len(self._groups):
             self._issue().wait()
         self._live = []
@@ -173,18 +184,11 @@ class FsdpSource(WireDtypes, Source):
                         self.gather_counts[n] += 1
                         nbytes += out[n].numel() * out[n].element_size()
                     continue
-                world, rows = dist.get_world_size(pg), t.shape[0]
-                chunk = -(-rows // world)
-                local = t.to_local()
-                if local.shape[0] != chunk or not local.is_contiguous():  # an uneven last shard: pad it
-                    padded = local.new_zeros((chunk, *t.shape[1:]))
-                    padded[: local.shape[0]].copy_(local)
-                    local = padded
-                full = torch.empty((chunk * world, *t.shape[1:]), dtype=local.dtype, device=local.device)
+                full, local = _padded(t, pg)
                 _, outs, ins = batches.setdefault((id(pg), local.dtype), (pg, [], []))
                 outs.append(full)
                 ins.append(local)
-                out[n] = full[:rows]
+                out[n] = full[: t.shape[0]]
                 self.gather_counts[n] += 1
                 nbytes += full.numel() * full.element_size()
         works = [_all_gather(pg, outs, ins) for pg, outs, ins in batches.values()]
@@ -194,6 +198,10 @@ class FsdpSource(WireDtypes, Source):
         """The full tensors for a run of consecutive names, gathering only groups not gathered yet."""
         if not names:
             return []
+        if self._buckets is not None:
+            out = self._buckets.tensors(names)
+            if out is not None:
+                return out
         if not self._groups:
             self._plan()
         first, last = self._pos[names[0]], self._pos[names[-1]]
@@ -271,6 +279,97 @@ class FsdpSource(WireDtypes, Source):
             return self._gathered_nbytes(name)
         world = dist.get_world_size(pg)
         return -(-t.shape[0] // world) * world * (t.numel() // max(t.shape[0], 1)) * t.element_size()
+
+
+def _padded(t: torch.Tensor, pg: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, input) of an all-gather of a dim-0 sharded DTensor: shards padded to equal rows."""
+    world, rows = dist.get_world_size(pg), t.shape[0]
+    chunk = -(-rows // world)
+    local = t.to_local()
+    if local.shape[0] != chunk or not local.is_contiguous():  # an uneven last shard: pad it
+        padded = local.new_zeros((chunk, *t.shape[1:]))
+        padded[: local.shape[0]].copy_(local)
+        local = padded
+    return torch.empty((chunk * world, *t.shape[1:]), dtype=local.dtype, device=local.device), local
+
+
+class _BucketGathers:
+    """Gathers that follow one bucket layout, the same on every rank (per-rank mode).
+
+    A whole, evenly sharded tensor is cast to its wire dtype on its shard and all-gathered straight
+    into the bucket buffer the Sender is about to pack (when the Sender's manifest has this very
+    layout), so packing it copies nothing; otherwise into a scratch tensor of the same shape, so the
+    collectives are the same on every rank either way. Other tensors are gathered whole (a tensor
+    spanning buckets once, kept until its last bucket).
+    """
+
+    def __init__(self, source: FsdpSource, layout: Manifest, sender) -> None:  # type: ignore[no-untyped-def]
+        self.source, self.m, self.sender = source, layout, sender
+        self.names = [[layout.entries[s.entry].name for s in segs] for segs in layout.segments]
+        self.next = 0
+        self.kept: dict[str, tuple[torch.Tensor, int]] = {}
+        """A tensor spanning buckets: gathered at its first, kept until its last (the bucket index)."""
+
+    def tensors(self, names: Sequence[str]) -> list[torch.Tensor] | None:
+        """Bucket `next`'s tensors, or None when `names` is not that bucket (then the schedule serves it)."""
+        b = self.next
+        if b >= len(self.names) or list(names) != self.names[b]:
+            return None
+        self.next += 1
+        return self._bucket(b, self._buffer(b))
+
+    def drain(self) -> None:
+        while self.next < len(self.names):
+            self._bucket(self.next, None)
+            self.next += 1
+
+    def _buffer(self, b: int) -> torch.Tensor | None:
+        """The slot buffer bucket `b` is packed into, when the Sender packs exactly this layout."""
+        s = self.sender
+        if s is None or s.manifest is None or s.transport is None or s.manifest.segments != self.m.segments:
+            return None
+        return s.transport.buffers[b % s.num_slots]
+
+    def _bucket(self, b: int, buf: torch.Tensor | None) -> list[torch.Tensor]:
+        from refit.packing import typed_view
+
+        src, out = self.source, []
+        batches: dict[tuple, tuple[dist.ProcessGroup, list[torch.Tensor], list[torch.Tensor]]] = {}
+        with torch.no_grad():
+            for s in self.m.segments[b]:
+                p = self.m.entries[s.entry]
+                name, spec, t = p.name, p.spec, src._tensors[p.name]
+                if name in self.kept:
+                    out.append(self.kept[name][0])
+                    continue
+                pg = _dim0_group(t)
+                whole = s.lo == 0 and s.hi == spec.nbytes
+                if pg is not None and whole and t.shape[0] % dist.get_world_size(pg) == 0:
+                    local = t.to_local().to(spec.dtype).contiguous().view(-1)
+                    dst = (typed_view(buf, s.at, spec.nbytes, spec.dtype) if buf is not None
+                           else torch.empty(spec.nbytes // spec.dtype.itemsize, dtype=spec.dtype, device=local.device))  # fmt: skip
+                    full = dst.view(spec.shape)
+                    src.in_place_bytes += spec.nbytes if buf is not None else 0
+                elif pg is not None:
+                    dst, local = _padded(t, pg)
+                    full = dst[: t.shape[0]]
+                    src.peak_gathered_bytes = max(src.peak_gathered_bytes, dst.numel() * dst.element_size())
+                else:
+                    full = _full(t)
+                    if full is not t:
+                        src.gather_counts[name] += 1
+                if pg is not None:
+                    _, outs, ins = batches.setdefault((id(pg), dst.dtype), (pg, [], []))
+                    outs.append(dst)
+                    ins.append(local)
+                    src.gather_counts[name] += 1
+                if not whole:
+                    self.kept[name] = (full, self.m.last_bucket[s.entry])
+                out.append(full)
+        for w in [w for pg, outs, ins in batches.values() for w in _all_gather(pg, outs, ins)]:
+            w.wait()
+        self.kept = {n: kept for n, kept in self.kept.items() if kept[1] > b}
+        return out
 
 
 def _all_gather(pg: dist.ProcessGroup, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> list:
