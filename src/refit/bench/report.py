@@ -13,6 +13,7 @@ LABELS = {
     "kernel": "batched copy kernel of the tensors",
     "refit": "refit (pipelined buckets)",
     "checksum": "refit + per-bucket checksum",
+    "fingerprint": "refit + end-to-end fingerprint check",
     "zero_copy": "refit zero-copy (reads trainer tensors)",
     "serial": "serial buckets, no overlap",
     "per_tensor": "per-tensor, metadata once",

@@ -27,7 +27,8 @@ from refit.source import ModuleSource
 from refit.spec import TensorSpec, dtype_from_name, dtype_name
 from refit.wire import Header, Kind
 
-METHODS = ("floor", "foreach", "kernel", "refit", "checksum", "zero_copy", "serial", "per_tensor", "per_tensor_meta")
+METHODS = ("floor", "foreach", "kernel", "refit", "checksum", "fingerprint", "zero_copy", "serial", "per_tensor",
+           "per_tensor_meta")
 SENDER_STAGES = ("handshake", "pack", "send", "wait", "commit")
 """Sender stages in the report; `handshake` includes the per-refit signature check."""
 RECEIVER_STAGES = ("recv", "load", "commit")
@@ -157,10 +158,10 @@ def _timed(fn: Callable[[], object], device: torch.device, cfg: BenchConfig) -> 
 @contextlib.contextmanager
 def _session(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: torch.device, *, mode: str,
              bucket_bytes: int, num_slots: int, zero_copy: bool = False, verify_checksum: bool = False,
-             **job: object) -> Iterator[Sender]:  # fmt: skip
+             verify: str | None = None, **job: object) -> Iterator[Sender]:  # fmt: skip
     settings = Settings(bucket_bytes=bucket_bytes, timeout_s=300.0)
     sender = Sender(source, transport=cfg.transport, num_receivers=cfg.receivers, settings=settings, device=device,
-                    num_slots=num_slots, zero_copy=zero_copy, verify_checksum=verify_checksum)  # fmt: skip
+                    num_slots=num_slots, zero_copy=zero_copy, verify_checksum=verify_checksum, verify=verify)  # fmt: skip
     workers.submit({"mode": mode, "rendezvous": sender.rendezvous(), "bucket_bytes": bucket_bytes, **job})
     try:
         sender.connect()
@@ -222,14 +223,14 @@ def _release(device: torch.device) -> None:
 
 
 def _refit(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: torch.device, *, num_slots: int,
-           name: str, zero_copy: bool = False, verify_checksum: bool = False) -> Result:  # fmt: skip
+           name: str, zero_copy: bool = False, verify_checksum: bool = False, verify: str | None = None) -> Result:  # fmt: skip
     """The full Sender/Receiver path; `num_slots=1` is the serial-buckets baseline."""
     version = iter(range(1, 1 << 30))
     stats = []
     bucket_bytes = min(cfg.bucket_bytes, align_up(sum(s.nbytes for s in source.specs()), 256))
     probe = MemoryProbe(device)  # before the Sender, its buffers and its group exist
     with _session(workers, source, cfg, device, mode="refit", bucket_bytes=bucket_bytes, num_slots=num_slots,
-                  zero_copy=zero_copy, verify_checksum=verify_checksum, warmup=cfg.warmup) as sender:  # fmt: skip
+                  zero_copy=zero_copy, verify_checksum=verify_checksum, verify=verify, warmup=cfg.warmup) as sender:  # fmt: skip
         times = _timed(lambda: stats.append(sender.refit(next(version))), device, cfg)
         sender_peak = probe.peak_extra()
         predicted = sender.predicted_memory()
@@ -313,6 +314,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                 results[m] = _refit(workers, source, cfg, device, num_slots=2 if m == "refit" else 1, name=m)
             elif m == "checksum":
                 results[m] = _refit(workers, source, cfg, device, num_slots=2, name=m, verify_checksum=True)
+            elif m == "fingerprint":  # the end-to-end check of what the engine holds
+                results[m] = _refit(workers, source, cfg, device, num_slots=2, name=m, verify="fingerprint")
             elif m == "zero_copy":
                 if cfg.transport == "cuda-ipc":
                     results[m] = _refit(workers, source, cfg, device, num_slots=2, name=m, zero_copy=True)
