@@ -3,7 +3,8 @@
 On CUDA: the caching allocator's peak (`max_memory_allocated`) minus what was allocated when the
 probe started. On Linux CPU: the resident-set high-water mark (VmHWM, reset through
 /proc/self/clear_refs) minus the resident set when the probe started. Both are measurements, never
-predictions; None where neither exists.
+predictions; None where neither exists. The CPU figure counts pages touched, not bytes reserved (a
+buffer never written stays out of it), and misses memory the process freed earlier and reuses.
 """
 
 from __future__ import annotations
