@@ -1,11 +1,14 @@
-"""vLLM engine: a Receiver inside each vLLM worker, loading through vLLM's own weight loading.
+"""vLLM engine: a Receiver inside each vLLM worker, loading through a compiled load plan.
 
-Three parts:
-- `VllmEngine`: the Engine for one worker's model (checkpoint names in, vLLM fuses and shards).
+- `VllmEngine`: the Engine for one worker's model. Names and global shapes come from the model's
+  transformers config and are checked at the handshake; each refit replays the worker's load plan
+  (`vllm_plan`: where vLLM's own loaders put every checkpoint tensor, fused and sharded), or runs
+  vLLM's own `load_weights` reload (`VllmOptions(mode="load_weights")`).
 - `RefitWeightTransferEngine`: the worker side of vLLM's weight-transfer API, registered as backend
   'refit' by the `vllm.general_plugins` entry point (`refit.engines.vllm:register`).
-- `RefitWorkerExtension`: the same receiver for `worker_extension_cls=`, driven by collective_rpc.
-- `VllmRefit`: the trainer-side driver for an offline `vllm.LLM`.
+- `RefitWorkerExtension`: the same receiver for `worker_extension_cls=`, driven by collective_rpc,
+  and the workers' engine time and read-back for the driver.
+- `VllmRefit`: the trainer-side driver for an offline `vllm.LLM` or a `vllm serve` endpoint.
 """
 
 from __future__ import annotations
@@ -418,7 +421,9 @@ class VllmRefit:
     The workers' receive runs through vLLM's own calls (which block) while the Sender pushes from one
     background thread, joined before any call returns, so no two threads ever drive the Sender. A
     refused manifest raises the Sender's `HandshakeError` (vLLM keeps serving its last weights); any
-    other failure raises `RefitError` carrying both the worker's and the trainer's messages.
+    other failure raises `RefitError` carrying both the worker's and the trainer's messages. A failure
+    of the trainer's own code (its source raised) closes the Sender, so the workers stop waiting for
+    buckets at once: make a new Sender and driver to retry.
     """
 
     def __init__(self, llm: Any, sender: Any, *, options: VllmOptions | None = None) -> None:

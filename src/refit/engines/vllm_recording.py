@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from types import MethodType
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -172,8 +173,10 @@ def _recording_tensor(template: torch.Tensor) -> torch.Tensor:
 
 
 def record(model: torch.nn.Module, layers: dict[str, tuple[torch.nn.Module, dict[str, torch.Tensor]]],
-           shapes: dict[str, tuple[int, ...]]) -> Recording:  # fmt: skip
-    """Run `model.load_weights` once per checkpoint name on recording tensors; the live model is untouched."""
+           shapes: dict[str, tuple[int, ...]], *, load: Callable[[str, torch.Tensor], Any] | None = None) -> Recording:  # fmt: skip
+    """Run `model.load_weights` (or `load(name, tensor)`) once per checkpoint name on recording tensors,
+    with `layers` (module name -> (module, checkpoint-layout templates)) swapped in; the live model is untouched."""
+    load = load or (lambda name, t: model.load_weights([(name, t)]))
     out = Recording()
     live: dict[int, str] = {}
     for module, layer in model.named_modules():
@@ -196,7 +199,7 @@ def record(model: torch.nn.Module, layers: dict[str, tuple[torch.nn.Module, dict
                 enc = (torch.arange(catcher.numel, dtype=torch.float64) + _MARK).view(shape)
                 try:
                     with catcher:
-                        model.load_weights([(name, enc)])
+                        load(name, enc)
                 except Exception as e:  # vLLM refuses this name or shape: reported at the handshake
                     out.rejected[name] = f"{type(e).__name__}: {e}"
     finally:
