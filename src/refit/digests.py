@@ -9,7 +9,7 @@ sender digests that region of its live tensor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -17,7 +17,7 @@ from refit.engines.base import Engine, Region
 from refit.errors import PeerError
 from refit.manifest import Manifest
 from refit.source import Source
-from refit.verify import digest64
+from refit.digest import Pending
 
 Target = tuple[str, Region | None]
 
@@ -45,7 +45,8 @@ class DigestPlan:
     def __init__(self, m: Manifest, regions: Sequence[dict[str, Region]]) -> None:
         self.manifest = m
         self.regions = list(regions)
-        self._done: dict[Target, torch.Tensor] = {}
+        self._pending = Pending()
+        self._keys: list[Target] = []
         self._by_bucket: dict[int, list[tuple[int, list[Target]]]] = {}
         for b, segs in enumerate(m.segments):
             for k, s in enumerate(segs):
@@ -56,42 +57,32 @@ class DigestPlan:
 
     def take(self, bucket: int, tensors: Sequence[torch.Tensor]) -> None:
         """Digest the tensors whose last bytes are in `bucket`; `tensors` as packed (one per segment)."""
-        dtype = {p.name: p.spec.dtype for p in self.manifest.entries}
-        with torch.no_grad():
-            for k, targets in self._by_bucket.get(bucket, []):
-                for name, region in targets:
-                    self._done[(name, region)] = digest64(_cut(tensors[k], region).to(dtype[self.manifest.entry(name).name]))
+        self._digest([(target, tensors[k]) for k, targets in self._by_bucket.get(bucket, []) for target in targets])
 
     def take_all(self, source: Source) -> None:
         """Digest every tensor now (zero-copy mode, where nothing was packed)."""
-        entries = self.manifest.entries
-        tensors = source.tensors([p.name for p in entries])
-        by_entry = {p.name: t for p, t in zip(entries, tensors)}
+        m = self.manifest
+        live = dict(zip((p.name for p in m.entries), source.tensors([p.name for p in m.entries])))
+        targets = [t for b in self._by_bucket.values() for _, ts in b for t in ts]
+        self._digest([(target, live[m.entry(target[0]).name]) for target in targets])
+
+    def _digest(self, items: list[tuple[Target, torch.Tensor]]) -> None:
+        """Digest each target's region of its live tensor, cast to the wire dtype (no synchronisation)."""
+        m = self.manifest
         with torch.no_grad():
-            for targets in (t for b in self._by_bucket.values() for _, t in b):
-                for name, region in targets:
-                    primary = self.manifest.entry(name)
-                    self._done[(name, region)] = digest64(_cut(by_entry[primary.name], region).to(primary.spec.dtype))
+            views = [_cut(t, region).to(m.entry(name).spec.dtype) for (name, region), t in items]
+            self._pending.add(views)
+        self._keys.extend(target for target, _ in items)
 
     def payloads(self) -> list[list[str]]:
         """Per receiver, the hex digest of every name it loads, in `Manifest.names` order."""
-        keys = list(self._done)
-        hexes = dict(zip(keys, _hex([self._done[k] for k in keys]) if keys else []))
+        done = dict(zip(self._keys, self._pending.hexes()))
         names = self.manifest.names
-        return [[hexes[(n, r.get(n))] for n in names] for r in self.regions or [{}]]
+        return [[done[(n, r.get(n))] for n in names] for r in self.regions or [{}]]
 
 
 def _cut(t: torch.Tensor, region: Region | None) -> torch.Tensor:
     return t if region is None else t.narrow(region[0], region[1], region[2] - region[1])
-
-
-def _hex(parts: list[torch.Tensor]) -> list[str]:
-    values: list[int] = [0] * len(parts)
-    for device in {p.device for p in parts}:
-        idx = [i for i, p in enumerate(parts) if p.device == device]
-        for i, v in zip(idx, torch.stack([parts[i] for i in idx]).tolist()):
-            values[i] = v
-    return [f"{v & ((1 << 64) - 1):016x}" for v in values]
 
 
 def engine_regions(m: Manifest, engine: Engine) -> dict[str, list[int]]:
@@ -117,12 +108,26 @@ def compare(m: Manifest, engine: Engine, digests: object) -> tuple[list[str], in
             continue
         held.append((name, got[0], m.entry(name).spec.dtype))
         wanted.append(want)
+    pending = Pending()
     with torch.no_grad():
-        parts = [digest64(t.to(wire)) for _, t, wire in held]
+        for group in _groups(held):  # casts of a bounded number of bytes alive at once
+            pending.add([t.to(wire) for _, t, wire in group])
         lossy = {name for name, t, wire in held if t.dtype != wire and not _exact(t, wire)}
-    got_hex = _hex(parts) if parts else []
+    got_hex = pending.hexes()
     bad = sorted({name for (name, _, _), g, w in zip(held, got_hex, wanted) if g != w} | lossy)
     return bad, unreadable
+
+
+def _groups(held: list[tuple[str, torch.Tensor, torch.dtype]], limit: int = 256 << 20) -> Iterator[list]:
+    group, size = [], 0
+    for item in held:
+        group.append(item)
+        size += item[1].numel() * item[2].itemsize
+        if size >= limit:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
 
 
 def _exact(t: torch.Tensor, wire: torch.dtype) -> bool:

@@ -1,0 +1,168 @@
+"""Digest: a 64-bit, position-weighted sum of a tensor's bytes, equal on every device, for many tensors at once.
+
+Read the bytes as little-endian int64 words w_0 .. w_{k-1} (the last one zero-padded). Then
+
+    digest = M * sum(i * w_i) + sum(w_i) + nbytes      (mod 2^64, M = 0x9E3779B97F4A7C15)
+
+Integer sums wrap identically in any order and on any device, so a trainer's GPU and an engine's CPU
+agree bit for bit. A changed word changes the digest, and so does a word moved to another position
+(a transposed, shifted or stale layout). It is a check against mistakes, not against an adversary.
+
+On CUDA with Triton, all tensors of one call are cut into chunks listed in one table and summed by
+one kernel launch (one reading pass, no temporaries). Elsewhere each tensor's words are summed as
+rows of a matrix times the vector of positions: one reading pass too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from refit.copy_kernel import available, triton
+
+M = 0x9E3779B97F4A7C15 - (1 << 64)
+"""The odd multiplier, as a signed int64."""
+ROW_WORDS = 1 << 15
+"""Words per row (CPU) and per chunk (kernel): 256 KiB."""
+BLOCK = 2048
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _chunk_sums(table, anchor, out, BLOCK: tl.constexpr):
+        """Chunk c = (word offset from `anchor`, index of its first word in its tensor, words): its two sums."""
+        c = tl.program_id(0)
+        off = tl.load(table + c * 3)
+        base = tl.load(table + c * 3 + 1)
+        n = tl.load(table + c * 3 + 2)
+        lane = tl.arange(0, BLOCK)
+        s0 = tl.zeros([BLOCK], dtype=tl.int64)
+        s1 = tl.zeros([BLOCK], dtype=tl.int64)
+        for i in range(0, n, BLOCK):
+            mask = i + lane < n
+            w = tl.load(anchor + off + i + lane, mask=mask, other=0)
+            s0 += w
+            s1 += w * (base + i + lane)
+        tl.store(out + c * 2, tl.sum(s0, axis=0))
+        tl.store(out + c * 2 + 1, tl.sum(s1, axis=0))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes, flat, as uint8 starting at an 8-byte aligned address (copied only when it must be)."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return raw if raw.data_ptr() % 8 == 0 else raw.clone()
+
+
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int64, device=device)
+
+
+def _sums_rows(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum w_i, sum i * w_i) of a large 1-D int64 tensor in one pass: rows of the matrix times positions."""
+    whole = words.numel() - words.numel() % ROW_WORDS
+    rows = words[:whole].view(-1, ROW_WORDS)
+    pos = _positions(ROW_WORDS, words.device)
+    if words.device.type == "cpu":
+        row_s1 = rows @ pos  # integer matmul wraps like the sums; CUDA has none, so it multiplies below
+    else:
+        row_s1 = (rows * pos).sum(dim=1)
+    row_s0 = rows.sum(dim=1)
+    rest = words[whole:]
+    bases = _positions(rows.shape[0], words.device) * ROW_WORDS
+    s0 = row_s0.sum() + rest.sum()
+    s1 = (row_s1 + row_s0 * bases).sum() + (rest * (_positions(rest.numel(), words.device) + whole)).sum()
+    return s0, s1
+
+
+def _sums_small(words: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two sums of many small tensors at once: one concatenation and two segmented sums."""
+    sizes = torch.tensor([w.numel() for w in words], dtype=torch.int64)
+    flat = torch.cat(words)
+    owner = torch.repeat_interleave(torch.arange(len(words)), sizes).to(device)
+    starts = (torch.cumsum(sizes, 0) - sizes).to(device)
+    local = _positions(flat.numel(), device) - starts[owner]
+    s0 = torch.zeros(len(words), dtype=torch.int64, device=device).index_add_(0, owner, flat)
+    s1 = torch.zeros(len(words), dtype=torch.int64, device=device).index_add_(0, owner, flat * local)
+    return s0, s1
+
+
+def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The digest of each tensor, as a 1-D int64 tensor on their (common) device; no host synchronisation."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64)
+    device = tensors[0].device
+    raws = [_bytes(t) for t in tensors]
+    words = [r[: r.numel() - r.numel() % 8].view(torch.int64) for r in raws]
+    if available(device):  # CUDA with Triton (or Triton's CPU interpreter, in tests)
+        s0, s1 = _sums_kernel(words, device)
+    else:
+        s0, s1 = _sums_each(words, device)
+    for i, r in enumerate(raws):
+        if r.numel() % 8:  # the last, partial word, zero-padded
+            word = r.new_zeros(8)
+            word[: r.numel() % 8] = r[r.numel() - r.numel() % 8 :]
+            tail = word.view(torch.int64)[0]
+            s0[i] += tail
+            s1[i] += tail * words[i].numel()
+    nbytes = torch.tensor([r.numel() for r in raws], dtype=torch.int64, device=device)
+    return s1 * M + s0 + nbytes
+
+
+def _sums_each(words: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    small = [i for i, w in enumerate(words) if w.numel() <= ROW_WORDS]
+    s0 = torch.zeros(len(words), dtype=torch.int64, device=device)
+    s1 = torch.zeros(len(words), dtype=torch.int64, device=device)
+    if small:
+        idx = torch.tensor(small, dtype=torch.int64, device=device)
+        a, b = _sums_small([words[i] for i in small], device)
+        s0.index_copy_(0, idx, a)
+        s1.index_copy_(0, idx, b)
+    for i in set(range(len(words))) - set(small):
+        s0[i], s1[i] = _sums_rows(words[i])
+    return s0, s1
+
+
+def _sums_kernel(words: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    anchor = torch.zeros(1, dtype=torch.int64, device=device)
+    origin = anchor.data_ptr()
+    counts = [-(-w.numel() // ROW_WORDS) for w in words]
+    total = sum(counts)
+    s0 = torch.zeros(len(words), dtype=torch.int64, device=device)
+    s1 = torch.zeros(len(words), dtype=torch.int64, device=device)
+    if total == 0:
+        return s0, s1
+    offsets = torch.tensor([(w.data_ptr() - origin) // 8 for w in words], dtype=torch.int64)
+    sizes = torch.tensor([w.numel() for w in words], dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(words)), torch.tensor(counts))
+    first = torch.cumsum(torch.tensor([0, *counts[:-1]]), 0)
+    base = (torch.arange(total) - first[owner]) * ROW_WORDS
+    table = torch.stack([offsets[owner] + base, base, torch.clamp(sizes[owner] - base, max=ROW_WORDS)], dim=1)
+    out = torch.empty(total, 2, dtype=torch.int64, device=device)
+    _chunk_sums[(total,)](table.to(device), anchor, out, BLOCK=BLOCK, num_warps=8)
+    owner = owner.to(device)
+    return s0.index_add_(0, owner, out[:, 0]), s1.index_add_(0, owner, out[:, 1])
+
+
+class Pending:
+    """Digests computed on their devices, not yet read back (so no host synchronisation until `hexes`)."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[list[int], torch.Tensor]] = []
+        self.count = 0
+
+    def add(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Digest `tensors` (any devices) after those added before."""
+        base, self.count = self.count, self.count + len(tensors)
+        for device in {t.device for t in tensors}:
+            idx = [i for i, t in enumerate(tensors) if t.device == device]
+            self._parts.append(([base + i for i in idx], digests([tensors[i] for i in idx])))
+
+    def hexes(self) -> list[str]:
+        """Every digest so far, in the order added, as 16-digit hex strings."""
+        out = [""] * self.count
+        for idx, values in self._parts:
+            for i, v in zip(idx, values.cpu().tolist()):
+                out[i] = f"{v & ((1 << 64) - 1):016x}"
+        return out
