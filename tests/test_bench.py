@@ -44,7 +44,8 @@ def test_quick_bench_reports_every_method_and_refit_beats_per_tensor_metadata(tm
     reports = json.loads(out.read_text())
     assert [r["config"]["preset"] for r in reports] == ["tiny", "moe-small"]
     for r in reports:
-        assert set(r["results"]) == {"floor", "foreach", "refit", "checksum", "serial", "per_tensor", "per_tensor_meta"}
+        assert set(r["results"]) == {"floor", "foreach", "refit", "checksum", "fingerprint", "serial", "per_tensor",
+                                     "per_tensor_meta"}
         for res in r["results"].values():
             assert res["median_s"] > 0 and res["gbps"] > 0 and res["ratio_to_floor"] > 0 and len(res["times"]) == 3
         stages = set(r["results"]["refit"]["stages"])
