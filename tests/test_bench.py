@@ -76,3 +76,20 @@ def test_plan_takes_deepseek_v3_and_a_layer_count(capsys) -> None:
     assert main(["plan", "--preset", "deepseek-v3", "--layers", "4", "--bucket-bytes", str(1 << 30)]) == 0
     out = capsys.readouterr().out
     assert "1621 tensors" in out and "buckets: 17 of capacity 1024.0 MiB" in out
+
+
+def test_deepseek_v3_config_json_gives_the_preset_and_layers_are_checked(tmp_path) -> None:
+    from refit.bench.presets import from_config
+
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+              "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+              "first_k_dense_replace": 3, "n_routed_experts": 256, "n_shared_experts": 1,
+              "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+              "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+              "tie_word_embeddings": False, "topk_method": "noaux_tc",
+              "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert from_config(str(path)) == PRESETS["deepseek-v3"]
+    with pytest.raises(ValueError, match="layers"):
+        PRESETS["deepseek-v3"].truncated(62)
