@@ -35,8 +35,10 @@ def main() -> None:
         t4 = clock()
         for i, v in enumerate((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
             best[i] = min(best[i], v)
-    print(f"{n} tensors, CPU s: plan {best[0]:.3f}, JSON + digest {best[1]:.3f}, parse + checks + digest "
-          f"{best[2]:.3f}, validate {best[3]:.3f}; total {best[4]:.3f}")
+    print(
+        f"{n} tensors, CPU s: plan {best[0]:.3f}, JSON + digest {best[1]:.3f}, parse + checks + digest "
+        f"{best[2]:.3f}, validate {best[3]:.3f}; total {best[4]:.3f}"
+    )
 
 
 if __name__ == "__main__":

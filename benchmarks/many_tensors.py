@@ -56,8 +56,14 @@ def measure(n: int) -> dict:
     child.wait()
     floor = _foreach_floor(n)
     refit = statistics.median(times)
-    return {"tensors": n, "refit_ms": refit * 1e3, "foreach_ms": floor * 1e3, "ratio": refit / floor,
-            "first_refit_s": first.seconds["total"], "handshake_s": first.seconds.get("handshake", 0.0)}  # fmt: skip
+    return {
+        "tensors": n,
+        "refit_ms": refit * 1e3,
+        "foreach_ms": floor * 1e3,
+        "ratio": refit / floor,
+        "first_refit_s": first.seconds["total"],
+        "handshake_s": first.seconds.get("handshake", 0.0),
+    }
 
 
 def main() -> None:
@@ -69,8 +75,11 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for n in counts:
         r = measure(n)
-        print(f"| {n} | {r['refit_ms']:.1f} | {r['foreach_ms']:.1f} | {r['ratio']:.1f}x | {r['first_refit_s']:.2f} "
-              f"| {r['handshake_s']:.2f} |", flush=True)
+        print(
+            f"| {n} | {r['refit_ms']:.1f} | {r['foreach_ms']:.1f} | {r['ratio']:.1f}x | {r['first_refit_s']:.2f} "
+            f"| {r['handshake_s']:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -13,9 +13,15 @@ from refit.planner import plan
 
 
 def main() -> None:
-    config = transformers.Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                                      num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
-                                      tie_word_embeddings=True)  # fmt: skip
+    config = transformers.Qwen2Config(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    )
     model = transformers.Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16)
     state = model.state_dict(keep_vars=True)
     manifest = plan(ModuleSource(model, wire_dtype=torch.bfloat16).specs(), capacity=512 << 20)
@@ -23,8 +29,10 @@ def main() -> None:
     per_name = sum(t.nbytes for t in state.values())
     aliased = [(p.name, p.spec.aliases) for p in manifest.entries if p.spec.aliases]
     print(f"names {len(state)}, manifest entries {len(manifest.entries)}, aliases {aliased}")
-    print(f"bytes on the wire {manifest.nbytes:,}; unique bytes {unique:,}; one entry per name {per_name:,} "
-          f"(+{100 * (per_name - unique) / unique:.1f} %)")
+    print(
+        f"bytes on the wire {manifest.nbytes:,}; unique bytes {unique:,}; one entry per name {per_name:,} "
+        f"(+{100 * (per_name - unique) / unique:.1f} %)"
+    )
 
 
 if __name__ == "__main__":

@@ -29,20 +29,43 @@ def live_fingerprints(live: dict[str, torch.Tensor], manifest) -> dict[str, str]
 
 
 @contextlib.contextmanager
-def session(specs: list[list], *, transport: str, receivers: int = 1, bucket_bytes: int = 4096,
-            engine_specs: list[list] | None = None, wire_dtype: torch.dtype | None = None,
-            timeout_s: float = 60.0, tensors: dict[str, torch.Tensor] | None = None, device: str = "cpu",
-            peer_devices: list[str] | None = None, zero_copy: bool = False, peer_args: dict | None = None,
-            verify_checksum: bool = False, source=None, verify: str | None = None,
-            ) -> Iterator[tuple[Sender, dict[str, torch.Tensor], list[Peer]]]:  # fmt: skip
+def session(
+    specs: list[list],
+    *,
+    transport: str,
+    receivers: int = 1,
+    bucket_bytes: int = 4096,
+    engine_specs: list[list] | None = None,
+    wire_dtype: torch.dtype | None = None,
+    timeout_s: float = 60.0,
+    tensors: dict[str, torch.Tensor] | None = None,
+    device: str = "cpu",
+    peer_devices: list[str] | None = None,
+    zero_copy: bool = False,
+    peer_args: dict | None = None,
+    verify_checksum: bool = False,
+    source=None,
+    verify: str | None = None,
+) -> Iterator[tuple[Sender, dict[str, torch.Tensor], list[Peer]]]:
     """A sender over tensors made from `specs` and `receivers` peer processes expecting `engine_specs`."""
     tensors = tensors if tensors is not None else make_tensors(specs, seed=1, device=device)
     settings = Settings(bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-    sender = Sender(source or ModuleSource(tensors, wire_dtype=wire_dtype), transport=transport,
-                    num_receivers=receivers, settings=settings, device=torch.device(device), zero_copy=zero_copy,
-                    verify_checksum=verify_checksum, verify=verify)  # fmt: skip
-    args = {"rendezvous": sender.rendezvous(), "specs": engine_specs or specs, "bucket_bytes": bucket_bytes,
-            "timeout_s": timeout_s}  # fmt: skip
+    sender = Sender(
+        source or ModuleSource(tensors, wire_dtype=wire_dtype),
+        transport=transport,
+        num_receivers=receivers,
+        settings=settings,
+        device=torch.device(device),
+        zero_copy=zero_copy,
+        verify_checksum=verify_checksum,
+        verify=verify,
+    )
+    args = {
+        "rendezvous": sender.rendezvous(),
+        "specs": engine_specs or specs,
+        "bucket_bytes": bucket_bytes,
+        "timeout_s": timeout_s,
+    }
     devices = peer_devices or ["cpu"] * receivers
     peers = [Peer({**args, "device": d, **(peer_args or {})}) for d in devices]
     try:

@@ -53,8 +53,10 @@ class RecordingEngine(ModuleEngine):
 
         specs = super().specs()
         if self.shard:  # the engine expects the global shape; it keeps only its slice
-            specs = [TensorSpec(x.name, tuple(self.full_shape), x.dtype) if x.name == self.shard["name"] else x
-                     for x in specs]  # fmt: skip
+            specs = [
+                TensorSpec(x.name, tuple(self.full_shape), x.dtype) if x.name == self.shard["name"] else x
+                for x in specs
+            ]
         return specs
 
     def held(self, name: str):
@@ -101,9 +103,18 @@ def _report(engine: RecordingEngine, receiver: Receiver, **extra: object) -> dic
     own = {n: t.dtype for n, t in engine.module.items()}
     fps = fingerprints(engine.module.items(), {**own, **wire}, held=True)
     w = engine.weights
-    opened = sys.modules["refit.transports.cuda_ipc"].handles_opened() if "refit.transports.cuda_ipc" in sys.modules else 0
-    return {"state": w.state.value, "version": w.version, "target": w.target, "fingerprints": fps,
-            "events": engine.events, "handles_opened": opened, **extra}  # fmt: skip
+    opened = (
+        sys.modules["refit.transports.cuda_ipc"].handles_opened() if "refit.transports.cuda_ipc" in sys.modules else 0
+    )
+    return {
+        "state": w.state.value,
+        "version": w.version,
+        "target": w.target,
+        "fingerprints": fps,
+        "events": engine.events,
+        "handles_opened": opened,
+        **extra,
+    }
 
 
 def _rss_kb() -> int:
@@ -116,7 +127,9 @@ def main() -> int:
     device = args.get("device", "cpu")
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    engine = RecordingEngine(make_tensors(args["specs"], args.get("seed", 99), device), args.get("fault"), args.get("shard"))
+    engine = RecordingEngine(
+        make_tensors(args["specs"], args.get("seed", 99), device), args.get("fault"), args.get("shard")
+    )
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 60.0))
     rendezvous = {**args["rendezvous"], **args.get("override", {})}
     with Receiver(engine, rendezvous, settings=settings, device=torch.device(device)) as receiver:
@@ -124,15 +137,29 @@ def main() -> int:
             try:
                 stats = receiver.receive()
             except RefitError as e:
-                print(MARK + json.dumps(_report(engine, receiver, event="error", type=type(e).__name__,
-                                                message=str(e))), flush=True)  # fmt: skip
+                print(
+                    MARK + json.dumps(_report(engine, receiver, event="error", type=type(e).__name__, message=str(e))),
+                    flush=True,
+                )
                 if isinstance(e, PeerError):
                     return 3
                 continue
             if stats is None:
                 return 0
-            print(MARK + json.dumps(_report(engine, receiver, event="refit", stats=stats.to_json(),
-                                            rss_kb=_rss_kb(), fds=len(os.listdir("/proc/self/fd")))), flush=True)  # fmt: skip
+            print(
+                MARK
+                + json.dumps(
+                    _report(
+                        engine,
+                        receiver,
+                        event="refit",
+                        stats=stats.to_json(),
+                        rss_kb=_rss_kb(),
+                        fds=len(os.listdir("/proc/self/fd")),
+                    )
+                ),
+                flush=True,
+            )
             engine.events = []
 
 
@@ -141,8 +168,9 @@ class Peer:
 
     def __init__(self, args: dict) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
-        self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE,
-                                     text=True, env=env)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE, text=True, env=env
+        )
 
     def report(self) -> dict:
         assert self.proc.stdout is not None

@@ -20,8 +20,11 @@ from refit import ModuleSource, Sender, Settings
 def main() -> int:
     args = json.loads(sys.argv[1])
     tensors = make_tensors(args["specs"], seed=1)
-    sender = Sender(ModuleSource(tensors), transport=args["transport"],
-                    settings=Settings(bucket_bytes=args["bucket_bytes"], timeout_s=args.get("timeout_s", 30)))  # fmt: skip
+    sender = Sender(
+        ModuleSource(tensors),
+        transport=args["transport"],
+        settings=Settings(bucket_bytes=args["bucket_bytes"], timeout_s=args.get("timeout_s", 30)),
+    )
     print("@@sender " + json.dumps(sender.rendezvous()), flush=True)
     mode = args.get("mode", "die")
     if mode == "die_at_setup":

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from refit.digest import M, ROW_WORDS, Pending, digests
+from refit.digest import M, ROW_WORDS, Pending
 
 
 def _reference(t: torch.Tensor) -> str:
@@ -73,8 +73,9 @@ print("OK" if t._hexes(tensors) == [t._reference(x) for x in tensors] else "MISM
 def test_the_triton_kernel_equals_the_definition_under_the_interpreter() -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _KERNEL, os.path.dirname(__file__)], env=env, capture_output=True,
-                       text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", _KERNEL, os.path.dirname(__file__)], env=env, capture_output=True, text=True
+    )
     assert r.returncode == 0 and r.stdout.strip() == "OK", r.stderr[-2000:]
 
 

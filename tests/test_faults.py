@@ -47,8 +47,16 @@ def test_receiver_killed_mid_refit_fails_the_sender_naming_it_and_the_bucket(tra
 def test_sender_killed_mid_refit_leaves_the_engine_failed_not_new(transport: str) -> None:
     script = os.path.join(os.path.dirname(__file__), "sender_peer.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
-    proc = subprocess.Popen([sys.executable, script, json.dumps({"specs": SPECS, "transport": transport,
-                             "bucket_bytes": 4096, "die_at_bucket": 3})], stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            script,
+            json.dumps({"specs": SPECS, "transport": transport, "bucket_bytes": 4096, "die_at_bucket": 3}),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     rendezvous = json.loads(proc.stdout.readline().removeprefix("@@sender "))
     tensors = make_tensors(SPECS, seed=5)
     engine = ModuleEngine(tensors)
@@ -82,7 +90,11 @@ def test_corrupted_bucket_is_caught_by_the_checksum_and_a_retry_restores(transpo
         with pytest.raises(RefitError, match=r"refit of version 2 failed.*bucket 2 is corrupted: checksum"):
             sender.refit(2)
         report = peer.report()
-        assert report["type"] == "IntegrityError" and (report["state"], report["version"], report["target"]) == ("failed", 1, 2)
+        assert report["type"] == "IntegrityError" and (report["state"], report["version"], report["target"]) == (
+            "failed",
+            1,
+            2,
+        )
         sender.transport.before_send = before_send
         sender.refit(2)  # same version again
         report = peer.report()
@@ -102,7 +114,9 @@ def test_engine_error_reaches_the_sender_with_its_message(transport: str) -> Non
 
 def test_engine_failing_at_commit_still_answers_the_sender() -> None:
     with session(SPECS, transport="shm", peer_args={"fault": {"kind": "commit", "version": 1}}) as (sender, _, (peer,)):
-        with pytest.raises(RefitError, match="engine failed to commit version 1: RuntimeError: injected commit failure"):
+        with pytest.raises(
+            RefitError, match="engine failed to commit version 1: RuntimeError: injected commit failure"
+        ):
             sender.refit(1)
         assert peer.report()["state"] == "failed"
         sender.refit(1)
@@ -125,8 +139,15 @@ def test_wrong_token_is_refused_at_once_and_loads_nothing(intruder_first: bool) 
     with session(SPECS, transport="shm") as (sender, _, (good,)):
         if not intruder_first:
             sender.connect()  # the real receiver took the only place; a later intruder is still answered
-        intruder = Peer({"rendezvous": sender.rendezvous(), "override": {"token": "not-the-token"}, "specs": SPECS,
-                         "bucket_bytes": 4096, "timeout_s": 30})  # fmt: skip
+        intruder = Peer(
+            {
+                "rendezvous": sender.rendezvous(),
+                "override": {"token": "not-the-token"},
+                "specs": SPECS,
+                "bucket_bytes": 4096,
+                "timeout_s": 30,
+            }
+        )
         start = time.monotonic()
         stats = sender.refit(1)
         report = intruder.report()

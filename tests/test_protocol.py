@@ -25,7 +25,11 @@ def _step(tensors: dict[str, torch.Tensor], k: int) -> None:
 
 @pytest.mark.parametrize("receivers", [1, 2])
 def test_every_refit_is_bitwise_exact(transport: str, receivers: int) -> None:
-    with session(SPECS, transport=transport, receivers=receivers, wire_dtype=torch.bfloat16) as (sender, tensors, peers):
+    with session(SPECS, transport=transport, receivers=receivers, wire_dtype=torch.bfloat16) as (
+        sender,
+        tensors,
+        peers,
+    ):
         for version in range(1, 4):
             _step(tensors, version)
             stats = sender.refit(version)
@@ -70,10 +74,13 @@ def test_control_traffic_per_refit_does_not_grow_with_tensor_count() -> None:
         (lambda s: s[:-1], "1 unexpected (sender sends, engine lacks): steps"),
         (lambda s: [*s, ["extra.weight", [2], "float32"]], "1 missing (engine expects, sender lacks): extra.weight"),
         (lambda s: [["embed.weight", [40, 17], "float32"], *s[1:]], "embed.weight: engine holds [40, 17] float32"),
-        (lambda s: [s[0], ["layer.0.bias", [7], "bfloat16"], *s[2:]], "layer.0.bias: engine holds [7] bfloat16, sender sends [7] float32"),
+        (
+            lambda s: [s[0], ["layer.0.bias", [7], "bfloat16"], *s[2:]],
+            "layer.0.bias: engine holds [7] bfloat16, sender sends [7] float32",
+        ),
     ],
     ids=["engine-lacks", "sender-lacks", "shape", "dtype"],
-)  # fmt: skip
+)
 def test_mismatch_fails_handshake_on_both_sides_and_loads_nothing(transport: str, change, needle: str) -> None:
     engine_specs = change(SPECS)
     with session(SPECS, transport=transport, engine_specs=engine_specs) as (sender, _, (peer,)):
@@ -90,8 +97,11 @@ def test_every_difference_is_listed_sorted_in_one_report() -> None:
     specs = [["b", [2], "float32"], ["d", [2], "float32"], ["a", [2], "float32"], ["c", [2], "float32"]]
     engine = [["b", [3], "float32"], ["z", [2], "float32"], ["y", [2], "float32"]]
     with session(specs, transport="shm", engine_specs=engine) as (sender, _, (peer,)):
-        with pytest.raises(HandshakeError, match=r"2 missing \(engine expects, sender lacks\): y, z; 3 unexpected "
-                           r"\(sender sends, engine lacks\): a, c, d; 1 mismatched: b: engine holds \[3\]"):  # fmt: skip
+        with pytest.raises(
+            HandshakeError,
+            match=r"2 missing \(engine expects, sender lacks\): y, z; 3 unexpected "
+            r"\(sender sends, engine lacks\): a, c, d; 1 mismatched: b: engine holds \[3\]",
+        ):
             sender.refit(1)
         assert peer.report()["type"] == "HandshakeError"
 

@@ -7,7 +7,6 @@ import gc
 import glob
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -30,8 +29,12 @@ HERE = os.path.dirname(__file__)
 def _sender_process(mode: str, timeout_s: float) -> tuple[subprocess.Popen, dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, *sys.path])}
     args = {"specs": SPECS, "transport": "shm", "bucket_bytes": 4096, "mode": mode, "timeout_s": timeout_s}
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "sender_peer.py"), json.dumps(args)],
-                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "sender_peer.py"), json.dumps(args)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     return proc, json.loads(proc.stdout.readline().removeprefix("@@sender "))
 
 
@@ -49,8 +52,9 @@ def test_idle_time_longer_than_the_timeout_between_refits_is_not_a_failure() -> 
         assert report["fingerprints"] == live_fingerprints(live, sender.manifest)
 
 
-@pytest.mark.parametrize(("mode", "needle"), [("hang", "no heartbeat from the sender"),
-                                              ("exit", "closed the connection")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "needle"), [("hang", "no heartbeat from the sender"), ("exit", "closed the connection")]
+)
 def test_a_hung_or_dead_sender_is_found_between_refits_within_the_timeout(mode: str, needle: str) -> None:
     proc, rendezvous = _sender_process(mode, timeout_s=2.0)
     engine = ModuleEngine(make_tensors(SPECS, seed=4))
@@ -131,8 +135,9 @@ def test_shared_memory_names_carry_no_part_of_the_token() -> None:
     from refit.transports.shm import ShmTransport
 
     settings = Settings(token="f00dfeedcafe1234")
-    transport, info = ShmTransport.offer(capacity=4096, num_slots=2, num_receivers=1, device=torch.device("cpu"),
-                                         settings=settings)  # fmt: skip
+    transport, info = ShmTransport.offer(
+        capacity=4096, num_slots=2, num_receivers=1, device=torch.device("cpu"), settings=settings
+    )
     try:
         assert all("f00d" not in p for p in info["paths"])
     finally:

@@ -96,8 +96,9 @@ def _replace(model: Block, how: str) -> None:
             model.gate.load_state_dict({k: v + 4.0 for k, v in old.state_dict().items()})
 
 
-@pytest.mark.parametrize("how", ["buffer-reassigned", "module-to", "load-state-dict-assign", "param-data",
-                                 "submodule-rewrapped"])  # fmt: skip
+@pytest.mark.parametrize(
+    "how", ["buffer-reassigned", "module-to", "load-state-dict-assign", "param-data", "submodule-rewrapped"]
+)
 def test_tensors_replaced_after_the_source_was_built_are_sent_from_the_module(how: str) -> None:
     torch.manual_seed(0)
     model = Block()
@@ -131,7 +132,9 @@ def test_a_dtype_change_through_to_starts_a_new_epoch_and_a_shape_change_fails_c
         assert sender.manifest.entry("gate.weight").spec.dtype == torch.float64
         assert peer.report()["fingerprints"] == live_fingerprints(model.state_dict(), sender.manifest)
         model.proj.weight = nn.Parameter(torch.randn(16, 17))
-        with pytest.raises(HandshakeError, match=r"proj.weight: engine holds \[16, 16\] float32, sender sends \[16, 17\]"):
+        with pytest.raises(
+            HandshakeError, match=r"proj.weight: engine holds \[16, 16\] float32, sender sends \[16, 17\]"
+        ):
             sender.refit(3)
         report = peer.report()
         assert report["type"] == "HandshakeError" and report["version"] == 2 and report["state"] == "current"
@@ -150,8 +153,11 @@ def test_tied_weights_go_on_the_wire_once_and_reach_every_alias() -> None:
     torch.manual_seed(0)
     model = Tied()
     live = model.state_dict(keep_vars=True)
-    with session(_specs(live), transport="shm", source=ModuleSource(model, wire_dtype=BF16),
-                 bucket_bytes=1024) as (sender, _, (peer,)):  # fmt: skip
+    with session(_specs(live), transport="shm", source=ModuleSource(model, wire_dtype=BF16), bucket_bytes=1024) as (
+        sender,
+        _,
+        (peer,),
+    ):
         stats = sender.refit(1)
         entry = sender.manifest.entry("lm_head.weight")
         assert entry.name == "embed.weight" and entry.spec.aliases == ("lm_head.weight",)
@@ -184,8 +190,11 @@ def test_fingerprint_check_passes_on_good_refits_and_names_a_tensor_the_engine_g
 
 def test_fingerprint_check_compares_a_tensor_parallel_shard_with_its_region_of_the_live_tensor() -> None:
     shard = {"name": "c", "dim": 1, "start": 10, "stop": 30}
-    with session(SPECS, transport="gloo", receivers=2, verify="fingerprint",
-                 peer_args={"shard": shard}) as (sender, live, peers):  # fmt: skip
+    with session(SPECS, transport="gloo", receivers=2, verify="fingerprint", peer_args={"shard": shard}) as (
+        sender,
+        live,
+        peers,
+    ):
         for version in (1, 2):
             with torch.no_grad():
                 live["c"].add_(1.0)

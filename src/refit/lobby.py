@@ -53,7 +53,9 @@ class Arrival:
 class Lobby:
     """Listens on (host, port); `admit` returns receivers with the right token, `refuse_late` answers the rest."""
 
-    def __init__(self, host: str, port: int, token: str, *, backlog: int = 64, hello_timeout_s: float = HELLO_TIMEOUT_S) -> None:
+    def __init__(
+        self, host: str, port: int, token: str, *, backlog: int = 64, hello_timeout_s: float = HELLO_TIMEOUT_S
+    ) -> None:
         self._listener = socket.create_server((host, port), backlog=backlog)
         self._listener.setblocking(False)
         self._token = token.encode()
@@ -74,10 +76,14 @@ class Lobby:
         if len(admitted) < count:
             for a in admitted:
                 a.sock.close()
-            refused = f"; {self.refused} other connection(s) were refused (wrong token or malformed)" if self.refused else ""
+            refused = (
+                f"; {self.refused} other connection(s) were refused (wrong token or malformed)" if self.refused else ""
+            )
             host, port = self.address()
-            raise PeerError(f"only {len(admitted)} of {count} receiver(s) connected within {timeout_s:g}s{refused}; "
-                            f"check each was given {host}:{port} and the token")
+            raise PeerError(
+                f"only {len(admitted)} of {count} receiver(s) connected within {timeout_s:g}s{refused}; "
+                f"check each was given {host}:{port} and the token"
+            )
         return admitted
 
     def refuse_late(self, num_receivers: int) -> None:

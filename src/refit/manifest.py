@@ -183,7 +183,9 @@ def _parse(obj: object) -> Manifest:
     if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
         raise ValueError(f"manifest 'tensors' must be a list of at most {MAX_TENSORS} entries")
     if not isinstance(sizes, list) or len(sizes) > MAX_BUCKETS or not all(_is_int(n, 0, capacity) for n in sizes):
-        raise ValueError(f"manifest 'bucket_nbytes' must be a list of at most {MAX_BUCKETS} integers in [0, {capacity}]")
+        raise ValueError(
+            f"manifest 'bucket_nbytes' must be a list of at most {MAX_BUCKETS} integers in [0, {capacity}]"
+        )
     entries = tuple(_parse_entry(t) for t in tensors)
     for a, b in zip(entries, entries[1:]):
         if a.name >= b.name:
@@ -210,8 +212,10 @@ def _check_segments(m: Manifest) -> None:
                 raise ValueError(f"manifest tensors {m.entries[s.entry].name!r} and another overlap in bucket {b}")
             end = s.at + s.hi - s.lo
             if end > m.bucket_nbytes[b]:
-                raise ValueError(f"manifest places {m.entries[s.entry].name!r} past the {m.bucket_nbytes[b]} "
-                                 f"bytes bucket {b} carries")
+                raise ValueError(
+                    f"manifest places {m.entries[s.entry].name!r} past the {m.bucket_nbytes[b]} "
+                    f"bytes bucket {b} carries"
+                )
 
 
 def _is_int(v: object, lo: int, hi: int) -> bool:
@@ -233,8 +237,9 @@ def _name(v: object) -> str:
 
 def _parse_entry(t: object) -> Placement:
     if not (type(t) is list and len(t) in (6, 7)):
-        raise ValueError(f"manifest tensor entry must be [name, shape, dtype, bucket, offset, nbytes(, aliases)], "
-                         f"got {t!r:.200}")
+        raise ValueError(
+            f"manifest tensor entry must be [name, shape, dtype, bucket, offset, nbytes(, aliases)], got {t!r:.200}"
+        )
     name, shape, dtype, bucket, offset, nbytes = t[:6]
     name = _name(name)
     aliases: tuple[str, ...] = ()
@@ -247,8 +252,14 @@ def _parse_entry(t: object) -> Placement:
             raise ValueError(f"manifest aliases of {name!r} must be sorted, distinct and differ from the name")
     if not (type(shape) is list and len(shape) <= MAX_DIMS and _ints(shape)):
         raise ValueError(f"manifest shape of {name!r} must be a list of at most {MAX_DIMS} integers >= 0")
-    if not (type(bucket) is int and type(offset) is int and type(nbytes) is int
-            and 0 <= bucket <= MAX_BYTES and 0 <= offset <= MAX_BYTES and 0 <= nbytes <= MAX_BYTES):  # fmt: skip
+    if not (
+        type(bucket) is int
+        and type(offset) is int
+        and type(nbytes) is int
+        and 0 <= bucket <= MAX_BYTES
+        and 0 <= offset <= MAX_BYTES
+        and 0 <= nbytes <= MAX_BYTES
+    ):
         raise ValueError(f"manifest bucket/offset/nbytes of {name!r} must be integers in [0, {MAX_BYTES}]")
     if type(dtype) is not str:
         raise ValueError(f"manifest dtype of {name!r} must be a string")

@@ -50,8 +50,12 @@ def layout_key(tensors: Sequence[torch.Tensor]) -> LayoutKey:
     """Changes whenever any tensor is replaced, moved, reshaped, restrided or recast; reads metadata only,
     one C call per field for all tensors (about 0.5 us a tensor)."""
     T = torch.Tensor
-    return (tuple(map(T.data_ptr, tensors)), tuple(map(T.size, tensors)), tuple(map(T.stride, tensors)),
-            tuple(map(_dtype, tensors)))  # fmt: skip
+    return (
+        tuple(map(T.data_ptr, tensors)),
+        tuple(map(T.size, tensors)),
+        tuple(map(T.stride, tensors)),
+        tuple(map(_dtype, tensors)),
+    )
 
 
 def _dtype(t: torch.Tensor) -> torch.dtype:
@@ -71,8 +75,15 @@ class Packer:
         self._buffers = buffers
         self._plans: dict[tuple[int, int], _PackPlan] = {}
 
-    def pack(self, bucket: int, slot: int, tensors: Sequence[torch.Tensor], *, cache: bool = True,
-             generation: int | None = None) -> None:  # fmt: skip
+    def pack(
+        self,
+        bucket: int,
+        slot: int,
+        tensors: Sequence[torch.Tensor],
+        *,
+        cache: bool = True,
+        generation: int | None = None,
+    ) -> None:
         """Fill `slot`'s buffer with bucket `bucket`; `tensors[k]` is the source of the bucket's k-th segment.
         With `cache=False` (fresh tensors each time, e.g. gathered) nothing keeps them alive afterwards.
         `generation`: the caller vouches that no source tensor's layout changed since a plan made in the
@@ -128,7 +139,9 @@ class Unpacker:
     out when its last bucket arrives.
     """
 
-    def __init__(self, manifest: Manifest, buffers: Sequence[torch.Tensor], *, device: torch.device | None = None) -> None:
+    def __init__(
+        self, manifest: Manifest, buffers: Sequence[torch.Tensor], *, device: torch.device | None = None
+    ) -> None:
         """`device`: where the staging tensor lives (the receiver's own device; defaults to the buffers')."""
         self.manifest = manifest
         self._buffers = buffers

@@ -80,11 +80,14 @@ class Receiver:
         log.info("joined as receiver %d over %s", self.rank, self._transport_cls.name)
 
     def _join(self, ch: Channel) -> None:
-        limit = bucket_capacity(bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio,
-                                free=free_bytes(self.device))  # fmt: skip
+        limit = bucket_capacity(
+            bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio, free=free_bytes(self.device)
+        )
         ch.send(Header(Kind.HELLO), {"token": self.rendezvous.get("token", ""), "capacity": limit})
         ch.set_timeout(self.settings.connect_timeout_s)  # the sender admits every receiver first; they start slowly
-        welcome = parse_json(ch.expect(Kind.WELCOME, "rendezvous (waiting for every receiver to connect)")[1], "WELCOME")
+        welcome = parse_json(
+            ch.expect(Kind.WELCOME, "rendezvous (waiting for every receiver to connect)")[1], "WELCOME"
+        )
         ch.set_timeout(self.settings.timeout_s)
         rank, capacity, info = welcome.get("rank"), welcome.get("capacity"), welcome.get("info")
         beat = welcome.get("heartbeat_s")
@@ -95,7 +98,9 @@ class Receiver:
         if isinstance(name, str) and name != self.rendezvous.get("transport"):  # the sender fell back
             self._transport_cls = transports.get(name)
             self.device = transports.default_device(name)
-        if not (isinstance(rank, int) and isinstance(capacity, int) and 0 < capacity <= limit and isinstance(info, dict)):
+        if not (
+            isinstance(rank, int) and isinstance(capacity, int) and 0 < capacity <= limit and isinstance(info, dict)
+        ):
             raise IntegrityError(f"WELCOME is malformed or asks for more than this side's limit ({limit} bytes)")
         self.transport = self._transport_cls.join(info, rank=rank, device=self.device, settings=self.settings)
         self.rank = rank
@@ -118,9 +123,12 @@ class Receiver:
         self.connect()
         assert self.channel is not None
         while True:
-            header, payload = self.channel.recv("waiting for the next refit (no heartbeat from the sender: "
-                                                "is its process alive and its host reachable?)", idle=True,
-                                                timeout_s=self._idle_timeout_s)  # fmt: skip
+            header, payload = self.channel.recv(
+                "waiting for the next refit (no heartbeat from the sender: "
+                "is its process alive and its host reachable?)",
+                idle=True,
+                timeout_s=self._idle_timeout_s,
+            )
             if header.kind == Kind.MANIFEST:
                 self._handshake(header, payload)
             elif header.kind == Kind.SOURCES:
@@ -151,14 +159,23 @@ class Receiver:
             msg = f"manifest capacity {manifest.capacity} differs from the agreed {len(self.transport.buffers[0])}"
             self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {msg}"})
             raise IntegrityError(msg)
-        report = validate([x for p in manifest.entries for x in p.spec.expanded()], self.engine.specs(),
-                          exact_shapes=self.engine.exact_shapes, optional=self.engine.optional_names)  # fmt: skip
+        report = validate(
+            [x for p in manifest.entries for x in p.spec.expanded()],
+            self.engine.specs(),
+            exact_shapes=self.engine.exact_shapes,
+            optional=self.engine.optional_names,
+        )
         regions = engine_regions(manifest, self.engine) if header.status == 1 and report.ok else {}
         self.channel.send(Header(Kind.REPORT), {**report.to_json(), "regions": regions})
         if not report.ok:
             raise HandshakeError(report.message())
-        log.info("handshake: epoch %d, digest %s, %d tensors, %d bucket(s)", manifest.epoch, manifest.digest.hex()[:12],
-                 len(manifest.entries), manifest.num_buckets)  # fmt: skip
+        log.info(
+            "handshake: epoch %d, digest %s, %d tensors, %d bucket(s)",
+            manifest.epoch,
+            manifest.digest.hex()[:12],
+            len(manifest.entries),
+            manifest.num_buckets,
+        )
         self.manifest = manifest
         self._unpacker = Unpacker(manifest, self.transport.buffers, device=self.device)
 
@@ -213,7 +230,9 @@ class Receiver:
                 failure = failure or self._verify(m, payload, stats, done)
                 header, payload = ch.recv(f"commit of version {version}")
             if header.kind != Kind.COMMIT:
-                raise PeerError(f"{ch.peer} sent {header.kind.name} during commit of version {version}, expected COMMIT")
+                raise PeerError(
+                    f"{ch.peer} sent {header.kind.name} during commit of version {version}, expected COMMIT"
+                )
         except RefitError as e:
             self.engine.fail(version, str(e))
             raise
@@ -257,8 +276,10 @@ class Receiver:
         stats.unverified = done["unverified"] = unreadable
         if bad:
             shown = ", ".join(bad[:20]) + (f", ... and {len(bad) - 20} more" if len(bad) > 20 else "")
-            return IntegrityError(f"fingerprint check failed: the engine does not hold what the trainer holds for "
-                                  f"{len(bad)} tensor(s): {shown}")
+            return IntegrityError(
+                f"fingerprint check failed: the engine does not hold what the trainer holds for "
+                f"{len(bad)} tensor(s): {shown}"
+            )
         return None
 
     def _finalize(self, version: int) -> RefitError | None:
@@ -293,7 +314,9 @@ class Receiver:
             failure = self._finish(*pending, stats, failure)
         return failure
 
-    def _finish(self, b: int, handle: Pending, header: Header, stats: RefitStats, failure: RefitError | None) -> RefitError | None:
+    def _finish(
+        self, b: int, handle: Pending, header: Header, stats: RefitStats, failure: RefitError | None
+    ) -> RefitError | None:
         """Wait for bucket `b`, verify and load it, then acknowledge it (with status 1 after a failure)."""
         assert self.channel is not None and self.transport is not None and self._unpacker is not None
         t = time.perf_counter()

@@ -126,8 +126,10 @@ class Sender:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if zero_copy and (transport != "cuda-ipc" or not source.stable_tensors):
-            raise ValueError(f"zero_copy needs the cuda-ipc transport ({transport!r} given) and a source whose "
-                             "tensors persist between refits (not a gathering one)")  # fmt: skip
+            raise ValueError(
+                f"zero_copy needs the cuda-ipc transport ({transport!r} given) and a source whose "
+                "tensors persist between refits (not a gathering one)"
+            )
         self.num_slots = num_slots
         self.zero_copy = zero_copy
         self.verify = verify
@@ -177,18 +179,30 @@ class Sender:
             return
         self._fall_back_if_needed()
         limits = self._admit()
-        own = bucket_capacity(bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio,
-                              free=free_bytes(self.device), num_slots=self.num_slots)  # fmt: skip
+        own = bucket_capacity(
+            bucket_bytes=self.settings.bucket_bytes,
+            ratio=self.settings.ratio,
+            free=free_bytes(self.device),
+            num_slots=self.num_slots,
+        )
         self.capacity = min([own, *limits])
         transport, info = self._transport_cls.offer(
-            capacity=self.capacity, num_slots=self.num_slots, num_receivers=self.num_receivers,
-            device=self.device, settings=self.settings,
-        )  # fmt: skip
+            capacity=self.capacity,
+            num_slots=self.num_slots,
+            num_receivers=self.num_receivers,
+            device=self.device,
+            settings=self.settings,
+        )
         self._session.transport = transport
         interval = min(HEARTBEAT_MAX_S, self.settings.timeout_s / 4)
         for rank, ch in enumerate(self.channels, start=1):
-            welcome = {"rank": rank, "capacity": self.capacity, "transport": self.transport_name, "info": info,
-                       "heartbeat_s": interval}  # fmt: skip
+            welcome = {
+                "rank": rank,
+                "capacity": self.capacity,
+                "transport": self.transport_name,
+                "info": info,
+                "heartbeat_s": interval,
+            }
             ch.send(Header(Kind.WELCOME), welcome)
         transport.establish()
         for ch in self.channels:
@@ -196,8 +210,12 @@ class Sender:
         transport.joined()
         self._session.lobby.refuse_late(self.num_receivers)
         self._session.pulse = _Pulse(self._session.channels, interval)
-        log.info("connected %d receiver(s) over %s, buckets of %d bytes", self.num_receivers, self.transport_name,
-                 self.capacity)  # fmt: skip
+        log.info(
+            "connected %d receiver(s) over %s, buckets of %d bytes",
+            self.num_receivers,
+            self.transport_name,
+            self.capacity,
+        )
 
     def _admit(self) -> list[int]:
         """Admit every receiver (token checked by the lobby); return their bucket capacity limits."""
@@ -221,8 +239,12 @@ class Sender:
 
         reason = blocker(self.device, self.settings)
         if reason:
-            warnings.warn(f"cuda-ipc cannot be used ({reason}); staging through pinned host shared memory "
-                          "(transport 'shm') instead, which is slower", RuntimeWarning, stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"cuda-ipc cannot be used ({reason}); staging through pinned host shared memory "
+                "(transport 'shm') instead, which is slower",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             log.warning("cuda-ipc falls back to shm: %s", reason)
             self.transport_name, self._transport_cls, self.device = "shm", transports.get("shm"), torch.device("cpu")
 
@@ -251,19 +273,30 @@ class Sender:
         assert self.transport is not None
         self._packer = Packer(manifest, self.transport.buffers)
         self._bucket_names = [[manifest.entries[s.entry].name for s in segs] for segs in manifest.segments]
-        log.info("handshake: epoch %d, digest %s, %d tensors, %d bucket(s) of %d bytes", manifest.epoch,
-                 manifest.digest.hex()[:12], len(manifest.entries), manifest.num_buckets, manifest.capacity)  # fmt: skip
+        log.info(
+            "handshake: epoch %d, digest %s, %d tensors, %d bucket(s) of %d bytes",
+            manifest.epoch,
+            manifest.digest.hex()[:12],
+            len(manifest.entries),
+            manifest.num_buckets,
+            manifest.capacity,
+        )
 
     def _share_sources(self, manifest: Manifest) -> None:
         """Export every source tensor's IPC handle once per epoch (zero-copy mode)."""
         from refit.transports.cuda_ipc import export
 
         tensors = self.source.tensors([p.name for p in manifest.entries])
-        bad = [p.name for p, t in zip(manifest.entries, tensors)
-               if not (t.is_cuda and t.is_contiguous() and t.dtype == p.spec.dtype)]  # fmt: skip
+        bad = [
+            p.name
+            for p, t in zip(manifest.entries, tensors)
+            if not (t.is_cuda and t.is_contiguous() and t.dtype == p.spec.dtype)
+        ]
         if bad:
-            raise ValueError(f"zero_copy needs contiguous CUDA tensors already in their wire dtype; not so: {bad[:5]}. "
-                             "Use zero_copy=False (packing casts on the way).")  # fmt: skip
+            raise ValueError(
+                f"zero_copy needs contiguous CUDA tensors already in their wire dtype; not so: {bad[:5]}. "
+                "Use zero_copy=False (packing casts on the way)."
+            )
         payload = {"tensors": [export(t) for t in tensors]}
         for ch in self.channels:
             ch.send(Header(Kind.SOURCES, epoch=manifest.epoch, digest=manifest.digest), payload)
@@ -322,13 +355,20 @@ class Sender:
         self._signature = signature
         m = self.manifest
         assert m is not None
-        stats = RefitStats(version=version, epoch=m.epoch, handshake=handshake, num_buckets=m.num_buckets,
-                           nbytes=m.nbytes)  # fmt: skip
+        stats = RefitStats(
+            version=version, epoch=m.epoch, handshake=handshake, num_buckets=m.num_buckets, nbytes=m.nbytes
+        )
         stats.add("connect", t0 - t_connect)
         stats.add("handshake", time.perf_counter() - t0)
         ctrl0 = self._control_bytes()
-        begin = Header(Kind.BEGIN, epoch=m.epoch, version=version, digest=m.digest, index=m.num_buckets,
-                       status=int(self.zero_copy) | (2 if self.verdict else 0))  # fmt: skip
+        begin = Header(
+            Kind.BEGIN,
+            epoch=m.epoch,
+            version=version,
+            digest=m.digest,
+            index=m.num_buckets,
+            status=int(self.zero_copy) | (2 if self.verdict else 0),
+        )
         if self.zero_copy:  # the optimizer's writes must be done before receivers read the tensors
             torch.cuda.current_stream(self.device).synchronize()
         for ch in self.channels:
@@ -340,8 +380,13 @@ class Sender:
         self._commit(m, version, stats, errors)
         stats.control_bytes = self._control_bytes() - ctrl0
         stats.seconds["total"] = time.perf_counter() - t0
-        log.info("committed version %d: %d bytes in %d bucket(s), %.1f ms", version, m.nbytes, m.num_buckets,
-                 stats.seconds["total"] * 1e3)  # fmt: skip
+        log.info(
+            "committed version %d: %d bytes in %d bucket(s), %.1f ms",
+            version,
+            m.nbytes,
+            m.num_buckets,
+            stats.seconds["total"] * 1e3,
+        )
         return stats
 
     def _stream(self, m: Manifest, version: int, stats: RefitStats, digests: DigestPlan | None) -> list[str]:
@@ -364,8 +409,17 @@ class Sender:
             self.transport.before_send(slot)
             stats.add("pack", time.perf_counter() - t)
             t = time.perf_counter()
-            header = Header(Kind.BUCKET, slot=slot, epoch=m.epoch, index=b, version=version, digest=m.digest,
-                            nbytes=nbytes, checksum=crc, status=int(self.verify_checksum))  # fmt: skip
+            header = Header(
+                Kind.BUCKET,
+                slot=slot,
+                epoch=m.epoch,
+                index=b,
+                version=version,
+                digest=m.digest,
+                nbytes=nbytes,
+                checksum=crc,
+                status=int(self.verify_checksum),
+            )
             for ch in self.channels:
                 ch.send(header)
             inflight[slot] = self.transport.send(slot, nbytes)
@@ -406,8 +460,10 @@ class Sender:
                 stats.unverified = max(stats.unverified, unverified)
         stats.add("commit", time.perf_counter() - t)
         if failures or errors:
-            own = (f"refit of version {version} failed; receivers keep their last committed weights and report "
-                   f"state 'failed': {'; '.join(failures or errors)}")  # fmt: skip
+            own = (
+                f"refit of version {version} failed; receivers keep their last committed weights and report "
+                f"state 'failed': {'; '.join(failures or errors)}"
+            )
         else:
             own = ""
         if self.verdict is not None:
@@ -420,10 +476,15 @@ class Sender:
         assert self.verdict is not None
         verdict = self.verdict(own)
         for ch in committed:
-            ch.send(Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest, status=int(bool(verdict))),
-                    {"message": verdict})  # fmt: skip
-        return own or (f"refit of version {version} failed on another trainer rank; every worker reports state "
-                       f"'failed': {verdict}" if verdict else "")  # fmt: skip
+            ch.send(
+                Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest, status=int(bool(verdict))),
+                {"message": verdict},
+            )
+        return own or (
+            f"refit of version {version} failed on another trainer rank; every worker reports state 'failed': {verdict}"
+            if verdict
+            else ""
+        )
 
     def _send_digests(self, m: Manifest, version: int, stats: RefitStats, digests: DigestPlan) -> None:
         """Fingerprint mode: each receiver gets the digests of the live tensors it loaded (its own shards)."""

@@ -77,6 +77,8 @@ class Settings:
         if self.bucket_bytes is not None and self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes ({self.bucket_bytes}) must be > 0")
         if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError(f"timeout_s ({self.timeout_s}) and connect_timeout_s ({self.connect_timeout_s}) must be > 0")
+            raise ValueError(
+                f"timeout_s ({self.timeout_s}) and connect_timeout_s ({self.connect_timeout_s}) must be > 0"
+            )
         if not self.token:
             raise ValueError("token must be non-empty")

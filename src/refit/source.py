@@ -80,7 +80,10 @@ class WireDtypes:
         return out
 
     def signature(self) -> Hashable:
-        return (tuple((t.dtype, t.shape) for t in self._tensors.values()), tuple(sorted(self._overrides.items(), key=str)))
+        return (
+            tuple((t.dtype, t.shape) for t in self._tensors.values()),
+            tuple(sorted(self._overrides.items(), key=str)),
+        )
 
 
 def alias_key(name: str, t: torch.Tensor, wire: torch.dtype) -> Hashable:

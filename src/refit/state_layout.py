@@ -29,7 +29,9 @@ class StateLayout:
         sizes: list[tuple[object, int]] = []
         for prefix, mod in self.module.named_modules(remove_duplicate=False):
             edges.extend((mod._modules, name, child) for name, child in mod._modules.items())
-            sizes.extend((c, len(c)) for c in (mod._modules, mod._parameters, mod._buffers, mod._non_persistent_buffers_set))
+            sizes.extend(
+                (c, len(c)) for c in (mod._modules, mod._parameters, mod._buffers, mod._non_persistent_buffers_set)
+            )
             for container in (mod._parameters, mod._buffers):
                 for key, value in container.items():
                     name = f"{prefix}.{key}" if prefix else key

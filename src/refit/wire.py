@@ -41,8 +41,17 @@ class Kind(IntEnum):
     VERIFY = 15  # sender -> receiver, after the last bucket: fingerprints of the live source tensors
 
 
-WITH_PAYLOAD = {Kind.HELLO, Kind.WELCOME, Kind.MANIFEST, Kind.REPORT, Kind.COMMIT, Kind.DONE, Kind.ERROR, Kind.SOURCES,
-                Kind.VERIFY}
+WITH_PAYLOAD = {
+    Kind.HELLO,
+    Kind.WELCOME,
+    Kind.MANIFEST,
+    Kind.REPORT,
+    Kind.COMMIT,
+    Kind.DONE,
+    Kind.ERROR,
+    Kind.SOURCES,
+    Kind.VERIFY,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +70,17 @@ class Header:
 
     def pack(self) -> bytes:
         return HEADER.pack(
-            MAGIC, self.kind, self.status, self.slot, self.epoch, self.index,
-            self.version, self.digest, self.nbytes, self.checksum,
-        )  # fmt: skip
+            MAGIC,
+            self.kind,
+            self.status,
+            self.slot,
+            self.epoch,
+            self.index,
+            self.version,
+            self.digest,
+            self.nbytes,
+            self.checksum,
+        )
 
     @classmethod
     def unpack(cls, data: bytes) -> Header:
@@ -125,8 +142,9 @@ class Channel:
         except (OSError, AttributeError, ValueError):
             return -1
 
-    def recv(self, stage: str, *, idle: bool = False, max_payload: int = MAX_JSON_BYTES,
-             timeout_s: float | None = None) -> tuple[Header, bytes]:  # fmt: skip
+    def recv(
+        self, stage: str, *, idle: bool = False, max_payload: int = MAX_JSON_BYTES, timeout_s: float | None = None
+    ) -> tuple[Header, bytes]:
         """The next message, read whole within the timeout; an ERROR from the peer is raised as PeerError."""
         timeout_s = timeout_s or self.timeout_s
         deadline = time.monotonic() + timeout_s
@@ -138,8 +156,10 @@ class Channel:
                     deadline = time.monotonic() + timeout_s
                 continue
             if header.kind in WITH_PAYLOAD and header.nbytes > max_payload:
-                raise IntegrityError(f"{header.kind.name} of {header.nbytes} bytes from {self.peer} exceeds the "
-                                     f"{max_payload} allowed here")
+                raise IntegrityError(
+                    f"{header.kind.name} of {header.nbytes} bytes from {self.peer} exceeds the "
+                    f"{max_payload} allowed here"
+                )
             payload = self._read(header.nbytes, stage, deadline, timeout_s) if header.kind in WITH_PAYLOAD else b""
             self.bytes_received += HEADER.size + len(payload)
             if header.kind == Kind.ERROR:

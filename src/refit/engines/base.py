@@ -89,6 +89,7 @@ class Engine(ABC):
         if w.state == State.CURRENT or (allow_failed and w.state == State.FAILED):
             return
         raise RefitError(
-            f"engine weights are {w.state.value} (last committed {w.version}, target {w.target}): {w.reason or 'refit in progress'}. "
+            f"engine weights are {w.state.value} (last committed {w.version}, target {w.target}): "
+            f"{w.reason or 'refit in progress'}. "
             "Retry the refit of the same version to restore them, or pass allow_failed=True to generate anyway."
         )

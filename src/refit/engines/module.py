@@ -20,7 +20,9 @@ class ModuleEngine(Engine):
     replaced (`module.to()`, a reassigned buffer) receives the bytes, not its stale predecessor; copy
     plans are dropped whenever any target's storage, dtype, shape or strides changed."""
 
-    def __init__(self, module: nn.Module | Mapping[str, torch.Tensor], *, name_map: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, module: nn.Module | Mapping[str, torch.Tensor], *, name_map: Mapping[str, str] | None = None
+    ) -> None:
         """`name_map` maps sender names to this module's names where they differ."""
         super().__init__()
         self.module = module

@@ -74,7 +74,10 @@ class ShmTransport(Transport):
             try:
                 size = os.stat(path).st_size
             except OSError as e:
-                raise PeerError(f"cannot open shared buffer {path}: {e}; are both sides on one host, in one PID namespace, as one user?") from None
+                raise PeerError(
+                    f"cannot open shared buffer {path}: {e}; are both sides on one host, in one PID namespace, "
+                    "as one user?"
+                ) from None
             if size != capacity:
                 raise PeerError(f"shared buffer {path} has {size} bytes, expected {capacity}")
             buffers.append(torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8))
