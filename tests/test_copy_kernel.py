@@ -13,13 +13,15 @@ import sys
 import pytest
 import torch
 
+from refit import copy_kernel
 from refit.copy_kernel import BatchedCopy
 from refit.packing import CopyPlan
 
 SHAPES = [(1,), (3,), (7,), (8,), (33, 65), (4096,), (1000003,), (128, 8), (5, 7, 9), (262147,)]
 DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.uint8, torch.uint8),
           (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
-          (torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.int64, torch.int64)]  # fmt: skip
+          (torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.int64, torch.int64), (torch.float16, torch.float32),
+          (torch.float32, torch.float16), (torch.bfloat16, torch.float16)]  # fmt: skip
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, device: str, g: torch.Generator) -> torch.Tensor:
@@ -83,8 +85,6 @@ def test_copy_plan_replays_current_values_and_rejects_mismatched_lists() -> None
 
 
 def test_sharing_device_caps_programs_for_plans_made_inside() -> None:
-    from refit import copy_kernel
-
     with copy_kernel.sharing_device(5):
         assert copy_kernel._programs.get() == 5
     assert copy_kernel._programs.get() == copy_kernel.PROGRAMS
@@ -130,7 +130,6 @@ def test_kernel_equals_copy_bitwise_on_cuda(src_dtype: torch.dtype, dst_dtype: t
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     c = _check("cuda", src_dtype, dst_dtype, offset, programs)
-    casts = {torch.float32, torch.bfloat16, torch.float16}
     aligned = all(offset * t.itemsize % 16 == 0 for t in (src_dtype, dst_dtype))
-    if aligned and (src_dtype == dst_dtype or {src_dtype, dst_dtype} <= casts):
+    if aligned and (src_dtype == dst_dtype or (src_dtype, dst_dtype) in copy_kernel._CASTS):
         assert c.num_launches >= 1 and c.num_fallback <= 1  # only the transposed source falls back

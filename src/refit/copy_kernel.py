@@ -42,6 +42,15 @@ BLOCK_BYTES = 64 << 10
 the 7B and MoE shape sets at 1.06x a flat copy of their bytes (8 to 64 KiB, 4 to 32 warps, 256 KiB to
 4 MiB chunks swept; `python -m refit.bench.copybench`)."""
 NUM_WARPS = 16
+ALIGN = 16
+"""Source and target addresses must be multiples of this for the kernel (it moves 16 bytes per access)."""
+
+_CASTS = {(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
+          (torch.float16, torch.float32)}  # fmt: skip
+"""(source, target) dtypes the kernel converts, rounding to nearest even as `copy_` does: each checked
+bitwise against `copy_` on an H200 (fp16 to fp32 is exact); other casts go through torch."""
+_WORDS = (torch.int32, torch.int16, torch.uint8)
+"""Word types of plain copies, widest first: the widest that divides a pair's size is used."""
 PROGRAMS = int(os.environ.get("REFIT_COPY_PROGRAMS", "0"))
 """0: one program per chunk (fastest alone). k > 0: at most k programs, each walking every k-th chunk: a
 slower copy that leaves memory bandwidth to a collective running beside it."""
@@ -60,13 +69,6 @@ def sharing_device(programs: int = BESIDE_COLLECTIVE) -> Iterator[None]:
         yield
     finally:
         _programs.reset(token)
-ALIGN = 16
-"""Source and target addresses must be multiples of this for the kernel (it moves 16 bytes per access)."""
-
-_CASTS = {torch.float32, torch.float16, torch.bfloat16}
-"""Dtypes the kernel converts between (as `copy_` does: round to nearest even)."""
-_WORDS = (torch.int32, torch.int16, torch.uint8)
-"""Word types of plain copies, widest first: the widest that divides a pair's size is used."""
 
 
 def available(device: torch.device) -> bool:
@@ -136,7 +138,7 @@ def _key(d: torch.Tensor, s: torch.Tensor) -> tuple[torch.dtype, torch.dtype] | 
     if d.dtype == s.dtype:  # a plain byte copy, in the widest words that divide its size
         word = next(w for w in _WORDS if d.nbytes % w.itemsize == 0)
         return word, word
-    if d.dtype in _CASTS and s.dtype in _CASTS and d.device.type == "cuda":  # the interpreter rounds otherwise
+    if (s.dtype, d.dtype) in _CASTS and d.device.type == "cuda":  # the interpreter truncates instead of rounding
         return s.dtype, d.dtype
     return None
 
