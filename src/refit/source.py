@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 
 import torch
@@ -69,9 +70,13 @@ class WireDtypes:
 
     def specs(self) -> list[TensorSpec]:
         """One spec per distinct tensor; names sharing storage and view (tied weights) become aliases."""
+        items = list(self._tensors.items())
+        starts = [_address(t) for _, t in items]
+        shared = {a for a, k in Counter(starts).items() if k > 1}  # only these can be aliases: look closer
         groups: dict[Hashable, list[str]] = {}
-        for n, t in self._tensors.items():
-            groups.setdefault(alias_key(n, t, self._wire(n, t)), []).append(n)
+        for (n, t), start in zip(items, starts):
+            key = alias_key(n, t, self._wire(n, t)) if start in shared else n
+            groups.setdefault(key, []).append(n)
         out = []
         for names in groups.values():
             names.sort()
@@ -84,6 +89,10 @@ class WireDtypes:
             tuple((t.dtype, t.shape) for t in self._tensors.values()),
             tuple(sorted(self._overrides.items(), key=str)),
         )
+
+
+def _address(t: torch.Tensor) -> int:
+    return getattr(t, "_local_tensor", t).data_ptr()
 
 
 def alias_key(name: str, t: torch.Tensor, wire: torch.dtype) -> Hashable:
