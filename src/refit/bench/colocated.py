@@ -2,8 +2,9 @@
 
 Measured in one run, on N devices (GPUs with NCCL and cuda-ipc, or CPU processes with gloo and shm):
 - floor: one all-gather of the whole model (a flat buffer) plus one local copy of the model's bytes;
-- per_rank: `RankedRefit`, every rank gathering each bucket once and packing it for the worker on
-  its own device; besides the all-gather no byte crosses devices;
+- per_rank: `RankedRefit`, every rank gathering each bucket once, straight into the bucket buffer the
+  worker on its own device reads; besides the all-gather no byte crosses devices;
+- per_rank_schedule: the same, gathering along FsdpSource's own schedule and packing (one more copy);
 - rank0_led: the path before it: rank 0 gathers and sends, every worker reads rank 0's buffers.
 
 `run_colocated` starts the ranks (`python -m refit.bench.colocated`) and the workers
@@ -31,7 +32,7 @@ from refit.bench.worker import MARK
 from refit.spec import dtype_from_name, dtype_name
 
 RANK_MARK = "@@colocated "
-METHODS = ("floor", "per_rank", "rank0_led")
+METHODS = ("floor", "per_rank", "per_rank_schedule", "rank0_led")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -133,9 +134,10 @@ def _method(method: str, shards: dict[str, torch.Tensor], cfg: ColocatedConfig, 
     source = FsdpSource(shards)
     rank, world = dist.get_rank(), dist.get_world_size()
     version = iter(range(1, 1 << 30))
-    if method == "per_rank":
+    if method.startswith("per_rank"):
         sender = Sender(source, transport=transport, settings=settings, device=device)
         driver = RankedRefit(sender)
+        driver.gather_into_buckets = method == "per_rank"
         _say({"event": "rendezvous", "method": method, "infos": driver.rendezvous()})
         times = _timed(lambda: driver.refit(next(version)), cfg, device)
     else:
@@ -145,7 +147,7 @@ def _method(method: str, shards: dict[str, torch.Tensor], cfg: ColocatedConfig, 
         times = _timed(lambda: sharded_refit(source, sender, next(version)), cfg, device)
     if sender is not None:
         sender.close()
-    return {"times": times, "peak_gathered_bytes": source.peak_gathered_bytes,
+    return {"times": times, "peak_gathered_bytes": source.peak_gathered_bytes, "in_place_bytes": source.in_place_bytes,
             "gathers_per_tensor": max(source.gather_counts.values(), default=0) / (cfg.warmup + cfg.repeats)}  # fmt: skip
 
 
@@ -273,6 +275,7 @@ def show(report: dict, console) -> None:  # type: ignore[no-untyped-def]
     for col in ("method", "ms", "x floor", "GB/s", "note"):
         table.add_column(col, justify="left" if col in ("method", "note") else "right")
     labels = {"floor": "floor: all-gather + one local copy", "per_rank": "per-rank refit (RankedRefit)",
+              "per_rank_schedule": "per-rank, gather schedule + pack",
               "rank0_led": "rank-0-led refit (sharded_refit)"}  # fmt: skip
     for method, r in report["results"].items():
         note = (f"all-gather {r['all_gather_s'] * 1e3:.1f} ms + copy {r['copy_s'] * 1e3:.1f} ms" if method == "floor"
