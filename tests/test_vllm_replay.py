@@ -62,7 +62,9 @@ def test_recorded_copies_replay_the_loader_bitwise(device: str) -> None:
         views[n] = bucket[at : at + t.numel()].view(t.shape)
         at += t.numel()
     targets = dict(live.named_parameters())
-    plan = CopyPlan([p.dst.of(targets[p.param]) for p in rec.placements], [p.src.of(views[p.name]) for p in rec.placements])
+    plan = CopyPlan(
+        [p.dst.of(targets[p.param]) for p in rec.placements], [p.src.of(views[p.name]) for p in rec.placements]
+    )
     plan.run()
     reference = _Layer(device)
     load = _loader(reference)

@@ -61,7 +61,12 @@ def _reference(trainer, source, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def main() -> int:
-    model_dir, prompts, tp, option_sets = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+    model_dir, prompts, tp, option_sets = (
+        sys.argv[1],
+        json.loads(sys.argv[2]),
+        int(sys.argv[3]),
+        json.loads(sys.argv[4]),
+    )
     from transformers import AutoModelForCausalLM
     from vllm import LLM
 
@@ -109,7 +114,7 @@ def main() -> int:
     results = []
     for options in option_sets:
         # The plan session starts from the weights load_weights left (v2), so a refit that loads nothing fails.
-        lw, lw_out, lw_info = session(options, "load_weights")
+        lw, lw_out, _ = session(options, "load_weights")
         plan, plan_out, info = session(options, "plan")
         results.append({"options": options, "diff": [diff(plan[i], lw[i]) for i in range(2)], "lw": lw_out, "plan": plan_out,
                         "ref": info["refs"], "changed": lw[0] != lw[1], "held_bad": info["held"][0], "held": info["held"][1],

@@ -80,7 +80,9 @@ def _module(model_dir: str, source: Any, transport: str, bucket_bytes: int, repe
     return rows
 
 
-def _vllm(llm: Any, source: Any, transport: str, bucket_bytes: int, repeats: int, **options: Any) -> list[dict[str, float]]:
+def _vllm(
+    llm: Any, source: Any, transport: str, bucket_bytes: int, repeats: int, **options: Any
+) -> list[dict[str, float]]:
     from refit import Sender, Settings
     from refit.engines.vllm import VllmOptions, VllmRefit
 
@@ -134,6 +136,7 @@ def _checks(m: dict[str, dict[str, float]]) -> dict[str, float]:
     return {"plan_vs_module": (plan["total"] - plan["post"]) / module["total"],
             "plan_with_post_vs_module": plan["total"] / module["total"],
             "load_weights_vs_plan": lw["total"] / plan["total"],
+            "load_weights_vs_plan_copy": lw["total"] / (plan["total"] - plan["post"]),
             "checkpoint_layout_vs_module": m["plan_checkpoint_layout"]["total"] / module["total"]}  # fmt: skip
 
 
@@ -153,11 +156,18 @@ def table(report: dict) -> Any:
 
 
 def verdicts(report: dict) -> list[str]:
-    c = report["checks"]
-    return [f"plan without post-processing: {c['plan_vs_module']:.2f}x ModuleEngine (target <= {TARGETS['plan_vs_module']}): "
-            f"{'met' if c['plan_vs_module'] <= TARGETS['plan_vs_module'] else 'NOT met'}; with it {c['plan_with_post_vs_module']:.2f}x",
-            f"load_weights: {c['load_weights_vs_plan']:.1f}x the plan's time (target >= {TARGETS['load_weights_vs_plan']}): "
-            f"{'met' if c['load_weights_vs_plan'] >= TARGETS['load_weights_vs_plan'] else 'NOT met'}"]  # fmt: skip
+    c, t = report["checks"], TARGETS
+    plan_ok = "met" if c["plan_vs_module"] <= t["plan_vs_module"] else "NOT met"
+    lw_ok = "met" if c["load_weights_vs_plan"] >= t["load_weights_vs_plan"] else "NOT met"
+    first = (
+        f"plan without post-processing: {c['plan_vs_module']:.2f}x ModuleEngine (target <= {t['plan_vs_module']}): "
+        f"{plan_ok}; with it {c['plan_with_post_vs_module']:.2f}x"
+    )
+    second = (
+        f"load_weights: {c['load_weights_vs_plan']:.1f}x the plan's time (target >= {t['load_weights_vs_plan']}): "
+        f"{lw_ok}; {c['load_weights_vs_plan_copy']:.1f}x the plan's time without post-processing"
+    )
+    return [first, second]
 
 
 def cli(args: argparse.Namespace, console: Any) -> int:

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from refit.engines.base import Engine, Region
-from refit.log import get_logger
-from refit.errors import HandshakeError, RefitError
 from refit.colocated import pick
+from refit.engines.base import Engine, Region
+from refit.errors import HandshakeError, RefitError
+from refit.log import get_logger
 from refit.receiver import Receiver
 from refit.settings import Settings
 from refit.spec import TensorSpec, dtype_from_name, dtype_name
@@ -123,17 +123,18 @@ class VllmEngine(Engine):
             initialize_layerwise_reload(self.model)
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        t = time.perf_counter()
+        t, post = time.perf_counter(), 0.0
         if self.mode == "plan":
             assert self.plan is not None
             fresh = id(tensors) not in self.plan._bound
-            self.plan.load(tensors)
+            post = self.plan.load(tensors)
             if fresh and not self._logged:  # a new manifest (epoch): say again what falls back
                 self._logged = True
                 log.info("%s", self.plan.table())
         else:  # vLLM keeps a module's tensors until it is complete, maybe past this buffer's reuse: copies
             self.model.load_weights([(n, t.clone()) for n, t in tensors])
-        self.seconds["copy"] = self.seconds.get("copy", 0.0) + time.perf_counter() - t
+        self.seconds["copy"] = self.seconds.get("copy", 0.0) + time.perf_counter() - t - post
+        self.seconds["post"] = self.seconds.get("post", 0.0) + post
 
     def commit(self, version: int) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
@@ -143,7 +144,7 @@ class VllmEngine(Engine):
             self.plan.finish()  # type: ignore[union-attr]
         else:
             finalize_layerwise_reload(self.model, self.model_config)
-        self.seconds["post"] = time.perf_counter() - t
+        self.seconds["post"] = self.seconds.get("post", 0.0) + time.perf_counter() - t
         self._logged = False
         super().commit(version)
 

@@ -79,14 +79,20 @@ def keep_checkpoint_layout(model: torch.nn.Module) -> int:
 
     changed = 0
     for _, layer in model.named_modules():
-        qm, info, weight = getattr(layer, "quant_method", None), LAYERWISE_INFO.get(layer), layer._parameters.get("weight")
+        qm, info, weight = (
+            getattr(layer, "quant_method", None),
+            LAYERWISE_INFO.get(layer),
+            layer._parameters.get("weight"),
+        )
         if type(qm).__name__ != "UnquantizedLinearMethod" or info is None or weight is None:
             continue
         template = templates(layer, info.restore_metadata[0]).get("weight")
         if template is None or weight.shape == template.shape:
             continue
         layer._cpu_skip_gemm_dispatch = True
-        layer._parameters["weight"] = _param(torch.zeros(template.shape, dtype=template.dtype, device=weight.device), template)
+        layer._parameters["weight"] = _param(
+            torch.zeros(template.shape, dtype=template.dtype, device=weight.device), template
+        )
         qm.process_weights_after_loading(layer)
         changed += 1
     return changed
@@ -182,7 +188,9 @@ class LoadPlan:
         self.rejected = rec.rejected
         """Names vLLM's loaders refuse (with the error): left out of the specs, so the handshake names them."""
         self.layers = _classify(found, rec, fallback)
-        self.fallback_names = frozenset(n for n, ms in rec.writes.items() if any(self.layers[m].kind is Kind.FALLBACK for m in ms))
+        self.fallback_names = frozenset(
+            n for n, ms in rec.writes.items() if any(self.layers[m].kind is Kind.FALLBACK for m in ms)
+        )
         self.ignored = frozenset(set(checkpoint) - rec.writes.keys() - rec.rejected.keys())
         """Names vLLM accepts and stores nowhere (lm_head.weight of a tied model)."""
         self._placements = [p for p in rec.placements if self.layers[p.module].kind is not Kind.FALLBACK]
@@ -196,6 +204,15 @@ class LoadPlan:
         self.record_s = time.perf_counter() - t
         self._bound: dict[int, tuple[list, _Bound]] = {}
         self._used: set[int] = set()
+        self._feeds: dict[str, list[str]] = {}
+        """name -> POST modules it feeds: each is processed as soon as its last name arrived (as vLLM does)."""
+        for p in self._placements:
+            if self.layers[p.module].kind is Kind.POST and p.module not in self._feeds.get(p.name, []):
+                self._feeds.setdefault(p.name, []).append(p.module)
+        self._needs = {
+            m: frozenset(n for n, ms in self._feeds.items() if m in ms) for ms in self._feeds.values() for m in ms
+        }
+        self._pending: dict[str, set[str]] = {}
 
     def _target(self, module: str, param: str) -> tuple[torch.Tensor, bool]:
         """Where copies for `module.param` land, and whether that is the live tensor (else a shadow)."""
@@ -215,7 +232,9 @@ class LoadPlan:
         self._key = self._live_key()
 
     def _live_key(self) -> tuple:
-        return tuple((id(t), t.data_ptr(), t.dtype, t.shape) for ts in self._targets.values() for _, t, live in ts if live)
+        return tuple(
+            (id(t), t.data_ptr(), t.dtype, t.shape) for ts in self._targets.values() for _, t, live in ts if live
+        )
 
     def table(self) -> str:
         """Modules not loaded as plain copies into live tensors, and why (one line each)."""
@@ -235,6 +254,7 @@ class LoadPlan:
             self._bound.clear()
         self._bound = {k: v for k, v in self._bound.items() if k in self._used}
         self._used = set()
+        self._pending = {m: set(names) for m, names in self._needs.items()}
         for lp in self.layers.values():
             if lp.kind is Kind.FALLBACK:
                 initialize_layerwise_reload(lp.layer)
@@ -260,23 +280,36 @@ class LoadPlan:
             self._used.add(id(tensors))
         return bound
 
-    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> float:
+        """Copy one bucket's tensors in; process the POST modules it completed. Returns the processing seconds."""
         bound = self.bind(tensors)
         with torch.no_grad():
             bound.copy.run()
             if bound.fallback:  # vLLM's reload keeps tensors until a module is complete: hand it copies
                 self.model.load_weights([(n, t.clone()) for n, t in bound.fallback])
+            t, ready = time.perf_counter(), []
+            for name, _ in tensors:
+                for m in self._feeds.get(name, ()):
+                    waiting = self._pending.get(m)
+                    if waiting is not None:
+                        waiting.discard(name)
+                        if not waiting:
+                            ready.append(m)
+                            del self._pending[m]
+            for m in ready:
+                _reprocess(self.layers[m])
+        return time.perf_counter() - t
 
     def finish(self) -> float:
-        """After the last bucket: the backend's processing for POST modules, vLLM's finalize for fallback
-        ones. Returns the seconds it took."""
+        """After the last bucket: the backend's processing for POST modules not yet processed, vLLM's
+        finalize for fallback ones. Returns the seconds it took."""
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         t = time.perf_counter()
         with torch.no_grad():
             for lp in self.layers.values():
-                if lp.kind is Kind.POST:
-                    _reprocess(lp)
+                if lp.kind is Kind.POST and (lp.module in self._pending or lp.module not in self._needs):
+                    _reprocess(lp)  # fed by no name (tied to a refitted module), or a name never came
                 elif lp.kind is Kind.FALLBACK:
                     finalize_layerwise_reload(lp.layer, self.model_config)
         return time.perf_counter() - t

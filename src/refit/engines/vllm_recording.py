@@ -12,9 +12,9 @@ bucket views as plain batched copies.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MethodType
-from collections.abc import Callable
 from typing import Any
 
 import torch
