@@ -307,6 +307,7 @@ class _BucketGathers:
         self.source, self.m, self.sender = source, layout, sender
         self.names = [[layout.entries[s.entry].name for s in segs] for segs in layout.segments]
         self.next = 0
+        self._matched: tuple[int, bool] = (0, False)
         self.kept: dict[str, tuple[torch.Tensor, int]] = {}
         """A tensor spanning buckets: gathered at its first, kept until its last (the bucket index)."""
 
@@ -326,9 +327,11 @@ class _BucketGathers:
     def _buffer(self, b: int) -> torch.Tensor | None:
         """The slot buffer bucket `b` is packed into, when the Sender packs exactly this layout."""
         s = self.sender
-        if s is None or s.manifest is None or s.transport is None or s.manifest.segments != self.m.segments:
+        if s is None or s.manifest is None or s.transport is None:
             return None
-        return s.transport.buffers[b % s.num_slots]
+        if self._matched[0] != id(s.manifest):  # compared once per manifest, not per bucket
+            self._matched = (id(s.manifest), s.manifest.segments == self.m.segments)
+        return s.transport.buffers[b % s.num_slots] if self._matched[1] else None
 
     def _bucket(self, b: int, buf: torch.Tensor | None) -> list[torch.Tensor]:
         from refit.packing import typed_view
