@@ -110,7 +110,7 @@ class VllmEngine(Engine):
         return [TensorSpec(n, shape, dtype) for n, (shape, dtype) in self.plan.specs.items()]
 
     def held(self, name: str) -> tuple[torch.Tensor, Region | None] | None:
-        return None if self.plan is None or self.mode != "plan" else self.plan.held(name)
+        return None if self.plan is None else self.plan.held(name)  # vLLM's reload keeps the same live tensors
 
     def begin(self, version: int) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload

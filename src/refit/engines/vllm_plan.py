@@ -146,7 +146,8 @@ def _classify(found: dict[str, tuple[torch.nn.Module, dict[str, torch.Tensor]]],
     for m in sorted(touched):
         layer, temps = found[m]
         kind = Kind.FALLBACK if m in why else Kind.POST if needs_processing(layer) else Kind.DIRECT
-        plans[m] = LayerPlan(m, layer, kind, why.get(m, ""), temps)
+        post = f"{type(layer.quant_method).__name__} processes it after loading" if kind is Kind.POST else ""
+        plans[m] = LayerPlan(m, layer, kind, why.get(m, post), temps)
     written = {t.data_ptr() for lp in plans.values() if lp.kind is not Kind.FALLBACK
                for n, t in lp.layer._parameters.items() if t is not None and t.numel() and n in lp.templates}  # fmt: skip
     for m, (layer, _) in found.items():  # a module tied to a refitted one (lm_head) must be processed again too
