@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refit.manifest import Manifest
+from refit.packing import CopyPlan, typed_view
 from refit.source import Source, WireDtypes
 
 DEFAULT_GATHER_BYTES = 64 << 20
@@ -33,6 +34,13 @@ DEFAULT_GATHER_BYTES = 64 << 20
 def _full(t: torch.Tensor) -> torch.Tensor:
     full = getattr(t, "full_tensor", None)
     return full() if callable(full) else t
+
+
+def _dtype_and_shape(t: torch.Tensor) -> tuple:
+    spec, local = getattr(t, "_spec", None), getattr(t, "_local_tensor", None)
+    if spec is not None and local is not None:
+        return local.dtype, spec.shape
+    return t.dtype, t.shape
 
 
 def _dim0_group(t: torch.Tensor) -> dist.ProcessGroup | None:
@@ -106,6 +114,13 @@ class FsdpSource(WireDtypes, Source):
         self._next = 0
         self._leading = False
         self._buckets: _BucketGathers | None = None
+        self._bucket_plans: tuple = (None, [], {})
+        """(layout, names per bucket, in-place gather plans) of the last per-rank layout."""
+
+    def signature(self) -> Hashable:
+        """Training dtypes, global shapes and wire overrides; read from the DTensors' local tensor and
+        spec (a DTensor's own `.dtype`/`.shape` cost microseconds each: 90k tensors would take 0.3 s)."""
+        return (tuple(map(_dtype_and_shape, self._tensors.values())), tuple(sorted(self._overrides.items(), key=str)))
 
     # -- the schedule ------------------------------------------------------------------------------
 
@@ -116,11 +131,11 @@ class FsdpSource(WireDtypes, Source):
     def _plan(self) -> None:
         """(Re)build the schedule from the sent names (aliases excluded) and the budget; deterministic,
         so every rank builds the same one."""
-        order = sorted(s.name for s in self.specs())
         budget = self.gather_bytes or DEFAULT_GATHER_BYTES
-        key = (tuple(order), budget)
+        key = (self.signature(), budget)
         if key == self._planned:
             return
+        order = sorted(s.name for s in self.specs())
         self._order, self._pos = order, {n: i for i, n in enumerate(order)}
         self._groups, self._group_of = [], []
         start, size = 0, 0
@@ -140,7 +155,8 @@ class FsdpSource(WireDtypes, Source):
         """Start a pass (every rank, before each refit). With `layout` (per-rank mode, the same bucket
         layout on every rank) gathers follow the buckets instead of the schedule, and whole, evenly
         sharded tensors are gathered straight into `sender`'s bucket buffer."""
-        self._plan()
+        if layout is None:
+            self._plan()
         self._live, self._next = [], 0
         self._buckets = _BucketGathers(self, layout, sender) if layout is not None else None
 
@@ -293,6 +309,28 @@ def _padded(t: torch.Tensor, pg: dist.ProcessGroup) -> tuple[torch.Tensor, torch
     return torch.empty((chunk * world, *t.shape[1:]), dtype=local.dtype, device=local.device), local
 
 
+@dataclass(slots=True)
+class _BucketPlan:
+    """The fixed part of one bucket's gathers (the tensors gathered straight into its buffer), built once
+    per layout and buffer and replayed while the shards keep their storage."""
+
+    shards: list[torch.Tensor]
+    """The DTensors read in place; their local storage addresses validate the plan."""
+    key: tuple[int, ...]
+    fixed: list[torch.Tensor | None]
+    """Per segment: the view of the bucket handed out, or None when that tensor is gathered afresh."""
+    batches: dict[tuple, tuple[dist.ProcessGroup, list[torch.Tensor], list[torch.Tensor]]]
+    casts: CopyPlan | None
+    """Shards copied into their wire dtype before the gather (None when all are already in it)."""
+    names: list[str]
+    in_place_bytes: int
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None else t.to_local()
+
+
 class _BucketGathers:
     """Gathers that follow one bucket layout, the same on every rank (per-rank mode).
 
@@ -300,12 +338,15 @@ class _BucketGathers:
     into the bucket buffer the Sender is about to pack (when the Sender's manifest has this very
     layout), so packing it copies nothing; otherwise into a scratch tensor of the same shape, so the
     collectives are the same on every rank either way. Other tensors are gathered whole (a tensor
-    spanning buckets once, kept until its last bucket).
+    spanning buckets once, kept until its last bucket). The in-buffer part of each bucket is planned
+    once per layout, so a refit of many tensors costs no Python work per tensor for it.
     """
 
     def __init__(self, source: FsdpSource, layout: Manifest, sender) -> None:  # type: ignore[no-untyped-def]
         self.source, self.m, self.sender = source, layout, sender
-        self.names = [[layout.entries[s.entry].name for s in segs] for segs in layout.segments]
+        if source._bucket_plans[0] is not layout:
+            source._bucket_plans = (layout, [[layout.entries[s.entry].name for s in segs] for segs in layout.segments], {})
+        self.names, self.plans = source._bucket_plans[1], source._bucket_plans[2]
         self.next = 0
         self._matched: tuple[int, bool] = (0, False)
         self.kept: dict[str, tuple[torch.Tensor, int]] = {}
@@ -333,46 +374,81 @@ class _BucketGathers:
             self._matched = (id(s.manifest), s.manifest.segments == self.m.segments)
         return s.transport.buffers[b % s.num_slots] if self._matched[1] else None
 
-    def _bucket(self, b: int, buf: torch.Tensor | None) -> list[torch.Tensor]:
-        from refit.packing import typed_view
-
-        src, out = self.source, []
+    def _plan(self, b: int, buf: torch.Tensor | None) -> _BucketPlan:
+        """Bucket `b`'s in-place gathers into `buf` (into scratch when None: a drain, never cached)."""
+        key = (b, buf.data_ptr() if buf is not None else None)
+        plan = self.plans.get(key)
+        if plan is not None and plan.key == tuple(_local(t).data_ptr() for t in plan.shards):
+            return plan
+        shards, fixed, names, casts, nbytes = [], [], [], ([], []), 0
         batches: dict[tuple, tuple[dist.ProcessGroup, list[torch.Tensor], list[torch.Tensor]]] = {}
+        for s in self.m.segments[b]:
+            p = self.m.entries[s.entry]
+            spec, t = p.spec, self.source._tensors[p.name]
+            pg = _dim0_group(t)
+            if pg is None or s.lo != 0 or s.hi != spec.nbytes or t.shape[0] % dist.get_world_size(pg):
+                fixed.append(None)
+                continue
+            local = _local(t)
+            if local.dtype != spec.dtype or not local.is_contiguous():
+                casts[0].append(torch.empty(local.shape, dtype=spec.dtype, device=local.device))
+                casts[1].append(local)
+                local = casts[0][-1]
+            dst = (typed_view(buf, s.at, spec.nbytes, spec.dtype) if buf is not None
+                   else torch.empty(spec.nbytes // spec.dtype.itemsize, dtype=spec.dtype, device=local.device))  # fmt: skip
+            _, outs, ins = batches.setdefault((id(pg), spec.dtype), (pg, [], []))
+            outs.append(dst)
+            ins.append(local.view(-1))
+            fixed.append(dst.view(spec.shape))
+            shards.append(t)
+            names.append(p.name)
+            nbytes += spec.nbytes if buf is not None else 0
+        plan = _BucketPlan(shards, tuple(_local(t).data_ptr() for t in shards), fixed, batches,
+                           CopyPlan(*casts) if casts[0] else None, names, nbytes)  # fmt: skip
+        if buf is not None:
+            self.plans[key] = plan
+        return plan
+
+    def _bucket(self, b: int, buf: torch.Tensor | None) -> list[torch.Tensor]:
+        src, plan = self.source, self._plan(b, buf)
+        batches = {k: (pg, list(outs), list(ins)) for k, (pg, outs, ins) in plan.batches.items()}
+        out = list(plan.fixed)
         with torch.no_grad():
-            for s in self.m.segments[b]:
-                p = self.m.entries[s.entry]
-                name, spec, t = p.name, p.spec, src._tensors[p.name]
-                if name in self.kept:
-                    out.append(self.kept[name][0])
+            if plan.casts is not None:
+                plan.casts.run()
+            for i, s in enumerate(self.m.segments[b]):
+                if out[i] is not None:
                     continue
-                pg = _dim0_group(t)
-                whole = s.lo == 0 and s.hi == spec.nbytes
-                if pg is not None and whole and t.shape[0] % dist.get_world_size(pg) == 0:
-                    local = t.to_local().to(spec.dtype).contiguous().view(-1)
-                    dst = (typed_view(buf, s.at, spec.nbytes, spec.dtype) if buf is not None
-                           else torch.empty(spec.nbytes // spec.dtype.itemsize, dtype=spec.dtype, device=local.device))  # fmt: skip
-                    full = dst.view(spec.shape)
-                    src.in_place_bytes += spec.nbytes if buf is not None else 0
-                elif pg is not None:
-                    dst, local = _padded(t, pg)
-                    full = dst[: t.shape[0]]
-                    src.peak_gathered_bytes = max(src.peak_gathered_bytes, dst.numel() * dst.element_size())
-                else:
-                    full = _full(t)
-                    if full is not t:
-                        src.gather_counts[name] += 1
-                if pg is not None:
-                    _, outs, ins = batches.setdefault((id(pg), dst.dtype), (pg, [], []))
-                    outs.append(dst)
-                    ins.append(local)
-                    src.gather_counts[name] += 1
-                if not whole:
-                    self.kept[name] = (full, self.m.last_bucket[s.entry])
-                out.append(full)
+                p = self.m.entries[s.entry]
+                out[i] = self._fresh(p.name, p.spec, s, batches)
         for w in [w for pg, outs, ins in batches.values() for w in _all_gather(pg, outs, ins)]:
             w.wait()
+        src.gather_counts.update(plan.names)
+        src.in_place_bytes += plan.in_place_bytes
         self.kept = {n: kept for n, kept in self.kept.items() if kept[1] > b}
         return out
+
+    def _fresh(self, name: str, spec, s, batches: dict) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """A tensor not gathered in place: split across buckets, unevenly sharded, or not dim-0 sharded."""
+        src, t = self.source, self.source._tensors[name]
+        if name in self.kept:
+            return self.kept[name][0]
+        pg = _dim0_group(t)
+        if pg is not None:
+            dst, local = _padded(t, pg)
+            _, outs, ins = batches.setdefault((id(pg), dst.dtype), (pg, [], []))
+            outs.append(dst)
+            ins.append(local)
+            full = dst[: t.shape[0]]
+            src.gather_counts[name] += 1
+            src.peak_gathered_bytes = max(src.peak_gathered_bytes, dst.numel() * dst.element_size())
+        else:
+            full = _full(t)
+            if full is not t:
+                src.gather_counts[name] += 1
+        if s.lo != 0 or s.hi != spec.nbytes:
+            self.kept[name] = (full, self.m.last_bucket[s.entry])
+        return full
 
 
 def _all_gather(pg: dist.ProcessGroup, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> list:
