@@ -105,12 +105,12 @@ def _floor(shards: dict[str, torch.Tensor], cfg: ColocatedConfig, device: torch.
     world = dist.get_world_size()
     nbytes = sum(t.numel() * t.element_size() for t in shards.values())
     per_rank = -(-nbytes // world)
-    src = torch.empty(per_rank, dtype=torch.uint8, device=device)
-    full = torch.empty(per_rank * world, dtype=torch.uint8, device=device)
-    gather = _timed(lambda: dist.all_gather_into_tensor(full, src), cfg, device)
-    dst = torch.empty_like(full)
-    copy = _timed(lambda: dst.copy_(full), cfg, device)
-    del src, full, dst
+    bufs = {"shard": torch.empty(per_rank, dtype=torch.uint8, device=device),
+            "full": torch.empty(per_rank * world, dtype=torch.uint8, device=device)}  # fmt: skip
+    gather = _timed(lambda: dist.all_gather_into_tensor(bufs["full"], bufs["shard"]), cfg, device)
+    bufs["copy"] = torch.empty_like(bufs["full"])
+    copy = _timed(lambda: bufs["copy"].copy_(bufs["full"]), cfg, device)
+    bufs.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"times": [a + c for a, c in zip(gather, copy)], "all_gather_s": statistics.median(gather),
