@@ -72,3 +72,15 @@ def test_recorded_copies_replay_the_loader_bitwise(device: str) -> None:
         load(n, t)
     for n, p in reference.named_parameters():
         assert torch.equal(targets[n], p), n
+
+
+@pytest.mark.parametrize("how", ["in place on its input", "into a new tensor"])
+def test_a_loader_that_changes_values_is_never_replayed(how: str) -> None:
+    live = _Layer("cpu")
+    templates = {n: torch.empty(p.shape, device="meta") for n, p in live.named_parameters()}
+
+    def load(name: str, w: torch.Tensor) -> None:
+        live.norm.data.copy_(w.mul_(2) if how == "in place on its input" else w * 2)
+
+    rec = record(live, {"layer": (live, templates)}, {"norm": (H,)}, load=load)
+    assert not rec.placements and "transforms the values of norm" in rec.bad["layer"]

@@ -85,12 +85,17 @@ class _Catcher(TorchDispatchMode):
         super().__init__()
         self.recs, self.live, self.out = recs, live, out
         self.name, self.numel = "", 0
+        self.enc: torch.Tensor | None = None
+        """The encoded tensor being loaded: a copy from a view of it needs no values read."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         dst = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if dst is None or not _writes_first_arg(func):
             return func(*args, **kwargs)
+        enc = self.enc
+        if enc is not None and not dst.is_meta and dst.untyped_storage().data_ptr() == enc.untyped_storage().data_ptr():
+            self.enc = None  # the loader writes its input: from now on read the values, do not trust views
         if dst.is_meta and _storage_key(dst) in self.recs:
             self._record(func, dst, args)
             return dst
@@ -101,13 +106,25 @@ class _Catcher(TorchDispatchMode):
             return dst
         return func(*args, **kwargs)
 
+    def _view_of_input(self, src: torch.Tensor, dst: torch.Tensor) -> Strided | None:
+        """Where a view of the encoded input reads (a pure move, as its geometry says); None for other tensors."""
+        enc = self.enc
+        if enc is None or src.dtype != torch.float64 or src.device.type != "cpu":
+            return None
+        if src.untyped_storage().data_ptr() != enc.untyped_storage().data_ptr():
+            return None
+        b = torch.broadcast_to(src, dst.shape)
+        return Strided(tuple(b.shape), tuple(b.stride()), b.storage_offset() - enc.storage_offset())
+
     def _record(self, func: Any, dst: torch.Tensor, args: tuple) -> None:
         module, param = self.recs[_storage_key(dst)]
         self.out.writes.setdefault(self.name, set()).add(module)
         where = Strided(tuple(dst.shape), tuple(dst.stride()), dst.storage_offset())
         aten = torch.ops.aten
         if func is aten.copy_.default and isinstance(args[1], torch.Tensor) and not args[1].is_meta:
-            src = solve(torch.broadcast_to(args[1], dst.shape).to("cpu", torch.float64), self.numel)
+            src = self._view_of_input(args[1], dst) or solve(
+                torch.broadcast_to(args[1], dst.shape).to("cpu", torch.float64), self.numel
+            )
             if src is None:
                 self.out.bad.setdefault(module, f"the loader transforms the values of {self.name}")
             else:
@@ -196,7 +213,7 @@ def record(model: torch.nn.Module, layers: dict[str, tuple[torch.nn.Module, dict
         with torch.no_grad():
             for name, shape in shapes.items():
                 catcher.name, catcher.numel = name, math.prod(shape)
-                enc = (torch.arange(catcher.numel, dtype=torch.float64) + _MARK).view(shape)
+                enc = catcher.enc = (torch.arange(catcher.numel, dtype=torch.float64) + _MARK).view(shape)
                 try:
                     with catcher:
                         load(name, enc)
