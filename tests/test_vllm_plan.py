@@ -125,3 +125,14 @@ def test_plan_refit_is_bitwise_vllms_own_load_weights(family: str, tmp_path) -> 
         assert r["stats"]["seconds"]["load"] > 0
         if exact_reference:
             assert r["lw"] == r["ref"], "vLLM's own path must match the trainer's greedy output"
+
+
+def test_bench_engine_vllm_is_routed_to_the_engine_bench_and_checks_its_transport() -> None:
+    from refit.bench import engine
+    from refit.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--engine", "vllm", "--transport", "nccl"])
+    assert args.func is engine.cli
+    with pytest.raises(ValueError, match="--transport must be shm or gloo"):
+        args.func(args, None)
+    assert build_parser().parse_args(["bench"]).func is not engine.cli
