@@ -10,8 +10,8 @@ import json
 import sys
 
 import torch
-
 from peer import make_tensors
+
 from refit import ModuleSource, Sender, Settings
 from refit.verify import fingerprints
 

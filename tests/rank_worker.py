@@ -11,16 +11,16 @@ import os
 import subprocess
 import sys
 
+import peer
 import torch
 
-import peer
 from refit.colocated import pick
 
 
 class RankWorker(peer.Peer):
     """Starts rank_worker.py (with extra environment, e.g. its own CUDA_VISIBLE_DEVICES) and reads its reports."""
 
-    def __init__(self, args: dict, env: dict | None = None) -> None:  # noqa: D107
+    def __init__(self, args: dict, env: dict | None = None) -> None:
         full = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path]), **(env or {})}
         self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE,
                                      text=True, env=full)  # fmt: skip

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fsdp_trainer import build
 from peer import Peer
+from trainer_ranks import line, start
+
 from refit.spec import dtype_name
 from refit.verify import fingerprints
-from trainer_ranks import line, start
 
 
 @pytest.mark.parametrize("transport", ["shm", "gloo"])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import sent_fingerprints, session
+
 from refit.spec import dtype_name
 
 pytestmark = pytest.mark.gpu

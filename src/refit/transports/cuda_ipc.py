@@ -43,7 +43,7 @@ def export(buf: torch.Tensor) -> dict:
     """JSON-able CUDA IPC description of a contiguous device tensor (its storage handle plus the view)."""
     storage = buf.untyped_storage()
     dev, handle, size, offset, ref_handle, ref_offset, event, event_sync = storage._share_cuda_()
-    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    b64 = lambda b: base64.b64encode(b).decode()
     return {"device": dev, "uuid": devices.uuid(buf.device), "handle": b64(handle), "size": size, "offset": offset, "ref_handle": b64(ref_handle),
             "ref_offset": ref_offset, "event": b64(event), "event_sync": bool(event_sync),
             "storage_offset": buf.storage_offset(), "shape": list(buf.shape), "stride": list(buf.stride()),
