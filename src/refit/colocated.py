@@ -101,7 +101,7 @@ class RankedRefit:
         """Refit every worker to `version`; returns this rank's stats once every worker committed."""
         source = self.sender.source
         gathers = isinstance(source, FsdpSource)
-        error: RefitError | None = None
+        error: Exception | None = None
         stats = None
         self._voted = False
         try:
@@ -113,13 +113,13 @@ class RankedRefit:
         try:
             if error is None:
                 stats = self.sender.refit(version)
-        except RefitError as e:
+        except Exception as e:  # whatever broke this rank's refit, the other ranks wait for its vote
             error = e
         finally:
             if gathers:
                 source.end(drain=True)
         if not self._voted:  # this rank's refit broke off before its Sender's vote: vote for it
-            self._vote(str(error))
+            self._vote(f"{type(error).__name__}: {error}" if error is not None else "")
         if error is not None:
             raise error
         assert stats is not None
