@@ -113,7 +113,7 @@ class RankedRefit:
         try:
             if error is None:
                 stats = self.sender.refit(version)
-        except Exception as e:  # whatever broke this rank's refit, the other ranks wait for its vote
+        except Exception as e:  # noqa: BLE001 - whatever broke this rank's refit, the other ranks wait for its vote
             error = e
         finally:
             if gathers:
