@@ -2,7 +2,8 @@
 
 Each model family runs in its own process (tests/vllm_compare.py, vLLM in its default multiprocess
 mode): load_weights and plan sessions with the same weights, a train step and dtype changes (a new
-epoch) in each; every vLLM parameter, the greedy output and what each worker reads back compared.
+epoch) in each; every vLLM parameter, the greedy output and what each worker reads back compared, and
+the plan sessions run the Sender's end-to-end fingerprint check on every refit.
 The recording's pure parts (solving strided views, folding expert runs) are checked without vLLM.
 """
 
@@ -123,6 +124,10 @@ def test_plan_refit_is_bitwise_vllms_own_load_weights(family: str, tmp_path) -> 
         assert not r["held_bad"] and r["held"] > 0, f"{r['options']}: read back {r['held']}, wrong {r['held_bad']}"
         assert r["stats"]["handshake"] and r["stats"]["epoch"] == 2  # the dtype change started a new epoch
         assert r["stats"]["seconds"]["load"] > 0
+        if r["options"].get("keep_checkpoint_layout"):
+            # Every tensor is read back but a tied lm_head.weight and, at TP 2, each layer's fused experts
+            # gate_up_proj, whose halves land in two slices of w13 that one region cannot name.
+            assert r["stats"]["unverified"] <= 1 + (2 if "moe" in family and tp > 1 else 0)
         if exact_reference:
             assert r["lw"] == r["ref"], "vLLM's own path must match the trainer's greedy output"
 

@@ -88,7 +88,8 @@ def main() -> int:
         trainer.load_state_dict(w1)
         for name in changed:
             source.set_wire_dtype(name, None)
-        sender = Sender(source, transport="shm", num_receivers=tp, settings=Settings(bucket_bytes=1 << 20))
+        sender = Sender(source, transport="shm", num_receivers=tp, settings=Settings(bucket_bytes=1 << 20),
+                        verify="fingerprint" if mode == "plan" else None)  # fmt: skip
         driver = VllmRefit(llm, sender, options=VllmOptions(mode=mode, **options))
         params, outs, refs, stats = [], [], [], {}
         for v in (1, 2):
@@ -100,7 +101,7 @@ def main() -> int:
                 for name in changed:
                     source.set_wire_dtype(name, torch.float32)
             s = driver.refit(v)
-            stats = {"handshake": s.handshake, "epoch": s.epoch, "seconds": s.seconds}
+            stats = {"handshake": s.handshake, "epoch": s.epoch, "seconds": s.seconds, "unverified": s.unverified}
             params.append(llm.collective_rpc("refit_parameters"))
             outs.append(_generate(llm, prompts))
             refs.append(_reference(trainer, source, prompts))
