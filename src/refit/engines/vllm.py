@@ -126,7 +126,7 @@ class VllmEngine(Engine):
         t, post = time.perf_counter(), 0.0
         if self.mode == "plan":
             assert self.plan is not None
-            fresh = id(tensors) not in self.plan._bound
+            fresh = not self.plan.is_bound(tensors)
             post = self.plan.load(tensors)
             if fresh and not self._logged:  # a new manifest (epoch): say again what falls back
                 self._logged = True

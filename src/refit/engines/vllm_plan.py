@@ -260,6 +260,11 @@ class LoadPlan:
             if lp.kind is Kind.FALLBACK:
                 initialize_layerwise_reload(lp.layer)
 
+    def is_bound(self, tensors: list[tuple[str, torch.Tensor]]) -> bool:
+        """Whether this very list (one bucket of the current manifest) already has its copies planned."""
+        hit = self._bound.get(id(tensors))
+        return hit is not None and hit[0] is tensors
+
     def bind(self, tensors: list[tuple[str, torch.Tensor]]) -> _Bound:
         key = (tuple(n for n, _ in tensors), layout_key([t for _, t in tensors]))
         hit = self._bound.get(id(tensors))
