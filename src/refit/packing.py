@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -10,6 +11,16 @@ import torch
 from refit.manifest import Manifest
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
+
+
+def copy_share(transport: str) -> contextlib.AbstractContextManager:
+    """Where copies overlap a broadcast on the same device (nccl), copy plans made inside leave it memory
+    bandwidth (`copy_kernel.sharing_device`); elsewhere they take the whole device."""
+    if transport != "nccl":
+        return contextlib.nullcontext()
+    from refit.copy_kernel import sharing_device
+
+    return sharing_device()
 
 
 def typed_view(buf: torch.Tensor, at: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:

@@ -15,7 +15,7 @@ from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.integrity import checksum
 from refit.log import get_logger
 from refit.manifest import Manifest
-from refit.packing import Unpacker
+from refit.packing import Unpacker, copy_share
 from refit.settings import Settings
 from refit.stats import RefitStats
 from refit.transports.base import Pending, Transport
@@ -224,7 +224,8 @@ class Receiver:
         self.engine.begin(version)
         done: dict = {}
         try:
-            failure = self._copy_sources(stats) if begin.status & 1 else self._stream(m, begin, stats)
+            with copy_share(self._transport_cls.name):
+                failure = self._copy_sources(stats) if begin.status & 1 else self._stream(m, begin, stats)
             header, payload = ch.recv(f"commit of version {version}")
             if header.kind == Kind.VERIFY:
                 failure = failure or self._verify(m, payload, stats, done)

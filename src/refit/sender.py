@@ -18,7 +18,7 @@ from refit.integrity import checksum
 from refit.lobby import Lobby
 from refit.log import get_logger
 from refit.manifest import Manifest
-from refit.packing import Packer
+from refit.packing import Packer, copy_share
 from refit.planner import forecast, plan
 from refit.settings import Settings
 from refit.source import Source
@@ -152,6 +152,7 @@ class Sender:
         self._bucket_names: list[list[str]] = []
         self._epoch = 0
         self._generation = 0
+        self._begun = False
         self.verdict: Callable[[str], str] | None = None
         """Set by a per-rank driver (refit.colocated): given this Sender's failure ('' when its receivers
         committed), returns the failure across every trainer rank ('' when every worker committed).
@@ -324,6 +325,7 @@ class Sender:
         if not self._finalizer.alive:
             raise ValueError("this Sender is closed; start a new one")
         pulse = self._session.pulse
+        self._begun = False
         try:
             if pulse is None:
                 return self._refit(version)
@@ -333,6 +335,21 @@ class Sender:
             self._broken = str(e)
             log.error("session broken: %s", e)
             raise
+        except Exception as e:
+            if self._begun and not isinstance(e, RefitError):
+                self._abort(version, e)
+            raise
+
+    def _abort(self, version: int, error: Exception) -> None:
+        """The trainer side failed mid-refit (its source raised, say): tell every receiver at once, so none
+        waits out its timeout, and end the session (their weights are mixed; they report 'failed')."""
+        self._broken = f"the trainer failed during refit {version}: {type(error).__name__}: {error}"
+        log.error("aborting refit %d: %s", version, self._broken)
+        for ch in self.channels:
+            try:
+                ch.send(Header(Kind.ERROR), {"message": self._broken})
+            except PeerError:
+                pass
 
     def _refit(self, version: int) -> RefitStats:
         t_connect = time.perf_counter()
@@ -373,8 +390,10 @@ class Sender:
             torch.cuda.current_stream(self.device).synchronize()
         for ch in self.channels:
             ch.send(begin)
+        self._begun = True
         digests = DigestPlan(m, self._regions) if self.verify else None
-        errors = [] if self.zero_copy else self._stream(m, version, stats, digests)
+        with copy_share(self.transport_name):
+            errors = [] if self.zero_copy else self._stream(m, version, stats, digests)
         if digests is not None and not errors:
             self._send_digests(m, version, stats, digests)
         self._commit(m, version, stats, errors)
