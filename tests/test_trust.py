@@ -205,3 +205,49 @@ def test_fingerprint_check_compares_a_tensor_parallel_shard_with_its_region_of_t
                 report = peer.report()
                 assert report["state"] == "current" and report["fingerprints"] == expected
         assert sender._regions[0] == {"c": (1, 10, 30)}
+
+
+def _change(live: dict[str, torch.Tensor], how: str) -> None:
+    """One way a trainer's tensor can change between refits, each with the same name and spec."""
+    t = live["w"]
+    with torch.no_grad():
+        if how == "values":
+            t.add_(1.0)
+        elif how == "identity":  # same layout, a new tensor object and storage
+            live["w"] = t.detach().clone() + 2.0
+        elif how == "storage":  # the same object, set to new memory
+            t.set_(torch.randn(t.shape))
+        elif how == "offset":  # the same object, at an offset into a larger storage
+            base = torch.randn(t.numel() + 7)
+            t.set_(base.untyped_storage(), 7, t.shape, t.stride())
+        elif how == "layout":  # same shape, transposed strides, new storage
+            t.data = t.data.t().contiguous().t() + 3.0
+        elif how == "restride-in-place":  # same storage and address, other strides: other values per index
+            t.as_strided_(t.shape, (1, t.shape[0]))
+        elif how == "dtype":  # a float64 master copy; the wire dtype (bf16) stays
+            t.data = t.data.double() * 1.5
+
+
+@pytest.mark.parametrize(
+    "how", ["values", "identity", "storage", "offset", "layout", "restride-in-place", "dtype"]
+)
+def test_cached_plans_and_signatures_are_dropped_by_every_kind_of_change(how: str) -> None:
+    """Packing replays a cached plan while the source's layout guard holds: every change the guard must
+    see, on a tensor among thousands (so the batched checks are the ones at work), reaches the engine."""
+    g = torch.Generator().manual_seed(5)
+    live = {"w": torch.randn(8, 8, generator=g), **{f"x{i:04d}": torch.randn(4, generator=g) for i in range(2000)}}
+    with session(_specs(live), transport="shm", bucket_bytes=1 << 16, tensors=live, wire_dtype=BF16) as (
+        sender,
+        _,
+        (peer,),
+    ):
+        for version in range(1, 5):
+            if version == 3:
+                _change(live, how)
+            else:
+                with torch.no_grad():
+                    live["x0007"].add_(1.0)
+                    live["w"].add_(0.25)
+            stats = sender.refit(version)
+            assert stats.epoch == 1  # specs never changed: the cache, not a new handshake, carried it
+            assert peer.report()["fingerprints"] == live_fingerprints(live, sender.manifest), version

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from refit.manifest import Manifest
+from refit.tensor_guard import plain, tensor_guard
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 
@@ -57,6 +59,9 @@ LayoutKey = tuple
 """What a cached copy plan depends on, per source tensor: storage address, dtype, shape and strides."""
 
 
+_dtype = operator.attrgetter("dtype")
+
+
 def layout_key(tensors: Sequence[torch.Tensor]) -> LayoutKey:
     """Changes whenever any tensor is replaced, moved, reshaped, restrided or recast; reads metadata only,
     one C call per field for all tensors (about 0.5 us a tensor)."""
@@ -69,8 +74,24 @@ def layout_key(tensors: Sequence[torch.Tensor]) -> LayoutKey:
     )
 
 
-def _dtype(t: torch.Tensor) -> torch.dtype:
-    return t.dtype
+class LayoutGuard:
+    """A snapshot of what `layout_key` covers, checked again by `holds` at a third of its cost: addresses in
+    one C pass, then shapes, strides, dtypes and devices in one more (`refit.tensor_guard`). Where that
+    check is unavailable, `holds` compares `layout_key` itself."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._num = len(tensors)
+        self._ptrs = tuple(map(torch.Tensor.data_ptr, tensors))
+        self._check = tensor_guard(tensors)
+        self._key = layout_key(tensors) if self._check is None else None
+
+    def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """True only when every tensor has the address, dtype, device, shape and strides it had at the snapshot."""
+        if len(tensors) != self._num or tuple(map(torch.Tensor.data_ptr, tensors)) != self._ptrs:
+            return False
+        if self._check is None:
+            return layout_key(tensors) == self._key
+        return plain(tensors) and self._check(*tensors)
 
 
 class Packer:
@@ -108,6 +129,15 @@ class Packer:
                     self._plans[(bucket, slot)] = hit
             hit.generation = generation
         hit.run()
+
+    def replay(self, bucket: int, slot: int, generation: int) -> bool:
+        """Run the cached plan of (bucket, slot) if it was made or checked in `generation` (the caller vouches
+        that no source tensor changed since); False, doing nothing, when `pack` must be called instead."""
+        hit = self._plans.get((bucket, slot))
+        if hit is None or hit.generation != generation:
+            return False
+        hit.run()
+        return True
 
     def _build(self, bucket: int, slot: int, tensors: Sequence[torch.Tensor], key: LayoutKey | None) -> _PackPlan:
         buf, entries = self._buffers[slot], self.manifest.entries

@@ -419,10 +419,7 @@ class Sender:
             if b >= slots:
                 self._retire(b - slots, inflight[slot], version, stats, errors)
             t = time.perf_counter()
-            tensors = self.source.tensors(self._bucket_names[b])
-            self._packer.pack(b, slot, tensors, cache=self.source.stable_tensors, generation=self._generation)
-            if digests is not None:
-                digests.take(b, tensors)
+            self._pack(b, slot, digests)
             nbytes = m.bucket_nbytes[b]
             crc = checksum(self.transport.buffers[slot][:nbytes]) if self.verify_checksum else 0
             self.transport.before_send(slot)
@@ -447,6 +444,18 @@ class Sender:
         for b in range(max(0, m.num_buckets - slots), m.num_buckets):
             self._retire(b, inflight[b % slots], version, stats, errors)
         return errors
+
+    def _pack(self, b: int, slot: int, digests: DigestPlan | None) -> None:
+        """Fill `slot` with bucket `b`: replay its cached plan when this generation vouches for it (without
+        even looking the tensors up), else look them up and pack (planning anew where their layout moved)."""
+        assert self._packer is not None
+        stable = self.source.stable_tensors
+        if stable and digests is None and self._packer.replay(b, slot, self._generation):
+            return
+        tensors = self.source.tensors(self._bucket_names[b])
+        self._packer.pack(b, slot, tensors, cache=stable, generation=self._generation)
+        if digests is not None:
+            digests.take(b, tensors)
 
     def _retire(self, b: int, pending: Pending | None, version: int, stats: RefitStats, errors: list[str]) -> None:
         """Wait until bucket `b` is off the wire and every receiver has consumed it."""

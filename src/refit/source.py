@@ -9,7 +9,7 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 from torch import nn
 
-from refit.packing import layout_key
+from refit.packing import LayoutGuard, layout_key
 from refit.spec import TensorSpec, dtype_name
 from refit.state_layout import StateLayout
 
@@ -125,6 +125,7 @@ class ModuleSource(WireDtypes, Source):
         `overrides` sets the wire dtype of single tensors (e.g. keep a router bias in fp32)."""
         self._layout = StateLayout(weights) if isinstance(weights, nn.Module) else None
         self._mapping = weights
+        self._last: tuple[tuple, LayoutGuard, Hashable] | None = None
         self._tensors: dict[str, torch.Tensor] = self._read()
         self._init_wire(wire_dtype, overrides)
 
@@ -137,7 +138,13 @@ class ModuleSource(WireDtypes, Source):
         compares full specs (a new epoch only if a spec or an alias changed)."""
         self._tensors = self._read()
         overrides = tuple(sorted(self._overrides.items(), key=str)) if self._overrides else ()
-        return tuple(self._tensors), layout_key(list(self._tensors.values())), overrides
+        names, values = tuple(self._tensors), list(self._tensors.values())
+        last = self._last
+        if last is not None and last[0] == (names, overrides) and last[1].holds(values):
+            return last[2]  # the very same object: nothing it covers moved
+        signature = names, layout_key(values), overrides
+        self._last = ((names, overrides), LayoutGuard(values), signature)
+        return signature
 
     def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
         return [self._tensors[n] for n in names]
