@@ -1,0 +1,178 @@
+"""GptLayout: a megatron-core GPTModel's parameters as Hugging Face (Llama / Qwen2) checkpoint tensors.
+
+Pure layout, no megatron import: which Megatron parameter ("slot") each HF name comes from, the
+global shapes on both sides, how tensor-parallel shards concatenate, and the conversions:
+- `linear_qkv` holds, per query group, that group's query heads then one key and one value head;
+  consecutive TP ranks hold consecutive groups, so the concatenated shards split into q, k, v;
+- `linear_fc1` holds [gate; up] on each TP rank, so the concatenation is [g0; u0; g1; u1; ...];
+- the layer norms are separate (local spec: `input_layernorm`, `pre_mlp_layernorm`) or folded into
+  the next linear layer (Transformer Engine spec: `linear_qkv.layer_norm_weight`,
+  `linear_fc1.layer_norm_weight`); both name the same slot.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LAYER_PARAMS = {
+    "input_layernorm.weight": "attn_norm",
+    "self_attention.linear_qkv.layer_norm_weight": "attn_norm",
+    "self_attention.linear_qkv.weight": "qkv",
+    "self_attention.linear_qkv.bias": "qkv_bias",
+    "self_attention.linear_proj.weight": "proj",
+    "pre_mlp_layernorm.weight": "mlp_norm",
+    "mlp.linear_fc1.layer_norm_weight": "mlp_norm",
+    "mlp.linear_fc1.weight": "fc1",
+    "mlp.linear_fc2.weight": "fc2",
+}
+_MODEL_PARAMS = {
+    "embedding.word_embeddings.weight": "embed",
+    "decoder.final_layernorm.weight": "final_norm",
+    "output_layer.weight": "output",
+}
+_PARTITION_DIM = {"embed": 0, "output": 0, "qkv": 0, "qkv_bias": 0, "fc1": 0, "proj": 1, "fc2": 1}
+"""The dimension Megatron splits each slot over TP ranks (others are replicated)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One Megatron parameter of the whole model (all stages, all TP ranks)."""
+
+    key: str
+    """'embed', 'final_norm', 'output', or 'L.kind' for layer L (global index), e.g. '3.qkv'."""
+    shape: tuple[int, ...]
+    """Global shape: the TP shards concatenated on `partition_dim`."""
+    partition_dim: int | None
+    """The dimension TP shards split, None when every TP rank holds all of it."""
+    hf_names: tuple[str, ...]
+    """The checkpoint tensors it converts to."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GptLayout:
+    """The numbers that fix a GPT model's layout on both sides."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    """Key/value heads (Megatron's query groups; HF num_key_value_heads)."""
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    """Megatron's (possibly padded) vocabulary; the engine must expect the same rows."""
+    qkv_bias: bool = False
+    """Qwen2: q, k and v projections carry biases."""
+    tied_embeddings: bool = False
+    """lm_head shares the input embedding: one tensor sent under both names."""
+    tp: int = 1
+    """Tensor-parallel size (the shards' concatenation order depends on it)."""
+    slots: dict[str, Slot] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_query_groups "
+                f"({self.num_query_groups})"
+            )
+        for what, n in (("num_query_groups", self.num_query_groups), ("ffn_hidden_size", self.ffn_hidden_size),
+                        ("vocab_size", self.vocab_size), ("num_attention_heads", self.num_attention_heads)):  # fmt: skip
+            if n % self.tp:
+                raise ValueError(f"{what} ({n}) must be divisible by the tensor-parallel size ({self.tp})")
+        self.slots = {s.key: s for s in self._slots()}
+
+    @classmethod
+    def from_megatron(cls, config, *, vocab_size: int, tied_embeddings: bool) -> GptLayout:  # type: ignore[no-untyped-def]
+        """From a megatron-core TransformerConfig (duck-typed: no megatron import here)."""
+        if getattr(config, "num_moe_experts", None):
+            raise ValueError("MoE GPT models are not supported yet (docs/MEGATRON.md); use a dense model")
+        if not config.gated_linear_unit:
+            raise ValueError("the Llama/Qwen2 layout needs gated_linear_unit=True (SwiGLU); set it in the config")
+        if config.add_bias_linear or config.qk_layernorm:
+            raise ValueError("add_bias_linear and qk_layernorm have no Llama/Qwen2 counterpart; turn them off")
+        return cls(
+            num_layers=config.num_layers, hidden_size=config.hidden_size,
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups or config.num_attention_heads,
+            head_dim=config.kv_channels or config.hidden_size // config.num_attention_heads,
+            ffn_hidden_size=config.ffn_hidden_size, vocab_size=vocab_size, qkv_bias=bool(config.add_qkv_bias),
+            tied_embeddings=tied_embeddings, tp=config.tensor_model_parallel_size,
+        )  # fmt: skip
+
+    def _slots(self) -> list[Slot]:
+        h, d, ng = self.hidden_size, self.head_dim, self.num_query_groups
+        qkv_rows = (self.num_attention_heads + 2 * ng) * d
+        out = [Slot("embed", (self.vocab_size, h), 0, ("model.embed_tokens.weight",)),
+               Slot("final_norm", (h,), None, ("model.norm.weight",))]  # fmt: skip
+        if not self.tied_embeddings:
+            out.append(Slot("output", (self.vocab_size, h), 0, ("lm_head.weight",)))
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            attn = tuple(p + f"self_attn.{x}_proj." for x in "qkv")
+            layer = [
+                Slot(f"{i}.attn_norm", (h,), None, (p + "input_layernorm.weight",)),
+                Slot(f"{i}.qkv", (qkv_rows, h), 0, tuple(a + "weight" for a in attn)),
+                Slot(f"{i}.proj", (h, self.num_attention_heads * d), 1, (p + "self_attn.o_proj.weight",)),
+                Slot(f"{i}.mlp_norm", (h,), None, (p + "post_attention_layernorm.weight",)),
+                Slot(f"{i}.fc1", (2 * self.ffn_hidden_size, h), 0, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+                Slot(f"{i}.fc2", (h, self.ffn_hidden_size), 1, (p + "mlp.down_proj.weight",)),
+            ]  # fmt: skip
+            if self.qkv_bias:
+                layer.append(Slot(f"{i}.qkv_bias", (qkv_rows,), 0, tuple(a + "bias" for a in attn)))
+            out.extend(layer)
+        return out
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint name the engine expects and its global shape, in name order."""
+        shapes = {}
+        for s in self.slots.values():
+            for name, t in zip(s.hf_names, self._split_shapes(s)):
+                shapes[name] = t
+        return dict(sorted(shapes.items()))
+
+    def _split_shapes(self, s: Slot) -> list[tuple[int, ...]]:
+        kind = s.key.rsplit(".", 1)[-1]
+        rest = s.shape[1:]
+        if kind in ("qkv", "qkv_bias"):
+            q, kv = self.num_attention_heads * self.head_dim, self.num_query_groups * self.head_dim
+            return [(q, *rest), (kv, *rest), (kv, *rest)]
+        if kind == "fc1":
+            return [(self.ffn_hidden_size, *rest)] * 2
+        return [s.shape]
+
+    def slot_of(self, megatron_name: str, layer_offset: int = 0) -> str | None:
+        """The slot a stage-local Megatron parameter name fills (layer indices shifted by the stage's
+        first global layer); None for names with no checkpoint counterpart."""
+        m = _LAYER.match(megatron_name)
+        if m is None:
+            return _MODEL_PARAMS.get(megatron_name)
+        kind = _LAYER_PARAMS.get(m.group(2))
+        return f"{int(m.group(1)) + layer_offset}.{kind}" if kind else None
+
+    def merge_shards(self, key: str, gathered: torch.Tensor) -> torch.Tensor:
+        """[tp, *shard] (an all-gather's output) -> the slot's global tensor (shards concatenated)."""
+        dim = self.slots[key].partition_dim
+        if dim is None or self.tp == 1:
+            return gathered.reshape(self.slots[key].shape)
+        if dim == 0:
+            return gathered.view(self.slots[key].shape)
+        return gathered.movedim(0, dim).reshape(self.slots[key].shape)
+
+    def to_hf(self, key: str, full: torch.Tensor) -> list[torch.Tensor]:
+        """A slot's global tensor as its checkpoint tensors (views where the layout allows, else copies)."""
+        kind = key.rsplit(".", 1)[-1]
+        rest = full.shape[1:]
+        if kind in ("qkv", "qkv_bias"):
+            ng, d = self.num_query_groups, self.head_dim
+            per = self.num_attention_heads // ng
+            groups = full.view(ng, per + 2, d, *rest)
+            return [groups[:, :per].reshape(-1, *rest), groups[:, per].reshape(-1, *rest),
+                    groups[:, per + 1].reshape(-1, *rest)]  # fmt: skip
+        if kind == "fc1":
+            ranks = full.view(self.tp, 2, self.ffn_hidden_size // self.tp, *rest)
+            return [ranks[:, 0].reshape(-1, *rest), ranks[:, 1].reshape(-1, *rest)]
+        return [full]

@@ -1,0 +1,100 @@
+"""One rank of a megatron-core GPTModel trainer (TP x PP over gloo, CPU) refitting into an engine process.
+
+Run with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and one JSON argument: "tp", "pp", "transport",
+"bucket_bytes", "steps", "dtype_change_at" (the step whose refit sends model.norm.weight as fp32),
+"model" (refit.demo.model.model_config keywords). Rank 0 prints its rendezvous, then (TP only) how far
+megatron's logits are from the Hugging Face model's with the converted weights, then one '@@rank0'
+JSON line per refit: the stats (or error), fingerprints of the trainer's live weights under checkpoint
+names in their wire dtypes, the HF model's greedy output with those weights, and the gathers' figures.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from refit import RefitError, Sender, Settings
+from refit.demo.megatron import MegatronTrainer, forward
+from refit.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
+from refit.verify import fingerprints
+
+
+def emit(obj: object) -> None:
+    print("@@rank0 " + json.dumps(obj), flush=True)
+
+
+def logits_gap(trainer: MegatronTrainer, ids: torch.Tensor) -> float | None:
+    """Every rank (PP=1): max |megatron logits - HF logits| with the converted live weights (fp32)."""
+    from megatron.core import parallel_state as ps
+
+    weights = trainer.full_weights()
+    with torch.no_grad():
+        local = forward(trainer.model, ids)  # [1, s, V/tp]
+        parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
+        dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+        if dist.get_rank() != 0:
+            return None
+        hf = trainer.hf_model
+        hf.load_state_dict(weights)
+        return float((torch.cat(parts, dim=-1) - hf(input_ids=ids).logits).abs().max())
+
+
+def report(trainer: MegatronTrainer, sender: Sender | None, prompts: list, out: dict) -> None:
+    weights = trainer.full_weights()
+    if dist.get_rank() != 0:
+        return
+    assert sender is not None and sender.manifest is not None
+    wire = {p.name: p.spec.dtype for p in sender.manifest.entries}
+    out["fingerprints"] = fingerprints(weights.items(), wire)
+    ref = trainer.hf_model
+    with torch.no_grad():
+        for n, t in ref.state_dict(keep_vars=True).items():
+            t.copy_(weights[n].to(wire[n]))
+    out["generated"] = greedy(ref, prompts)
+    src = trainer.source
+    out.update(peak=src.peak_gathered_bytes, predicted=src.predicted_gather_bytes(sender.manifest),
+               gathers=dict(src.gather_counts), model_bytes=sum(t.numel() * t.element_size() for t in weights.values()))  # fmt: skip
+    emit(out)
+
+
+def main() -> int:
+    args = json.loads(sys.argv[1])
+    dist.init_process_group("gloo")
+    tok = build_tokenizer()
+    ids = torch.tensor([tok(TEXT)["input_ids"][:128]])
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    hf = build_model(model_config(**args["model"]), seed=0)
+    trainer = MegatronTrainer(hf, ids, tp=args["tp"], pp=args["pp"])
+    sender = None
+    if dist.get_rank() == 0:
+        sender = Sender(trainer.source, transport=args["transport"], verify="fingerprint",
+                        settings=Settings(bucket_bytes=args["bucket_bytes"], timeout_s=120.0))  # fmt: skip
+        emit(sender.rendezvous())
+    if args["pp"] == 1:
+        gap = logits_gap(trainer, ids[:, :32])
+        if dist.get_rank() == 0:
+            emit({"logits_gap": gap})
+    for version in range(1, args["steps"] + 1):
+        if version > 1:
+            trainer.step()
+        if version == args["dtype_change_at"]:
+            trainer.source.set_wire_dtype("model.norm.weight", torch.float32)
+        out: dict = {"version": version}
+        try:
+            stats = trainer.refit(sender, version)
+            out["stats"] = stats.to_json() if stats is not None else None
+        except RefitError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        report(trainer, sender, prompts, out)
+    if sender is not None:
+        sender.close()
+    dist.barrier()  # rank 0 hosts the store: leave together
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""A megatron-core GPTModel trainer (TP and PP over gloo, CPU) refits into a transformers engine under
+Hugging Face names: bitwise against the trainer's live weights after every refit, with a dtype change.
+
+The layout test needs only transformers; the others need megatron-core (the `megatron` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from trainer_ranks import free_port, line
+
+from refit.demo.model import model_config
+from refit.megatron_layout import GptLayout
+
+HERE = os.path.dirname(__file__)
+MODEL = {"layers": 2, "hidden": 512, "ffn": 1024}
+"""8 query heads in 2 groups of 64-dim heads: TP=2 splits the groups; PP=2 gives each stage a layer."""
+BUCKET = 1 << 20
+
+
+def _layout(tp: int) -> GptLayout:
+    c = model_config(**MODEL)
+    return GptLayout(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                     num_query_groups=c.num_key_value_heads, head_dim=c.head_dim, ffn_hidden_size=c.intermediate_size,
+                     vocab_size=c.vocab_size, tp=tp)  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_layout_names_shapes_and_split_match_the_hf_model(tp: int) -> None:
+    from refit.demo.model import build_model
+
+    hf = build_model(model_config(**MODEL), seed=0).state_dict()
+    layout = _layout(tp)
+    assert layout.hf_shapes() == {n: tuple(t.shape) for n, t in sorted(hf.items())}
+    # Build Megatron's TP shards from the HF tensors by hand (per group: its q heads, then k, then v;
+    # per rank: [gate; up]), concatenate them as an all-gather does, and convert back.
+    p, c = "model.layers.1.", model_config(**MODEL)
+    d, ng = c.head_dim, c.num_key_value_heads
+    q, k, v = (hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv")
+    per = c.num_attention_heads // ng
+    groups = [torch.cat([q[g * per * d : (g + 1) * per * d], k[g * d : (g + 1) * d], v[g * d : (g + 1) * d]])
+              for g in range(ng)]  # fmt: skip
+    qkv = torch.stack([torch.cat(groups[r * ng // tp : (r + 1) * ng // tp]) for r in range(tp)])
+    assert [torch.equal(a, b) for a, b in zip(layout.to_hf("1.qkv", layout.merge_shards("1.qkv", qkv)), (q, k, v))] == [True] * 3
+    gate, up = hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]
+    fc1 = torch.stack([torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]]) for r in range(tp)])
+    got = layout.to_hf("1.fc1", layout.merge_shards("1.fc1", fc1))
+    assert torch.equal(got[0], gate) and torch.equal(got[1], up)
+    down = hf[p + "mlp.down_proj.weight"]
+    assert torch.equal(layout.to_hf("1.fc2", layout.merge_shards("1.fc2", torch.stack(down.chunk(tp, dim=1))))[0], down)
+
+
+def test_layout_rejects_a_tp_size_that_does_not_divide_the_query_groups() -> None:
+    with pytest.raises(ValueError, match=r"num_query_groups \(2\) must be divisible by the tensor-parallel size \(4\)"):
+        _layout(4)
+
+
+def _start(args: dict, world: int) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join([HERE, *sys.path])}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "megatron_trainer.py"), json.dumps(args)],
+                                      env=env, text=True, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL))  # fmt: skip
+    return procs
+
+
+class Engine:
+    """refit.demo.engine: a transformers Llama behind a Receiver, reporting fingerprints and greedy output."""
+
+    def __init__(self, rendezvous: dict, prompts: list) -> None:
+        args = {"rendezvous": rendezvous, "model": MODEL, "prompts": prompts, "bucket_bytes": BUCKET}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "refit.demo.engine", json.dumps(args)],
+                                     stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+
+    def report(self) -> dict:
+        from refit.demo.engine import MARK
+
+        assert self.proc.stdout is not None
+        for text in self.proc.stdout:
+            if text.startswith(MARK):
+                return json.loads(text[len(MARK) :])
+        raise AssertionError(f"engine exited with {self.proc.wait()} before reporting")
+
+
+@pytest.mark.parametrize(("tp", "pp", "transport"), [(2, 1, "shm"), (1, 2, "gloo")])
+def test_megatron_trainer_refits_bitwise_under_hf_names_gathering_per_bucket(tp: int, pp: int, transport: str) -> None:
+    pytest.importorskip("megatron.core", reason="needs megatron-core: pip install -e '.[megatron]'")
+    from refit.demo.model import PROMPTS, build_tokenizer
+
+    tok = build_tokenizer()
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    steps = 3
+    ranks = _start({"tp": tp, "pp": pp, "transport": transport, "bucket_bytes": BUCKET, "steps": steps,
+                    "dtype_change_at": 3, "model": MODEL}, world=tp * pp)  # fmt: skip
+    engine = Engine(line(ranks[0]), prompts)
+    try:
+        if pp == 1:  # the conversion itself: megatron's forward equals HF's with the converted weights
+            assert line(ranks[0])["logits_gap"] < 1e-4
+        for version in range(1, steps + 1):
+            sent, got = line(ranks[0]), engine.report()
+            assert "error" not in sent, sent["error"]
+            assert got["event"] == "refit" and got["version"] == version
+            assert got["fingerprints"] == sent["fingerprints"]  # the trainer's live weights, bitwise
+            assert got["generated"] == sent["generated"]
+            assert sent["stats"]["num_buckets"] > 4
+            assert set(sent["gathers"].values()) == {version}, sent["gathers"]  # every parameter once per refit
+            assert 0 < sent["peak"] <= sent["predicted"] < sent["model_bytes"] / 2
+        assert sent["stats"]["epoch"] == 2  # the dtype change at the last step re-handshook
+    finally:
+        assert [p.wait(timeout=120) for p in ranks] == [0] * len(ranks)
+        assert engine.proc.wait(timeout=120) == 0
