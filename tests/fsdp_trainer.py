@@ -4,7 +4,9 @@ Run with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and one JSON argument:
 - "mode": "lead" (rank 0 runs the one Sender, the others follow its gathers) or "ranked" (every
   rank runs its own Sender for the worker on its own device, refit.colocated);
 - "model": "fsdp" or "replicated"; "device": "cpu" (gloo) or "cuda" (NCCL, "device_index" per rank);
-- "transport", "bucket_bytes", "steps", "dtype_change_at" (the step whose refit sends 3.bias as fp32).
+- "transport", "bucket_bytes", "steps", "dtype_change_at" (the step whose refit sends 3.bias as fp32);
+- "replace_at": the step before whose refit 1.weight is replaced by a new parameter (new storage, new
+  values, the same sharding), as an optimizer wrapper or a checkpoint load with assign=True does.
 Rank 0 prints its rendezvous (ranked: every rank's, a list), then one '@@rank0' JSON line per
 refit: the stats (or the error), the fingerprints of the live full parameters in their wire dtypes,
 the gathers' peak, the predicted figure and how often each tensor was gathered.
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from refit import ModuleSource, RefitError, Sender, Settings
 from refit.colocated import RankedRefit
@@ -41,6 +44,17 @@ def _model(args: dict, device: torch.device) -> tuple[torch.nn.Module, object]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, FsdpSource(model, wire_dtype=torch.bfloat16)
+
+
+def _replace(module: torch.nn.Module, name: str) -> None:
+    """A new Parameter in place of `name`: its own storage and other values, sharded (or not) as the old one."""
+    old = getattr(module, name)
+    with torch.no_grad():
+        if isinstance(old, DTensor):
+            new = DTensor.from_local(old.to_local() * 2 + 1, old.device_mesh, old.placements, shape=old.shape, stride=old.stride())
+        else:
+            new = old.detach() * 2 + 1
+    setattr(module, name, torch.nn.Parameter(new))
 
 
 def _report(model: torch.nn.Module, source, sender, out: dict) -> None:
@@ -86,6 +100,8 @@ def main() -> int:
             model(torch.arange(32, device=device)).square().mean().backward()
             opt.step()
             opt.zero_grad()
+        if version == args.get("replace_at"):
+            _replace(model[1], "weight")
         if version == args.get("dtype_change_at", args["steps"]):
             source.set_wire_dtype("3.bias", torch.float32)
         out: dict = {"version": version}

@@ -14,10 +14,11 @@ from refit.verify import fingerprints
 
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_fsdp2_trainer_refits_bitwise_gathering_each_tensor_once_within_budget(transport: str) -> None:
+    """Also: a parameter replaced before the second refit (a new DTensor) is read, not the one wrapped first."""
     model = build(0)
     specs = [[n, list(t.shape), dtype_name(torch.float32)] for n, t in sorted(model.state_dict().items())]
     unsharded = fingerprints(model.state_dict().items(), {n: torch.bfloat16 for n, *_ in specs})
-    ranks = start({"transport": transport, "bucket_bytes": 16384, "steps": 3})
+    ranks = start({"transport": transport, "bucket_bytes": 16384, "steps": 3, "replace_at": 2})
     rendezvous = line(ranks[0])
     peer = Peer({"rendezvous": rendezvous, "specs": specs, "bucket_bytes": 16384})
     try:

@@ -68,7 +68,8 @@ def check_refits(ranks: list, workers: list[RankWorker], steps: int, *, fsdp: bo
 
 @pytest.mark.parametrize("model", ["fsdp", "replicated"])
 def test_per_rank_refit_feeds_each_worker_bitwise_from_the_rank_on_its_device(model: str) -> None:
-    with per_rank({"model": model, "transport": "shm", "steps": 3}) as (ranks, workers, infos):
+    """Also: 1.weight replaced by a new parameter before the second refit is what the workers get next."""
+    with per_rank({"model": model, "transport": "shm", "steps": 3, "replace_at": 2}) as (ranks, workers, infos):
         assert [i["trainer_rank"] for i in infos] == [0, 1] and infos[0]["port"] != infos[1]["port"]
         sent = check_refits(ranks, workers, 3, fsdp=model == "fsdp")
         assert sent["stats"]["epoch"] == 2  # the dtype change at the last step re-handshook

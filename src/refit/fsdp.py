@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from refit.manifest import Manifest
-from refit.packing import CopyPlan, typed_view
+from refit.packing import CopyPlan, layout_key, typed_view
 from refit.source import Source, WireDtypes
+from refit.state_layout import StateLayout
 
 DEFAULT_GATHER_BYTES = 64 << 20
 """Gather budget when no driver set one (the drivers use the agreed bucket capacity)."""
@@ -92,8 +93,10 @@ class FsdpSource(WireDtypes, Source):
         agreed bucket capacity); `prefetch`: gather the next group while the current one is packed."""
         if gather_bytes is not None and gather_bytes <= 0:
             raise ValueError(f"gather_bytes ({gather_bytes}) must be > 0")
-        items = module.state_dict(keep_vars=True) if isinstance(module, nn.Module) else module
-        self._tensors: dict[str, torch.Tensor] = dict(sorted(items.items()))
+        self._layout = StateLayout(module) if isinstance(module, nn.Module) else None
+        self._mapping = module
+        self._sorted: tuple[tuple[str, ...], list[str]] = ((), [])
+        self._tensors: dict[str, torch.Tensor] = self._read()
         self._init_wire(wire_dtype, overrides)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -117,9 +120,19 @@ class FsdpSource(WireDtypes, Source):
         self._bucket_plans: tuple = (None, [], {})
         """(layout, names per bucket, in-place gather plans) of the last per-rank layout."""
 
+    def _read(self) -> dict[str, torch.Tensor]:
+        """The module's parameters and buffers as they are now (a parameter replaced since is seen), by name."""
+        items = self._layout.read() if self._layout is not None else self._mapping
+        names = tuple(items)
+        if names != self._sorted[0]:
+            self._sorted = (names, sorted(names))
+        return {n: items[n] for n in self._sorted[1]}
+
     def signature(self) -> Hashable:
         """Training dtypes, global shapes and wire overrides; read from the DTensors' local tensor and
-        spec (a DTensor's own `.dtype`/`.shape` cost microseconds each: 90k tensors would take 0.3 s)."""
+        spec (a DTensor's own `.dtype`/`.shape` cost microseconds each: 90k tensors would take 0.3 s).
+        Called at the start of every refit, it first re-reads the module's tensors."""
+        self._tensors = self._read()
         return (tuple(map(_dtype_and_shape, self._tensors.values())), tuple(sorted(self._overrides.items(), key=str)))
 
     # -- the schedule ------------------------------------------------------------------------------
@@ -315,8 +328,9 @@ class _BucketPlan:
     per layout and buffer and replayed while the shards keep their storage."""
 
     shards: list[torch.Tensor]
-    """The DTensors read in place; their local storage addresses validate the plan."""
-    key: tuple[int, ...]
+    """The DTensors read in place: the plan holds while the module still has these very ones, their
+    local tensors keeping storage, dtype, shape and strides (`key`)."""
+    key: tuple
     fixed: list[torch.Tensor | None]
     """Per segment: the view of the bucket handed out, or None when that tensor is gathered afresh."""
     batches: dict[tuple, tuple[dist.ProcessGroup, list[torch.Tensor], list[torch.Tensor]]]
@@ -348,7 +362,7 @@ class _BucketGathers:
             source._bucket_plans = (layout, [[layout.entries[s.entry].name for s in segs] for segs in layout.segments], {})
         self.names, self.plans = source._bucket_plans[1], source._bucket_plans[2]
         self.next = 0
-        self._matched: tuple[int, bool] = (0, False)
+        self._matched: tuple[Manifest | None, bool] = (None, False)
         self.kept: dict[str, tuple[torch.Tensor, int]] = {}
         """A tensor spanning buckets: gathered at its first, kept until its last (the bucket index)."""
 
@@ -370,15 +384,15 @@ class _BucketGathers:
         s = self.sender
         if s is None or s.manifest is None or s.transport is None:
             return None
-        if self._matched[0] != id(s.manifest):  # compared once per manifest, not per bucket
-            self._matched = (id(s.manifest), s.manifest.segments == self.m.segments)
+        if self._matched[0] is not s.manifest:  # compared once per manifest, not per bucket
+            self._matched = (s.manifest, s.manifest.segments == self.m.segments)
         return s.transport.buffers[b % s.num_slots] if self._matched[1] else None
 
     def _plan(self, b: int, buf: torch.Tensor | None) -> _BucketPlan:
         """Bucket `b`'s in-place gathers into `buf` (into scratch when None: a drain, never cached)."""
         key = (b, buf.data_ptr() if buf is not None else None)
         plan = self.plans.get(key)
-        if plan is not None and plan.key == tuple(_local(t).data_ptr() for t in plan.shards):
+        if plan is not None and self._holds(plan):
             return plan
         shards, fixed, names, casts, nbytes = [], [], [], ([], []), 0
         batches: dict[tuple, tuple[dist.ProcessGroup, list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -403,11 +417,18 @@ class _BucketGathers:
             shards.append(t)
             names.append(p.name)
             nbytes += spec.nbytes if buf is not None else 0
-        plan = _BucketPlan(shards, tuple(_local(t).data_ptr() for t in shards), fixed, batches,
+        plan = _BucketPlan(shards, layout_key([_local(t) for t in shards]), fixed, batches,
                            CopyPlan(*casts) if casts[0] else None, names, nbytes)  # fmt: skip
         if buf is not None:
             self.plans[key] = plan
         return plan
+
+    def _holds(self, plan: _BucketPlan) -> bool:
+        live = self.source._tensors
+        now = [live.get(n) for n in plan.names]
+        if any(a is not b for a, b in zip(now, plan.shards)):
+            return False
+        return layout_key([_local(t) for t in plan.shards]) == plan.key
 
     def _bucket(self, b: int, buf: torch.Tensor | None) -> list[torch.Tensor]:
         src, plan = self.source, self._plan(b, buf)

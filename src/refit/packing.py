@@ -106,6 +106,7 @@ class Packer:
         self.manifest = manifest
         self._buffers = buffers
         self._plans: dict[tuple[int, int], _PackPlan] = {}
+        self._places: dict[tuple[int, int], tuple] = {}
 
     def pack(
         self,
@@ -120,6 +121,8 @@ class Packer:
         With `cache=False` (fresh tensors each time, e.g. gathered) nothing keeps them alive afterwards.
         `generation`: the caller vouches that no source tensor's layout changed since a plan made in the
         same generation (it checked every tensor's layout at once); otherwise this bucket's are checked."""
+        if not cache and self._in_place(bucket, slot, tensors):
+            return  # every tensor already is its bytes in this slot's buffer (gathered there: refit.fsdp)
         hit = self._plans.get((bucket, slot)) if cache else None
         if hit is None or generation is None or hit.generation != generation:
             key = layout_key(tensors) if cache else None
@@ -129,6 +132,23 @@ class Packer:
                     self._plans[(bucket, slot)] = hit
             hit.generation = generation
         hit.run()
+
+    def _in_place(self, bucket: int, slot: int, tensors: Sequence[torch.Tensor]) -> bool:
+        """True when each tensor is the contiguous view of its own segment of `slot`'s buffer, in the wire dtype:
+        its values are then already in place. A few C calls for all tensors, no per-tensor Python."""
+        key = (bucket, slot)
+        where = self._places.get(key)
+        if where is None:
+            where = self._places[key] = _places(self.manifest, bucket, self._buffers[slot])
+        if where[0] is None or len(tensors) != len(where[0]):
+            return False
+        T = torch.Tensor
+        return (
+            tuple(map(T.data_ptr, tensors)) == where[0]
+            and tuple(map(T.numel, tensors)) == where[1]
+            and tuple(map(_dtype, tensors)) == where[2]
+            and all(map(T.is_contiguous, tensors))
+        )
 
     def replay(self, bucket: int, slot: int, generation: int) -> bool:
         """Run the cached plan of (bucket, slot) if it was made or checked in `generation` (the caller vouches
@@ -158,6 +178,21 @@ class Packer:
             else:  # a strided tensor split across buckets has no flat view: flatten it anew every refit
                 fresh.append((target, t, s.lo // spec.dtype.itemsize, s.hi // spec.dtype.itemsize))
         return _PackPlan(key, CopyPlan(dst, src), fresh)
+
+
+def _places(m: Manifest, bucket: int, buf: torch.Tensor) -> tuple:
+    """(addresses, element counts, dtypes) of the bucket's segments in `buf`; (None,) when a segment is
+    part of a tensor split across buckets (never handed out in place)."""
+    entries, segs = m.entries, m.segments[bucket]
+    if any(s.lo != 0 or s.hi != entries[s.entry].spec.nbytes for s in segs):
+        return (None,)
+    base = buf.data_ptr()
+    specs = [entries[s.entry].spec for s in segs]
+    return (
+        tuple(base + s.at for s in segs),
+        tuple(sp.nbytes // sp.dtype.itemsize for sp in specs),
+        tuple(sp.dtype for sp in specs),
+    )
 
 
 @dataclass(slots=True)

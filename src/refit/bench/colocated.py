@@ -139,16 +139,26 @@ def _method(method: str, shards: dict[str, torch.Tensor], cfg: ColocatedConfig, 
         driver = RankedRefit(sender)
         driver.gather_into_buckets = method == "per_rank"
         _say({"event": "rendezvous", "method": method, "infos": driver.rendezvous()})
-        times = _timed(lambda: driver.refit(next(version)), cfg, device)
+        seen: list = []
+        times = _timed(lambda: seen.append(driver.refit(next(version))), cfg, device)
+        stages = _stages(seen[cfg.warmup :])
     else:
         sender = Sender(source, transport=transport, settings=settings, device=device, num_receivers=world) if rank == 0 else None
         if sender is not None:
             _say({"event": "rendezvous", "method": method, "infos": [sender.rendezvous()] * world})
         times = _timed(lambda: sharded_refit(source, sender, next(version)), cfg, device)
+        stages = {}
     if sender is not None:
         sender.close()
     return {"times": times, "peak_gathered_bytes": source.peak_gathered_bytes, "in_place_bytes": source.in_place_bytes,
-            "gathers_per_tensor": max(source.gather_counts.values(), default=0) / (cfg.warmup + cfg.repeats)}  # fmt: skip
+            "gathers_per_tensor": max(source.gather_counts.values(), default=0) / (cfg.warmup + cfg.repeats),
+            "stages_s": stages}  # fmt: skip
+
+
+def _stages(stats: list) -> dict[str, float]:
+    """Rank 0's median seconds per sender stage (gather and pack together are 'pack')."""
+    names = sorted({k for s in stats for k in s.seconds})
+    return {k: statistics.median(s.seconds.get(k, 0.0) for s in stats) for k in names}
 
 
 def rank_main(cfg: ColocatedConfig) -> int:
