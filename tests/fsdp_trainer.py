@@ -5,6 +5,7 @@ Run with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and one JSON argument:
   rank runs its own Sender for the worker on its own device, refit.colocated);
 - "model": "fsdp" or "replicated"; "device": "cpu" (gloo) or "cuda" (NCCL, "device_index" per rank);
 - "transport", "bucket_bytes", "steps", "dtype_change_at" (the step whose refit sends 3.bias as fp32);
+- "verify": the Sender's end-to-end check ("fingerprint"), ranked mode;
 - "replace_at": the step before whose refit 1.weight is replaced by a new parameter (new storage, new
   values, the same sharding), as an optimizer wrapper or a checkpoint load with assign=True does.
 Rank 0 prints its rendezvous (ranked: every rank's, a list), then one '@@rank0' JSON line per
@@ -87,7 +88,7 @@ def main() -> int:
     settings = Settings(bucket_bytes=args["bucket_bytes"], timeout_s=args.get("timeout_s", 120.0))
     sender = driver = None
     if ranked:
-        sender = Sender(source, transport=args["transport"], settings=settings, device=device)
+        sender = Sender(source, transport=args["transport"], settings=settings, device=device, verify=args.get("verify"))
         driver = RankedRefit(sender)
         infos = driver.rendezvous()
         if rank == 0:

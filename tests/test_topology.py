@@ -68,13 +68,16 @@ def check_refits(ranks: list, workers: list[RankWorker], steps: int, *, fsdp: bo
 
 @pytest.mark.parametrize("model", ["fsdp", "replicated"])
 def test_per_rank_refit_feeds_each_worker_bitwise_from_the_rank_on_its_device(model: str) -> None:
-    """Also: 1.weight replaced by a new parameter before the second refit is what the workers get next."""
-    with per_rank({"model": model, "transport": "shm", "steps": 3, "replace_at": 2}) as (ranks, workers, infos):
+    """Also: 1.weight replaced by a new parameter before the second refit is what the workers get next;
+    FSDP2 runs with the fingerprint check, each worker's held tensors checked against its own rank's digests."""
+    verify = "fingerprint" if model == "fsdp" else None
+    with per_rank({"model": model, "transport": "shm", "steps": 3, "replace_at": 2, "verify": verify}) as (ranks, workers, infos):
         assert [i["trainer_rank"] for i in infos] == [0, 1] and infos[0]["port"] != infos[1]["port"]
         sent = check_refits(ranks, workers, 3, fsdp=model == "fsdp")
         assert sent["stats"]["epoch"] == 2  # the dtype change at the last step re-handshook
         if model == "fsdp":  # evenly sharded whole tensors went straight into the bucket buffers
             assert sent["in_place"] > 0
+            assert sent["stats"]["unverified"] == 0 and "verify" in sent["stats"]["seconds"]
 
 
 def test_a_failure_on_one_worker_leaves_every_worker_failed_until_the_retry() -> None:
