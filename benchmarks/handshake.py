@@ -31,7 +31,7 @@ def main() -> None:
         received = Manifest.from_json(data)
         assert received.digest == digest
         t3 = clock()
-        assert validate([x for p in received.entries for x in p.spec.expanded()], specs).ok
+        assert validate(received.specs, specs).ok
         t4 = clock()
         for i, v in enumerate((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
             best[i] = min(best[i], v)

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
+import math
+import operator
+from functools import partial
+from itertools import chain, count, islice, repeat
 from dataclasses import dataclass, field
 from functools import cached_property
+from collections.abc import Iterator
 from typing import NamedTuple
 
-from refit.spec import TensorSpec, dtype_from_name, dtype_name
+from refit.spec import _DTYPES, TensorSpec, dtype_from_name, dtype_name
 
 FORMAT = "refit.manifest/1"
 MAX_TENSORS = 1_000_000
@@ -18,6 +25,19 @@ MAX_BUCKETS = 1 << 24
 MAX_ALIASES = 64
 MAX_BYTES = 1 << 56
 """Largest capacity, tensor or offset accepted from a peer (64 PiB): keeps every sum far from overflow."""
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection while a manifest's 100k small objects are made or parsed in one go (none of
+    them in cycles): collections triggered mid-way would walk every live object, for nothing."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class Placement(NamedTuple):
@@ -35,6 +55,16 @@ class Placement(NamedTuple):
     @property
     def nbytes(self) -> int:
         return self.spec.nbytes
+
+
+_PLACEMENT = partial(tuple.__new__, Placement)
+"""Placement(*fields) from a tuple of fields without a Python call per entry."""
+_WIRE = _DTYPES
+_DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
+_SPEC, _BUCKET, _OFFSET = (operator.itemgetter(i) for i in range(3))
+_NAME, _ALIASES = operator.attrgetter("spec.name"), operator.attrgetter("spec.aliases")
+_SHAPE, _DTYPE, _NBYTES = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("nbytes")
+_ITEMSIZE = {d: d.itemsize for d in _DTYPES.values()}
 
 
 class Segment(NamedTuple):
@@ -63,8 +93,14 @@ class Manifest:
     _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._index.update((n, i) for i, p in enumerate(self.entries) for n in p.spec.names)
-        if len(self._index) != sum(len(p.spec.names) for p in self.entries):
+        entries = self.entries
+        if any(map(_ALIASES, entries)):
+            self._index.update((n, i) for i, p in enumerate(entries) for n in p.spec.names)
+            total = sum(len(p.spec.names) for p in entries)
+        else:  # the usual case: one name per entry, indexed in one C pass
+            self._index.update(zip(map(_NAME, entries), count()))
+            total = len(entries)
+        if len(self._index) != total:
             raise ValueError("manifest has duplicate tensor names (aliases included)")
 
     @property
@@ -84,6 +120,13 @@ class Manifest:
     def names(self) -> list[str]:
         """Every name the receivers load, aliases included."""
         return [n for p in self.entries for n in p.spec.names]
+
+    @cached_property
+    def specs(self) -> list[TensorSpec]:
+        """One alias-free spec per name the receivers load (what an engine validates against)."""
+        if not any(map(_ALIASES, self.entries)):
+            return list(map(_SPEC, self.entries))
+        return [x for p in self.entries for x in p.spec.expanded()]
 
     @cached_property
     def segments(self) -> tuple[tuple[Segment, ...], ...]:
@@ -119,12 +162,13 @@ class Manifest:
             "capacity": self.capacity,
             "alignment": self.alignment,
             "bucket_nbytes": list(self.bucket_nbytes),
-            "tensors": [_entry(p) for p in self.entries],
+            "tensors": _rows(self.entries),
         }
 
     @cached_property
     def _canonical_json(self) -> bytes:
-        return _dumps(self.canonical())
+        with gc_paused():
+            return _dumps(self.canonical())
 
     @cached_property
     def digest(self) -> bytes:
@@ -140,11 +184,12 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
         """Parse and check a manifest; raises ValueError naming the first thing wrong."""
-        try:
-            obj = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"manifest is not valid JSON: {e}") from None
-        m = _parse(obj)
+        with gc_paused():
+            try:
+                obj = json.loads(data)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"manifest is not valid JSON: {e}") from None
+            m = _parse(obj)
         # The digest covers the bytes that were parsed, less the epoch: no need to re-encode 100k entries.
         # Bytes not in canonical form get another digest than the sender's, which BEGIN then rejects.
         head, sep, tail = data.partition(b',"format":')
@@ -154,12 +199,26 @@ class Manifest:
         return m
 
 
-def _entry(p: Placement) -> list:
-    spec = p.spec
-    row = [spec.name, list(spec.shape), dtype_name(spec.dtype), p.bucket, p.offset, spec.nbytes]
-    if spec.aliases:
-        row.append(list(spec.aliases))
-    return row
+def _rows(entries: tuple[Placement, ...]) -> list[list]:
+    """Every entry as its JSON row, column by column (rows with aliases get them appended)."""
+    specs = list(map(_SPEC, entries))
+    rows = list(
+        map(
+            list,
+            zip(
+                map(_NAME, entries),
+                map(list, map(_SHAPE, specs)),
+                map(_DTYPE_NAMES.__getitem__, map(_DTYPE, specs)),
+                map(_BUCKET, entries),
+                map(_OFFSET, entries),
+                map(_NBYTES, specs),
+            ),
+        )
+    )
+    for row, spec in zip(rows, specs):
+        if spec.aliases:
+            row.append(list(spec.aliases))
+    return rows
 
 
 def _dumps(obj: dict) -> bytes:
@@ -186,11 +245,16 @@ def _parse(obj: object) -> Manifest:
         raise ValueError(
             f"manifest 'bucket_nbytes' must be a list of at most {MAX_BUCKETS} integers in [0, {capacity}]"
         )
-    entries = tuple(_parse_entry(t) for t in tensors)
-    for a, b in zip(entries, entries[1:]):
-        if a.name >= b.name:
-            raise ValueError(f"manifest tensors must be sorted by name without repeats ({a.name!r} before {b.name!r})")
+    entries = _parse_columns(tensors)
+    if entries is None:  # something unusual (aliases, a bad field): entry by entry, naming what is wrong
+        entries = tuple(_parse_entry(t) for t in tensors)
+    names = [p.spec.name for p in entries]
+    if not all(map(operator.lt, names, islice(names, 1, None))):
+        a, b = next((a, b) for a, b in zip(names, names[1:]) if a >= b)
+        raise ValueError(f"manifest tensors must be sorted by name without repeats ({a!r} before {b!r})")
     m = Manifest(capacity, alignment, entries, tuple(sizes), epoch=_int(obj, "epoch"))
+    if _packed_in_order(m):
+        return m
     spans = 0
     for p in m.entries:
         last = p.bucket + (p.offset + max(p.nbytes, 1) - 1) // capacity
@@ -201,6 +265,50 @@ def _parse(obj: object) -> Manifest:
         raise ValueError("manifest tensors overlap: they span more bucket ranges than the buckets hold")
     _check_segments(m)
     return m
+
+
+def _packed_in_order(m: Manifest) -> bool:
+    """The layout a planner emits, checked in a few C passes: every tensor inside one bucket at an aligned
+    offset, within the bytes that bucket moves, each one starting at or after the end of the one before.
+    False sends the manifest through the general checks (which accept any other valid layout)."""
+    entries, cap, sizes = m.entries, m.capacity, m.bucket_nbytes
+    if not entries:
+        return True
+    buckets, offsets = [p.bucket for p in entries], [p.offset for p in entries]
+    nbytes = [p.spec.nbytes for p in entries]
+    ends = list(map(operator.add, offsets, nbytes))
+    if max(buckets) >= len(sizes) or max(offsets) >= cap or any(map(operator.mod, offsets, repeat(m.alignment))):
+        return False
+    if not all(map(operator.le, ends, map(sizes.__getitem__, buckets))):
+        return False
+    starts = list(map(operator.add, map(operator.mul, buckets, repeat(cap)), offsets))
+    stops = map(operator.add, map(operator.mul, buckets, repeat(cap)), ends)
+    return all(map(operator.le, stops, islice(starts, 1, None)))
+
+
+def _parse_columns(rows: list) -> tuple[Placement, ...] | None:
+    """Every row parsed column by column in a few C passes when all are plain 6-field entries with valid
+    fields; None when any is not (the caller then parses row by row, which names the first fault)."""
+    if not rows:
+        return ()
+    if set(map(type, rows)) != {list} or set(map(len, rows)) != {6}:
+        return None
+    names, shapes, dtypes, buckets, offsets, nbytes = map(list, zip(*rows))
+    if set(map(type, names)) != {str} or not 0 < min(map(len, names)) <= max(map(len, names)) <= MAX_NAME_CHARS:
+        return None
+    if set(map(type, shapes)) != {list} or max(map(len, shapes)) > MAX_DIMS or not _ints(list(chain(*shapes))):
+        return None
+    if set(map(type, dtypes)) != {str} or not set(dtypes) <= _WIRE.keys():
+        return None
+    if not (_ints(buckets) and _ints(offsets) and _ints(nbytes)):
+        return None
+    wire = list(map(_WIRE.__getitem__, dtypes))
+    shapes = list(map(tuple, shapes))
+    sizes = map(operator.mul, map(math.prod, shapes), map(_ITEMSIZE.__getitem__, wire))
+    if not all(map(operator.eq, sizes, nbytes)):
+        return None
+    specs = map(TensorSpec.checked, names, shapes, wire, nbytes)
+    return tuple(map(_PLACEMENT, zip(specs, buckets, offsets)))
 
 
 def _check_segments(m: Manifest) -> None:

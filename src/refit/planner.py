@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from refit.manifest import Manifest, Placement
+from refit.manifest import Manifest, Placement, gc_paused
 from refit.spec import TensorSpec
 
 DEFAULT_ALIGNMENT = 256
@@ -26,7 +26,12 @@ def plan(specs: Iterable[TensorSpec], *, capacity: int, alignment: int = DEFAULT
         raise ValueError(f"alignment ({alignment}) must be a power of two >= 8")
     if capacity < alignment or capacity % alignment:
         raise ValueError(f"bucket capacity ({capacity}) must be a positive multiple of the alignment ({alignment})")
-    ordered = sorted(specs, key=lambda s: s.name)
+    with gc_paused():
+        return _place(sorted(specs, key=lambda s: s.name), capacity, alignment, epoch)
+
+
+def _place(ordered: list[TensorSpec], capacity: int, alignment: int, epoch: int) -> Manifest:
+    """`plan` for specs already sorted by name."""
     for a, b in zip(ordered, ordered[1:]):
         if a.name == b.name:
             raise ValueError(f"tensor name {a.name!r} appears twice; names must be unique")

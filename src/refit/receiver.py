@@ -160,7 +160,7 @@ class Receiver:
             self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {msg}"})
             raise IntegrityError(msg)
         report = validate(
-            [x for p in manifest.entries for x in p.spec.expanded()],
+            manifest.specs,
             self.engine.specs(),
             exact_shapes=self.engine.exact_shapes,
             optional=self.engine.optional_names,

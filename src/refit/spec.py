@@ -79,6 +79,18 @@ class TensorSpec:
             dtype_name(self.dtype)
         object.__setattr__(self, "nbytes", math.prod(self.shape) * self.dtype.itemsize)
 
+    @classmethod
+    def checked(cls, name: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> TensorSpec:
+        """A spec whose fields the caller has already checked as `__post_init__` would (a manifest parser
+        checking 100k entries column by column): skips the per-spec checks, not the frozen fields."""
+        spec = _new(cls)
+        _set_name(spec, name)
+        _set_shape(spec, shape)
+        _set_dtype(spec, dtype)
+        _set_aliases(spec, ())
+        _set_nbytes(spec, nbytes)
+        return spec
+
     @property
     def names(self) -> tuple[str, ...]:
         """The name and every alias."""
@@ -98,3 +110,9 @@ class TensorSpec:
     def of(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorSpec:
         """The spec of `tensor` sent as `dtype` (its own dtype by default); reads metadata only."""
         return cls(name, tuple(tensor.shape), dtype or tensor.dtype)
+
+
+_new = object.__new__
+_set_name, _set_shape, _set_dtype, _set_aliases, _set_nbytes = (
+    TensorSpec.__dict__[f].__set__ for f in ("name", "shape", "dtype", "aliases", "nbytes")
+)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import compress
 
+from refit.manifest import gc_paused
 from refit.spec import TensorSpec, dtype_name, lossless
+
+_NAME, _SHAPE, _DTYPE = (operator.attrgetter(f) for f in ("name", "shape", "dtype"))
 
 _SHOWN = 20
 
@@ -71,13 +76,24 @@ def validate(
     exact_shapes: bool = True,
     optional: frozenset[str] = frozenset(),
 ) -> Report:
-    """What differs between the specs a sender sends and the specs an engine holds."""
-    got = {s.name: s for s in sent}
-    want = {s.name: s for s in expected}
+    """What differs between the specs a sender sends and the specs an engine holds (column by column: a
+    manifest may list 100k tensors)."""
+    with gc_paused():
+        got, want = _by_name(sent), _by_name(expected)
+        common = list(filter(want.__contains__, got))  # in the sender's order: memory read in sequence
+        g, w = list(map(got.__getitem__, common)), list(map(want.__getitem__, common))
+        recast = compress(range(len(common)), map(operator.is_not, map(_DTYPE, g), map(_DTYPE, w)))
+        bad = {common[i] for i in recast if not lossless(g[i].dtype, w[i].dtype)}
+        if exact_shapes:
+            bad.update(compress(common, map(operator.ne, map(_SHAPE, g), map(_SHAPE, w))))
+    bad = sorted(bad)
     mismatched = tuple(
-        (n, _describe(want[n]) if exact_shapes else dtype_name(want[n].dtype), _describe(got[n]))
-        for n in sorted(got.keys() & want.keys())
-        if (exact_shapes and got[n].shape != want[n].shape) or not lossless(got[n].dtype, want[n].dtype)
+        (n, _describe(want[n]) if exact_shapes else dtype_name(want[n].dtype), _describe(got[n])) for n in bad
     )
     missing = tuple(sorted(want.keys() - got.keys() - optional))
     return Report(missing, tuple(sorted(got.keys() - want.keys() - optional)), mismatched)
+
+
+def _by_name(specs: Iterable[TensorSpec]) -> dict[str, TensorSpec]:
+    specs = list(specs)
+    return dict(zip(map(_NAME, specs), specs))
