@@ -85,3 +85,22 @@ def test_the_triton_kernel_equals_the_definition_under_the_interpreter() -> None
 def test_cuda_digests_equal_the_cpu_ones_bit_for_bit() -> None:
     tensors = _tensors() + [torch.randn(3 << 20).to(torch.bfloat16)]
     assert _hexes([t.cuda() for t in tensors]) == _hexes(tensors)
+
+
+def test_many_small_whole_word_tensors_take_the_flat_path_and_equal_the_definition() -> None:
+    """Whole-word tensors of mixed dtypes and layouts, flattened per dtype in one C call each."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(9, 16, generator=g)
+    tensors = [
+        *(torch.randn(4 * k + 4, generator=g).to(torch.bfloat16) for k in range(50)),
+        base.t(),  # not contiguous: its logical order, not its storage order
+        base[2:5],  # a storage offset
+        torch.tensor(7, dtype=torch.int64),  # 0-dim
+        torch.zeros(0, 3),
+        torch.randint(-(2**62), 2**62, (16,), generator=g),
+        torch.randn(8, generator=g).to(torch.float16).expand(2, 8),
+    ]
+    assert _hexes(tensors) == [_reference(t) for t in tensors]
+    from refit import digest
+
+    assert digest._digests_flat(tensors, torch.device("cpu")) is not None  # the path under test

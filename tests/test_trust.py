@@ -228,15 +228,19 @@ def _change(live: dict[str, torch.Tensor], how: str) -> None:
             t.data = t.data.double() * 1.5
 
 
+@pytest.mark.parametrize("verify", [None, "fingerprint"])
 @pytest.mark.parametrize(
     "how", ["values", "identity", "storage", "offset", "layout", "restride-in-place", "dtype"]
 )
-def test_cached_plans_and_signatures_are_dropped_by_every_kind_of_change(how: str) -> None:
+def test_cached_plans_and_signatures_are_dropped_by_every_kind_of_change(how: str, verify: str | None) -> None:
     """Packing replays a cached plan while the source's layout guard holds: every change the guard must
-    see, on a tensor among thousands (so the batched checks are the ones at work), reaches the engine."""
+    see, on a tensor among thousands (so the batched checks are the ones at work), reaches the engine.
+    With the fingerprint check, the digest plan kept for the epoch digests the live tensors and agrees."""
     g = torch.Generator().manual_seed(5)
     live = {"w": torch.randn(8, 8, generator=g), **{f"x{i:04d}": torch.randn(4, generator=g) for i in range(2000)}}
-    with session(_specs(live), transport="shm", bucket_bytes=1 << 16, tensors=live, wire_dtype=BF16) as (
+    with session(
+        _specs(live), transport="shm", bucket_bytes=1 << 16, tensors=live, wire_dtype=BF16, verify=verify
+    ) as (
         sender,
         _,
         (peer,),

@@ -15,9 +15,11 @@ rows of a matrix times the vector of positions: one reading pass too.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from refit.copy_kernel import available, triton
 
@@ -26,6 +28,7 @@ M = 0x9E3779B97F4A7C15 - (1 << 64)
 ROW_WORDS = 1 << 15
 """Words per row (CPU) and per chunk (kernel): 256 KiB."""
 BLOCK = 2048
+_NBYTES, _DTYPE = operator.attrgetter("nbytes"), operator.attrgetter("dtype")
 
 if triton is not None:
     import triton.language as tl
@@ -79,12 +82,16 @@ def _sums_rows(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _sums_small(words: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The two sums of many small tensors at once: one concatenation and two segmented sums."""
     sizes = torch.tensor([w.numel() for w in words], dtype=torch.int64)
-    flat = torch.cat(words)
-    owner = torch.repeat_interleave(torch.arange(len(words)), sizes).to(device)
+    return _sums_segments(torch.cat(words), sizes, device)
+
+
+def _sums_segments(flat: torch.Tensor, sizes: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two sums of each run of `flat` (int64 words), run k being the next `sizes[k]` words."""
+    owner = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(device)
     starts = (torch.cumsum(sizes, 0) - sizes).to(device)
     local = _positions(flat.numel(), device) - starts[owner]
-    s0 = torch.zeros(len(words), dtype=torch.int64, device=device).index_add_(0, owner, flat)
-    s1 = torch.zeros(len(words), dtype=torch.int64, device=device).index_add_(0, owner, flat * local)
+    s0 = torch.zeros(len(sizes), dtype=torch.int64, device=device).index_add_(0, owner, flat)
+    s1 = torch.zeros(len(sizes), dtype=torch.int64, device=device).index_add_(0, owner, flat * local)
     return s0, s1
 
 
@@ -93,6 +100,10 @@ def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.zeros(0, dtype=torch.int64)
     device = tensors[0].device
+    if not available(device):
+        flat = _digests_flat(tensors, device)
+        if flat is not None:
+            return flat
     raws = [_bytes(t) for t in tensors]
     words = [r[: r.numel() - r.numel() % 8].view(torch.int64) for r in raws]
     if available(device):  # CUDA with Triton (or Triton's CPU interpreter, in tests)
@@ -108,6 +119,28 @@ def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             s1[i] += tail * words[i].numel()
     nbytes = torch.tensor([r.numel() for r in raws], dtype=torch.int64, device=device)
     return s1 * M + s0 + nbytes
+
+
+def _digests_flat(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """Many small tensors of whole words: each dtype's tensors flattened by one C call into one run of words
+    (in each tensor's logical order, as `_bytes` reads it), then two segmented sums; no per-tensor views.
+    None where a tensor has a partial word or is large (the general path takes those)."""
+    nbytes = list(map(_NBYTES, tensors))
+    if max(nbytes) > ROW_WORDS * 8 or any(n % 8 for n in nbytes) or any(t.device != device for t in tensors):
+        return None
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, dtype in enumerate(map(_DTYPE, tensors)):
+        groups.setdefault(dtype, []).append(i)
+    s0 = torch.zeros(len(tensors), dtype=torch.int64, device=device)
+    s1 = torch.zeros(len(tensors), dtype=torch.int64, device=device)
+    for idx in groups.values():
+        with torch.no_grad():
+            flat = _flatten_dense_tensors([tensors[i] for i in idx]).view(torch.uint8).view(torch.int64)
+        a, b = _sums_segments(flat, torch.tensor([nbytes[i] // 8 for i in idx], dtype=torch.int64), device)
+        where = torch.tensor(idx, dtype=torch.int64, device=device)
+        s0.index_copy_(0, where, a)
+        s1.index_copy_(0, where, b)
+    return s1 * M + s0 + torch.tensor(nbytes, dtype=torch.int64, device=device)
 
 
 def _sums_each(words: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

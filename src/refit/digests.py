@@ -40,39 +40,47 @@ def parse_regions(raw: object, m: Manifest) -> dict[str, Region]:
 
 
 class DigestPlan:
-    """One refit's digests on the sender: which (name, region) to digest in which bucket, and the results."""
+    """The sender's digests: which (name, region) to digest in which bucket, planned once per epoch (it
+    depends on the manifest and the receivers' regions only, never on tensors), and one refit's results
+    (`reset` before each refit)."""
 
     def __init__(self, m: Manifest, regions: Sequence[dict[str, Region]]) -> None:
         self.manifest = m
         self.regions = list(regions)
         self._pending = Pending()
         self._keys: list[Target] = []
-        self._by_bucket: dict[int, list[tuple[int, list[Target]]]] = {}
+        self._by_bucket: dict[int, list[tuple[int, list[Target], torch.dtype]]] = {}
         for b, segs in enumerate(m.segments):
             for k, s in enumerate(segs):
                 if m.last_bucket[s.entry] == b:
-                    names = m.entries[s.entry].spec.names
-                    targets = list(dict.fromkeys((n, r.get(n)) for n in names for r in self.regions or [{}]))
-                    self._by_bucket.setdefault(b, []).append((k, targets))
+                    spec = m.entries[s.entry].spec
+                    targets = list(dict.fromkeys((n, r.get(n)) for n in spec.names for r in self.regions or [{}]))
+                    self._by_bucket.setdefault(b, []).append((k, targets, spec.dtype))
+
+    def reset(self) -> None:
+        """Forget the last refit's digests (the plan itself stays: it holds no tensor)."""
+        self._pending = Pending()
+        self._keys = []
 
     def take(self, bucket: int, tensors: Sequence[torch.Tensor]) -> None:
         """Digest the tensors whose last bytes are in `bucket`; `tensors` as packed (one per segment)."""
-        self._digest([(target, tensors[k]) for k, targets in self._by_bucket.get(bucket, []) for target in targets])
+        self._digest(
+            [(target, tensors[k], wire) for k, targets, wire in self._by_bucket.get(bucket, []) for target in targets]
+        )
 
     def take_all(self, source: Source) -> None:
         """Digest every tensor now (zero-copy mode, where nothing was packed)."""
         m = self.manifest
         live = dict(zip((p.name for p in m.entries), source.tensors([p.name for p in m.entries])))
-        targets = [t for b in self._by_bucket.values() for _, ts in b for t in ts]
-        self._digest([(target, live[m.entry(target[0]).name]) for target in targets])
+        targets = [(t, wire) for b in self._by_bucket.values() for _, ts, wire in b for t in ts]
+        self._digest([(target, live[m.entry(target[0]).name], wire) for target, wire in targets])
 
-    def _digest(self, items: list[tuple[Target, torch.Tensor]]) -> None:
+    def _digest(self, items: list[tuple[Target, torch.Tensor, torch.dtype]]) -> None:
         """Digest each target's region of its live tensor, cast to the wire dtype (no synchronisation)."""
-        m = self.manifest
         with torch.no_grad():
-            views = [_cut(t, region).to(m.entry(name).spec.dtype) for (name, region), t in items]
+            views = [_cut(t, region).to(wire) for (_, region), t, wire in items]
             self._pending.add(views)
-        self._keys.extend(target for target, _ in items)
+        self._keys.extend(target for target, _, _ in items)
 
     def payloads(self) -> list[list[str]]:
         """Per receiver, the hex digest of every name it loads, in `Manifest.names` order."""

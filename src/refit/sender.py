@@ -147,6 +147,7 @@ class Sender:
         self.capacity = 0
         self.manifest: Manifest | None = None
         self._regions: list[dict[str, list[int]]] = []
+        self._digests: DigestPlan | None = None
         self._signature: Hashable = None
         self._packer: Packer | None = None
         self._bucket_names: list[list[str]] = []
@@ -271,6 +272,7 @@ class Sender:
         if self.zero_copy:
             self._share_sources(manifest)
         self.manifest, self._regions = manifest, regions
+        self._digests = DigestPlan(manifest, regions) if self.verify else None
         assert self.transport is not None
         self._packer = Packer(manifest, self.transport.buffers)
         self._bucket_names = [[manifest.entries[s.entry].name for s in segs] for segs in manifest.segments]
@@ -391,7 +393,9 @@ class Sender:
         for ch in self.channels:
             ch.send(begin)
         self._begun = True
-        digests = DigestPlan(m, self._regions) if self.verify else None
+        digests = self._digests
+        if digests is not None:
+            digests.reset()
         with copy_share(self.transport_name):
             errors = [] if self.zero_copy else self._stream(m, version, stats, digests)
         if digests is not None and not errors:
