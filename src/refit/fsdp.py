@@ -15,6 +15,7 @@ Two ways to drive it, both on every trainer rank:
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections import Counter
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refit.manifest import Manifest
-from refit.packing import CopyPlan, layout_key, typed_view
+from refit.packing import CopyPlan, LayoutGuard, typed_view
 from refit.source import Source, WireDtypes
 from refit.state_layout import StateLayout
 
@@ -42,6 +43,17 @@ def _dtype_and_shape(t: torch.Tensor) -> tuple:
     if spec is not None and local is not None:
         return local.dtype, spec.shape
     return t.dtype, t.shape
+
+
+_DTENSOR_DTYPE_AND_SHAPE = operator.attrgetter("_local_tensor.dtype", "_spec.shape")
+
+
+def _dtypes_and_shapes(tensors: Sequence[torch.Tensor]) -> tuple:
+    """`_dtype_and_shape` of every tensor; all DTensors (FSDP2's usual case) take one C pass."""
+    try:
+        return tuple(map(_DTENSOR_DTYPE_AND_SHAPE, tensors))
+    except AttributeError:  # some plain tensors (buffers, replicated parameters)
+        return tuple(map(_dtype_and_shape, tensors))
 
 
 def _dim0_group(t: torch.Tensor) -> dist.ProcessGroup | None:
@@ -133,7 +145,7 @@ class FsdpSource(WireDtypes, Source):
         spec (a DTensor's own `.dtype`/`.shape` cost microseconds each: 90k tensors would take 0.3 s).
         Called at the start of every refit, it first re-reads the module's tensors."""
         self._tensors = self._read()
-        return (tuple(map(_dtype_and_shape, self._tensors.values())), tuple(sorted(self._overrides.items(), key=str)))
+        return (_dtypes_and_shapes(list(self._tensors.values())), tuple(sorted(self._overrides.items(), key=str)))
 
     # -- the schedule ------------------------------------------------------------------------------
 
@@ -330,7 +342,7 @@ class _BucketPlan:
     shards: list[torch.Tensor]
     """The DTensors read in place: the plan holds while the module still has these very ones, their
     local tensors keeping storage, dtype, shape and strides (`key`)."""
-    key: tuple
+    key: LayoutGuard
     fixed: list[torch.Tensor | None]
     """Per segment: the view of the bucket handed out, or None when that tensor is gathered afresh."""
     batches: dict[tuple, tuple[dist.ProcessGroup, list[torch.Tensor], list[torch.Tensor]]]
@@ -417,7 +429,7 @@ class _BucketGathers:
             shards.append(t)
             names.append(p.name)
             nbytes += spec.nbytes if buf is not None else 0
-        plan = _BucketPlan(shards, layout_key([_local(t) for t in shards]), fixed, batches,
+        plan = _BucketPlan(shards, LayoutGuard([_local(t) for t in shards]), fixed, batches,
                            CopyPlan(*casts) if casts[0] else None, names, nbytes)  # fmt: skip
         if buf is not None:
             self.plans[key] = plan
@@ -428,7 +440,7 @@ class _BucketGathers:
         now = [live.get(n) for n in plan.names]
         if any(a is not b for a, b in zip(now, plan.shards)):
             return False
-        return layout_key([_local(t) for t in plan.shards]) == plan.key
+        return plan.key.holds([_local(t) for t in plan.shards])
 
     def _bucket(self, b: int, buf: torch.Tensor | None) -> list[torch.Tensor]:
         src, plan = self.source, self._plan(b, buf)

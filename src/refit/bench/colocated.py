@@ -46,6 +46,8 @@ class ColocatedConfig:
     warmup: int = 1
     bucket_bytes: int = 1 << 30
     methods: tuple[str, ...] = METHODS
+    num_slots: int = 2
+    """Bucket buffers per per-rank Sender (1: the worker's copy never overlaps the next gather)."""
     device: str = ""
     """'cuda' or 'cpu'; empty: cuda when there are `ranks` GPUs."""
 
@@ -135,7 +137,7 @@ def _method(method: str, shards: dict[str, torch.Tensor], cfg: ColocatedConfig, 
     rank, world = dist.get_rank(), dist.get_world_size()
     version = iter(range(1, 1 << 30))
     if method.startswith("per_rank"):
-        sender = Sender(source, transport=transport, settings=settings, device=device)
+        sender = Sender(source, transport=transport, settings=settings, device=device, num_slots=cfg.num_slots)
         driver = RankedRefit(sender)
         driver.gather_into_buckets = method == "per_rank"
         _say({"event": "rendezvous", "method": method, "infos": driver.rendezvous()})
