@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from refit.engines.base import Engine
-from refit.packing import CopyPlan, layout_key
+from refit.packing import CopyPlan, LayoutGuard
 from refit.spec import TensorSpec
 from refit.state_layout import StateLayout
 
@@ -35,7 +35,8 @@ class ModuleEngine(Engine):
         self._inverse = {v: k for k, v in name_map.items()}
         self._plans: dict[int, tuple[list, CopyPlan]] = {}
         self._used: set[int] = set()
-        self._key: object = None
+        self._names: tuple[str, ...] = ()
+        self._guard: LayoutGuard | None = None
         self._targets: dict[str, torch.Tensor] = {}
         self._refresh()
 
@@ -45,9 +46,9 @@ class ModuleEngine(Engine):
     def _refresh(self) -> None:
         """Re-read the live targets; forget every copy plan if any of them was replaced or re-laid-out."""
         self._targets = {self._inverse.get(n, n): t for n, t in self._own().items()}
-        key = (tuple(self._targets), layout_key(list(self._targets.values())))
-        if key != self._key:
-            self._plans, self._key = {}, key
+        names, values = tuple(self._targets), list(self._targets.values())
+        if names != self._names or self._guard is None or not self._guard.holds(values):
+            self._plans, self._names, self._guard = {}, names, LayoutGuard(values)
 
     def specs(self) -> list[TensorSpec]:
         self._refresh()
