@@ -60,6 +60,10 @@ def _check_demo(args: argparse.Namespace) -> list[str]:
 
     if args.ranks is not None and args.trainer != "fsdp":
         raise ValueError("--ranks applies only to --trainer fsdp; add --trainer fsdp or drop --ranks")
+    if (args.tp is not None or args.pp is not None) and args.trainer != "megatron":
+        raise ValueError("--tp and --pp apply only to --trainer megatron; add --trainer megatron or drop them")
+    if args.trainer == "megatron":
+        _need("megatron.core", "--trainer megatron", "pip install -e '.[demo,megatron]' from the refit checkout")
     _need("transformers", "refit demo", "pip install -e '.[demo]' from the refit checkout")
     if args.engine == "vllm":
         _need(
@@ -90,6 +94,8 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 engine=args.engine,
                 trainer=args.trainer,
                 ranks=args.ranks or 2,
+                tp=args.tp or (1 if args.pp else 2),
+                pp=args.pp or 1,
                 steps=args.steps,
                 dtype_change_at=args.dtype_change_at,
                 bucket_bytes=args.bucket_bytes,
@@ -99,7 +105,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 json_path=out,
                 to_stderr=args.json == "-",
             )
-            if cfg.trainer == "fsdp":
+            if cfg.trainer in ("fsdp", "megatron"):
                 from refit.demo.sharded import launch
 
                 sys.stdout.flush()
@@ -352,10 +358,13 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
     demo.add_argument(
         "--trainer",
         default="plain",
-        choices=["plain", "fsdp"],
-        help="plain: one trainer process; fsdp: the model sharded with FSDP2 over --ranks processes",
+        choices=["plain", "fsdp", "megatron"],
+        help="plain: one trainer process; fsdp: the model sharded with FSDP2 over --ranks processes; "
+        "megatron: a megatron-core GPTModel over --tp x --pp processes (needs the megatron extra)",
     )
     demo.add_argument("--ranks", type=int, help="trainer processes; only with --trainer fsdp (default there: 2)")
+    demo.add_argument("--tp", type=int, help="tensor-parallel size; only with --trainer megatron (default: 2, or 1 with --pp)")
+    demo.add_argument("--pp", type=int, help="pipeline-parallel size; only with --trainer megatron (default: 1)")
     demo.add_argument("--steps", type=int, default=4, help="optimizer steps, each followed by a refit")
     demo.add_argument(
         "--dtype-change-at", type=int, default=2, help="step after which one tensor goes fp32 (-1: never)"

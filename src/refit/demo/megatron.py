@@ -11,12 +11,17 @@ allocate CUDA tensors), activations and gradients passed between stages with sen
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from refit.megatron import MegatronSource, megatron_refit, unwrap
 from refit.stats import RefitStats
+
+
+# megatron-core warns about what a CPU demo lacks on purpose (Apex, Transformer Engine, CUDA settings)
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 
 def cpu_shims() -> None:
@@ -78,7 +83,7 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor | No
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
-    """A next-token step through every stage (one microbatch); the loss on every rank (NaN off the last stage)."""
+    """A next-token step through every stage (one microbatch); the loss, on every rank."""
     from megatron.core import parallel_state as ps
 
     inputs, labels = ids[:, :-1], ids[:, 1:]
@@ -93,13 +98,15 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Te
         grad = torch.empty_like(out)
         dist.recv(grad, ps.get_pipeline_model_parallel_next_rank())
         out.backward(grad)
-        loss = torch.tensor(float("nan"))
+        loss = torch.zeros(())
     if x is not None and not ps.is_pipeline_first_stage():
         dist.send(x.grad, ps.get_pipeline_model_parallel_prev_rank())
+    loss = loss.detach()
+    dist.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())  # only the last stage's is non-zero
     opt.step()
     opt.zero_grad(set_to_none=True)
     model.eval()
-    return float(loss.detach())
+    return float(loss)
 
 
 def full_weights(source: MegatronSource) -> dict[str, torch.Tensor]:

@@ -41,8 +41,14 @@ class DemoConfig:
     engine: str = "module"
     """'module' (a transformers model in its own process) or 'vllm' (vLLM from dummy weights)."""
     trainer: str = "plain"
-    """'plain' (one process) or 'fsdp' (FSDP2 over `ranks` processes, gloo)."""
+    """'plain' (one process), 'fsdp' (FSDP2 over `ranks` processes, gloo) or 'megatron' (a megatron-core
+    GPTModel over tp x pp processes, gloo)."""
     ranks: int = 2
+    """Trainer processes for 'fsdp' ('megatron' runs tp x pp)."""
+    tp: int = 2
+    """Tensor-parallel size of the 'megatron' trainer."""
+    pp: int = 1
+    """Pipeline-parallel size of the 'megatron' trainer."""
     steps: int = 4
     """Optimizer steps, each followed by a refit."""
     dtype_change_at: int = 2
@@ -64,8 +70,18 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps ({self.steps}) must be >= 1")
-        if self.trainer not in ("plain", "fsdp") or self.ranks < 1:
-            raise ValueError(f"trainer must be 'plain' or 'fsdp' with ranks >= 1, got {self.trainer!r}, {self.ranks}")
+        if self.trainer not in ("plain", "fsdp", "megatron") or self.ranks < 1:
+            raise ValueError(
+                f"trainer must be 'plain', 'fsdp' or 'megatron' with ranks >= 1, got {self.trainer!r}, {self.ranks}"
+            )
+        if self.tp < 1 or self.pp < 1 or self.pp > self.layers:
+            raise ValueError(f"tp ({self.tp}) and pp ({self.pp}) must be >= 1, pp at most the layers ({self.layers})")
+        kv_heads = max(1, self.hidden // 256)
+        if self.trainer == "megatron" and (kv_heads % self.tp or self.layers % self.pp):
+            raise ValueError(
+                f"--tp {self.tp} must divide the KV heads ({kv_heads} at hidden {self.hidden}) and --pp {self.pp} "
+                f"the layers ({self.layers}); e.g. --tp 2 --pp 2 at the defaults"
+            )
         if self.engine not in ("module", "vllm"):
             raise ValueError(f"engine must be 'module' or 'vllm', got {self.engine!r}")
         if self.trainer == "fsdp" and self.engine != "module":
@@ -100,7 +116,7 @@ class EngineProcess:
     def refit(self, version: int) -> RefitStats:
         return self.sender.refit(version)
 
-    def report(self) -> dict:
+    def report(self, weights: dict[str, torch.Tensor]) -> dict:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(MARK):
@@ -146,18 +162,15 @@ class VllmSide:
         self._seconds = {"load": stats.seconds["load"]} if "load" in stats.seconds else {}
         return stats
 
-    def report(self) -> dict:
-        """Fingerprints of the parameters vLLM keeps in checkpoint layout, and its greedy output."""
+    def report(self, weights: dict[str, torch.Tensor]) -> dict:
+        """Fingerprints of the parameters vLLM keeps in checkpoint layout (expected: the trainer's live
+        `weights` in their wire dtypes), and its greedy output."""
         from vllm import SamplingParams
 
         from refit.engines.vllm import expected_fingerprints
 
         assert self.sender.manifest is not None
-        names = [p.name for p in self.sender.manifest.entries]
-        sent = {
-            p.name: t.detach().to(p.spec.dtype)
-            for p, t in zip(self.sender.manifest.entries, self.sender.source.tensors(names))
-        }
+        sent = {p.name: weights[p.name].detach().to(p.spec.dtype) for p in self.sender.manifest.entries}
         outs = self.llm.generate(
             [{"prompt_token_ids": p} for p in self.prompts],
             SamplingParams(temperature=0, max_tokens=12),
@@ -241,12 +254,13 @@ def run(cfg: DemoConfig, console: Console, trainer=None) -> bool:
         mcfg, model, tok, ids, prompts = demo_model(cfg)
         trainer = trainer or PlainTrainer(model, ids)
         reference = build_model(model_config(**mcfg), seed=0)
-    model, source = trainer.model, trainer.source
-    nparams = sum(p.numel() for p in model.parameters())
+    source = trainer.source
+    model = getattr(trainer, "hf_model", trainer.model)  # what vLLM's checkpoint is saved from
+    nparams = getattr(trainer, "num_params", None) or sum(p.numel() for p in model.parameters())
     console.print(
         f"[bold]refit demo[/] over [cyan]{cfg.transport}[/] into a [cyan]{cfg.engine}[/] engine: Llama-style "
         f"LM, {nparams / 1e6:.1f}M params, fp32 master weights sent as bf16, {cfg.steps} steps"
-        f"{f', trainer sharded with FSDP2 over {cfg.ranks} ranks' if cfg.trainer == 'fsdp' else ''}"
+        f"{_sharding(cfg)}"
     )
     sender = Sender(
         source,
@@ -267,6 +281,14 @@ def run(cfg: DemoConfig, console: Console, trainer=None) -> bool:
         with open(cfg.json_path, "w") as f:
             json.dump({**result, "ok": ok, "refits": rows, "predicted_memory": mem}, f)
     return ok
+
+
+def _sharding(cfg: DemoConfig) -> str:
+    if cfg.trainer == "fsdp":
+        return f", trainer sharded with FSDP2 over {cfg.ranks} ranks"
+    if cfg.trainer == "megatron":
+        return f", trainer a megatron-core GPTModel with TP={cfg.tp} x PP={cfg.pp} (sent under HF names)"
+    return ""
 
 
 def _console(console: Console, cfg: DemoConfig) -> Console:
@@ -336,10 +358,11 @@ def _loop(
             progress.update(task, description=f"step {step}: refitting{wait}")
             stats = trainer.refit(engine, step)
             progress.update(task, description=f"step {step}: checking the engine's weights and generation")
-            report = engine.report()
+            weights = trainer.full_weights()
+            report = engine.report(weights)
             if report.get("event") != "refit":
                 raise RefitError(f"engine reported: {report.get('message', report)}")
-            row = _check(trainer.full_weights(), reference, engine.sender, prompts, report)
+            row = _check(weights, reference, engine.sender, prompts, report)
             ok &= not row.problems
             rows.append(_row(stats, row, loss))
             log.info(

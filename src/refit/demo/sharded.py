@@ -1,4 +1,5 @@
-"""`refit demo --trainer fsdp`: the demo's trainer sharded with FSDP2 over several processes (gloo, CPU).
+"""`refit demo --trainer fsdp|megatron`: the demo's trainer sharded over several processes (gloo, CPU):
+FSDP2 over `ranks` processes, or a megatron-core GPTModel over tp x pp (refit.demo.megatron).
 
 Rank 0 runs the usual demo loop (Sender, engine process, checks); the other ranks train in lockstep
 and take part in each bucket's gathers. Ranks are separate processes started with JSON arguments.
@@ -50,7 +51,7 @@ class FsdpTrainer:
             return {n: _full(t) for n, t in self.model.state_dict(keep_vars=True).items()}
 
 
-def _follow(cfg: DemoConfig, trainer: FsdpTrainer) -> None:
+def _follow(cfg: DemoConfig, trainer) -> None:  # type: ignore[no-untyped-def]
     for step in range(1, cfg.steps + 1):
         trainer.step()
         if step == cfg.dtype_change_at + 1:
@@ -65,7 +66,12 @@ def rank_main(cfg: DemoConfig) -> int:
     dist.init_process_group("gloo")
     try:
         _, model, _, ids, _ = demo_model(cfg)
-        trainer = FsdpTrainer(model, ids)
+        if cfg.trainer == "megatron":
+            from refit.demo.megatron import MegatronTrainer
+
+            trainer = MegatronTrainer(model, ids, tp=cfg.tp, pp=cfg.pp)
+        else:
+            trainer = FsdpTrainer(model, ids)
         if dist.get_rank() == 0:
             return 0 if run(cfg, Console(width=None if sys.stdout.isatty() else 120), trainer) else 1
         _follow(cfg, trainer)
@@ -84,19 +90,21 @@ def _leave() -> None:
 
 
 def launch(cfg: DemoConfig) -> bool:
-    """Start `cfg.ranks` trainer processes; rank 0 prints the demo. True when every rank succeeded."""
+    """Start the trainer processes (`cfg.ranks`, or tp x pp for megatron); rank 0 prints the demo. True when
+    every rank succeeded."""
+    world = cfg.tp * cfg.pp if cfg.trainer == "megatron" else cfg.ranks
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     pkg_root = os.path.dirname(os.path.dirname(refit.__file__))
     procs = []
-    for rank in range(cfg.ranks):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(cfg.ranks), "MASTER_ADDR": "127.0.0.1",
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}  # fmt: skip
         out = None if rank == 0 else subprocess.DEVNULL
         procs.append(subprocess.Popen([sys.executable, "-m", "refit.demo.sharded", json.dumps(asdict(cfg))], env=env,
                                       stdout=out))  # fmt: skip
-    return [p.wait() for p in procs] == [0] * cfg.ranks
+    return [p.wait() for p in procs] == [0] * world
 
 
 if __name__ == "__main__":
