@@ -454,7 +454,7 @@ class Sender:
         even looking the tensors up), else look them up and pack (planning anew where their layout moved)."""
         assert self._packer is not None
         stable = self.source.stable_tensors
-        if stable and digests is None and self._packer.replay(b, slot, self._generation):
+        if stable and digests is None and self.source.lookup_only and self._packer.replay(b, slot, self._generation):
             return
         tensors = self.source.tensors(self._bucket_names[b])
         self._packer.pack(b, slot, tensors, cache=stable, generation=self._generation)

@@ -24,6 +24,12 @@ class Source(ABC):
     """True when `signature()` changes whenever any tensor's storage, dtype, shape or strides change (not
     only its spec): then an unchanged signature vouches for every cached copy plan at once."""
 
+    @property
+    def lookup_only(self) -> bool:
+        """True when `tensors` only looks up what `signature()` read, so that while the signature stands a
+        cached copy plan may run without calling `tensors` at all (a subclass that does more says False)."""
+        return False
+
     @abstractmethod
     def specs(self) -> list[TensorSpec]:
         """Name, global shape and wire dtype of every tensor to send; must not materialise data."""
@@ -145,6 +151,10 @@ class ModuleSource(WireDtypes, Source):
         signature = names, layout_key(values), overrides
         self._last = ((names, overrides), LayoutGuard(values), signature)
         return signature
+
+    @property
+    def lookup_only(self) -> bool:
+        return type(self).tensors is ModuleSource.tensors  # an override may do more than look up (or raise)
 
     def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
         return [self._tensors[n] for n in names]
