@@ -15,6 +15,7 @@ import pytest
 import torch
 from trainer_ranks import free_port, line
 
+from refit.cli import main
 from refit.demo.model import model_config
 from refit.megatron_layout import GptLayout
 
@@ -91,7 +92,7 @@ class Engine:
         raise AssertionError(f"engine exited with {self.proc.wait()} before reporting")
 
 
-@pytest.mark.parametrize(("tp", "pp", "transport"), [(2, 1, "shm"), (1, 2, "gloo")])
+@pytest.mark.parametrize(("tp", "pp", "transport"), [(2, 1, "shm"), (2, 2, "gloo")])
 def test_megatron_trainer_refits_bitwise_under_hf_names_gathering_per_bucket(tp: int, pp: int, transport: str) -> None:
     pytest.importorskip("megatron.core", reason="needs megatron-core: pip install -e '.[megatron]'")
     from refit.demo.model import PROMPTS, build_tokenizer
@@ -113,8 +114,28 @@ def test_megatron_trainer_refits_bitwise_under_hf_names_gathering_per_bucket(tp:
             assert got["generated"] == sent["generated"]
             assert sent["stats"]["num_buckets"] > 4
             assert set(sent["gathers"].values()) == {version}, sent["gathers"]  # every parameter once per refit
-            assert 0 < sent["peak"] <= sent["predicted"] < sent["model_bytes"] / 2
+            assert 0 < sent["peak"] <= sent["predicted"] < sent["model_bytes"] / 2  # the leader's gathers
         assert sent["stats"]["epoch"] == 2  # the dtype change at the last step re-handshook
     finally:
         assert [p.wait(timeout=120) for p in ranks] == [0] * len(ranks)
         assert engine.proc.wait(timeout=120) == 0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--tp", "2"], "--tp and --pp apply only to --trainer megatron"),
+    (["--trainer", "megatron", "--tp", "3"], "--tp 3 must divide the KV heads (2 at hidden 512)"),
+])  # fmt: skip
+def test_demo_megatron_options_fail_with_the_fix(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["demo", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+def test_demo_megatron_tp2_into_vllm_verifies_every_refit(capfd: pytest.CaptureFixture) -> None:
+    pytest.importorskip("megatron.core", reason="needs megatron-core: pip install -e '.[megatron]'")
+    pytest.importorskip("vllm")
+    argv = "demo --trainer megatron --tp 2 --engine vllm --layers 2 --steps 2 --dtype-change-at 1 --transport shm"
+    code = main(argv.split())
+    out = capfd.readouterr().out
+    assert code == 0, out
+    assert "TP=2 x PP=1" in out and "all refits verified" in out and out.count("✓") == 4 and "2*" in out
