@@ -47,7 +47,7 @@ def report(trainer: MegatronTrainer, sender: Sender | None, prompts: list, out: 
     if dist.get_rank() != 0:
         return
     assert sender is not None and sender.manifest is not None
-    wire = {p.name: p.spec.dtype for p in sender.manifest.entries}
+    wire = {n: p.spec.dtype for p in sender.manifest.entries for n in p.spec.names}
     out["fingerprints"] = fingerprints(weights.items(), wire)
     ref = trainer.hf_model
     with torch.no_grad():

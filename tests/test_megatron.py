@@ -48,13 +48,24 @@ def test_layout_names_shapes_and_split_match_the_hf_model(tp: int) -> None:
     groups = [torch.cat([q[g * per * d : (g + 1) * per * d], k[g * d : (g + 1) * d], v[g * d : (g + 1) * d]])
               for g in range(ng)]  # fmt: skip
     qkv = torch.stack([torch.cat(groups[r * ng // tp : (r + 1) * ng // tp]) for r in range(tp)])
-    assert [torch.equal(a, b) for a, b in zip(layout.to_hf("1.qkv", layout.merge_shards("1.qkv", qkv)), (q, k, v))] == [True] * 3
+    assert [torch.equal(a, b) for a, b in zip(layout.to_hf("1.qkv", layout.merge_shards("1.qkv", qkv)), (q, k, v))] == [
+        True
+    ] * 3
     gate, up = hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]
     fc1 = torch.stack([torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]]) for r in range(tp)])
     got = layout.to_hf("1.fc1", layout.merge_shards("1.fc1", fc1))
     assert torch.equal(got[0], gate) and torch.equal(got[1], up)
     down = hf[p + "mlp.down_proj.weight"]
     assert torch.equal(layout.to_hf("1.fc2", layout.merge_shards("1.fc2", torch.stack(down.chunk(tp, dim=1))))[0], down)
+
+
+def test_local_and_transformer_engine_names_fill_the_same_slots_at_the_stage_offset() -> None:
+    layout = _layout(1)
+    for local, te in [("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+                      ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")]:  # fmt: skip
+        assert layout.slot_of(f"decoder.layers.0.{local}", 1) == layout.slot_of(f"decoder.layers.0.{te}", 1)
+    assert layout.slot_of("decoder.layers.0.self_attention.linear_qkv.weight", 1) == "1.qkv"
+    assert layout.slot_of("decoder.layers.0.self_attention.linear_qkv._extra_state") is None
 
 
 def test_layout_rejects_a_tp_size_that_does_not_divide_the_query_groups() -> None:
@@ -76,8 +87,8 @@ def _start(args: dict, world: int) -> list[subprocess.Popen]:
 class Engine:
     """refit.demo.engine: a transformers Llama behind a Receiver, reporting fingerprints and greedy output."""
 
-    def __init__(self, rendezvous: dict, prompts: list) -> None:
-        args = {"rendezvous": rendezvous, "model": MODEL, "prompts": prompts, "bucket_bytes": BUCKET}
+    def __init__(self, rendezvous: dict, prompts: list, arch: str) -> None:
+        args = {"rendezvous": rendezvous, "model": {**MODEL, "arch": arch}, "prompts": prompts, "bucket_bytes": BUCKET}
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         self.proc = subprocess.Popen([sys.executable, "-m", "refit.demo.engine", json.dumps(args)],
                                      stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
@@ -92,8 +103,13 @@ class Engine:
         raise AssertionError(f"engine exited with {self.proc.wait()} before reporting")
 
 
-@pytest.mark.parametrize(("tp", "pp", "transport"), [(2, 1, "shm"), (2, 2, "gloo")])
-def test_megatron_trainer_refits_bitwise_under_hf_names_gathering_per_bucket(tp: int, pp: int, transport: str) -> None:
+@pytest.mark.parametrize(
+    ("tp", "pp", "transport", "arch"), [(2, 1, "shm", "llama"), (2, 2, "gloo", "llama"), (2, 1, "gloo", "qwen2")]
+)
+def test_megatron_trainer_refits_bitwise_under_hf_names_gathering_per_bucket(
+    tp: int, pp: int, transport: str, arch: str
+) -> None:
+    """qwen2: q/k/v biases split like their weights; lm_head tied to the embedding, sent once under both names."""
     pytest.importorskip("megatron.core", reason="needs megatron-core: pip install -e '.[megatron]'")
     from refit.demo.model import PROMPTS, build_tokenizer
 
@@ -101,8 +117,8 @@ def test_megatron_trainer_refits_bitwise_under_hf_names_gathering_per_bucket(tp:
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     steps = 3
     ranks = _start({"tp": tp, "pp": pp, "transport": transport, "bucket_bytes": BUCKET, "steps": steps,
-                    "dtype_change_at": 3, "model": MODEL}, world=tp * pp)  # fmt: skip
-    engine = Engine(line(ranks[0]), prompts)
+                    "dtype_change_at": 3, "model": {**MODEL, "arch": arch}}, world=tp * pp)  # fmt: skip
+    engine = Engine(line(ranks[0]), prompts, arch)
     try:
         if pp == 1:  # the conversion itself: megatron's forward equals HF's with the converted weights
             assert line(ranks[0])["logits_gap"] < 1e-4

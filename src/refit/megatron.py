@@ -26,8 +26,8 @@ from torch import nn
 from refit.log import get_logger
 from refit.manifest import Manifest
 from refit.megatron_layout import GptLayout
-from refit.source import Source
-from refit.spec import TensorSpec, dtype_name
+from refit.source import Source, WireDtypes
+from refit.spec import TensorSpec
 
 log = get_logger("megatron")
 
@@ -50,7 +50,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-class MegatronSource(Source):
+class MegatronSource(WireDtypes, Source):
     """Specs from the config; tensors gathered bucket by bucket over TP, sent across PP to the leader."""
 
     stable_tensors = False
@@ -81,12 +81,9 @@ class MegatronSource(Source):
         if self.rank == 0 and (self.tp_rank or self.stage):
             raise ValueError("the model-parallel group's first rank must be TP rank 0 of the first stage "
                              "(megatron-core's default rank order); initialise parallel_state with it")  # fmt: skip
-        if dtype := wire_dtype:
-            dtype_name(dtype)
-        self.wire_dtype = wire_dtype
-        self._overrides: dict[str, torch.dtype] = {}
-        self._order = list(self.layout.hf_shapes())
         self._shapes = self.layout.hf_shapes()
+        self._order = list(self._shapes)
+        self._tensors = self._shapes  # type: ignore[assignment]  # WireDtypes checks override names against it
         self._slot_of = {n: s.key for s in self.layout.slots.values() for n in s.hf_names}
         self._pos = {n: i for i, n in enumerate(self._order)}
         self._last = {k: max(self._pos[n] for n in s.hf_names) for k, s in self.layout.slots.items()}
@@ -96,29 +93,19 @@ class MegatronSource(Source):
         """Most bytes of gathered Megatron parameters alive at once on this rank."""
         self.gather_counts: Counter[str] = Counter()
         """How many times each slot was gathered (tests: once per refit)."""
-        for name, dt in (overrides or {}).items():
-            self.set_wire_dtype(name, dt)
+        self._init_wire(wire_dtype, overrides)
         self.sync()
 
     # -- what is sent ------------------------------------------------------------------------------
 
-    def set_wire_dtype(self, name: str, dtype: torch.dtype | None) -> None:
-        """Send checkpoint tensor `name` as `dtype` from the next refit on (None: the default rule).
-        Only the leader's setting matters (it plans the buckets)."""
-        if name not in self._shapes:
-            raise ValueError(f"no checkpoint tensor named {name!r} in this model; see source.specs() for names")
-        if dtype is None:
-            self._overrides.pop(name, None)
-        else:
-            dtype_name(dtype)
-            self._overrides[name] = dtype
-
     def specs(self) -> list[TensorSpec]:
+        """Checkpoint names in name order; wire dtype: the override, else `wire_dtype`, else the training
+        dtype (`set_wire_dtype(name, dtype)` matters on the leader only: it plans the buckets)."""
         out = []
         for name in self._order:
             held = _CODES[self._table[self._slot_of[name]][1]]
             dtype = self._overrides.get(name) or self.wire_dtype or held
-            aliases = ("lm_head.weight",) if self.layout.tied_embeddings and name == "model.embed_tokens.weight" else ()
+            aliases = tuple(a for a, n in self.layout.aliases().items() if n == name)
             out.append(TensorSpec(name, self._shapes[name], dtype, aliases))
         return out
 
@@ -196,7 +183,9 @@ class MegatronSource(Source):
         if self.rank != 0:
             got = {}
         got.update({k: t for k, t in self._kept.items() if k in keys and t is not None})
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(t.numel() * t.element_size() for t in got.values()))
+        self.peak_gathered_bytes = max(
+            self.peak_gathered_bytes, sum(t.numel() * t.element_size() for t in got.values())
+        )
         self.gather_counts.update(todo)
         self._kept = {k: got.get(k) for k in keys if self._last[k] > last}
         return got

@@ -134,6 +134,10 @@ class GptLayout:
                 shapes[name] = t
         return dict(sorted(shapes.items()))
 
+    def aliases(self) -> dict[str, str]:
+        """Checkpoint names that are another name's tensor (tied lm_head -> the embedding)."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tied_embeddings else {}
+
     def _split_shapes(self, s: Slot) -> list[tuple[int, ...]]:
         kind = s.key.rsplit(".", 1)[-1]
         rest = s.shape[1:]

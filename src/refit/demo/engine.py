@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
             if stats is None:
                 return 0
             assert receiver.manifest is not None
-            wire = {p.name: p.spec.dtype for p in receiver.manifest.entries}
+            wire = {n: p.spec.dtype for p in receiver.manifest.entries for n in p.spec.names}  # aliases too (tied)
             engine.ensure_current()
             emit(
                 {

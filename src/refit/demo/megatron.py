@@ -19,7 +19,6 @@ import torch.distributed as dist
 from refit.megatron import MegatronSource, megatron_refit, unwrap
 from refit.stats import RefitStats
 
-
 # megatron-core warns about what a CPU demo lacks on purpose (Apex, Transformer Engine, CUDA settings)
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
@@ -50,9 +49,10 @@ def build_gpt(hf_config, *, tp: int, pp: int, seed: int = 0) -> torch.nn.Module:
     c = hf_config
     config = TransformerConfig(
         num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-        num_query_groups=c.num_key_value_heads, kv_channels=c.head_dim, ffn_hidden_size=c.intermediate_size,
+        num_query_groups=c.num_key_value_heads, kv_channels=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        ffn_hidden_size=c.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=bool(getattr(c, "attention_bias", False)),
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=c.model_type == "qwen2" or bool(getattr(c, "attention_bias", False)),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, use_cpu_initialization=True,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
@@ -132,6 +132,7 @@ def full_weights(source: MegatronSource) -> dict[str, torch.Tensor]:
             dist.broadcast(full, src=source.stage_ranks[owner], group=pp_group)
             if source.rank == 0:
                 out.update(zip(slot.hf_names, (t.clone() for t in layout.to_hf(key, full))))
+    out.update({alias: out[name] for alias, name in layout.aliases().items() if out})
     return out
 
 

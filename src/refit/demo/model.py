@@ -36,10 +36,19 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>")
 
 
-def model_config(*, layers: int = 8, hidden: int = 512, ffn: int = 1536, dtype: str = "float32"):
-    """A Llama config of about 25M parameters at the defaults."""
-    from transformers import LlamaConfig
+def model_config(*, layers: int = 8, hidden: int = 512, ffn: int = 1536, dtype: str = "float32", arch: str = "llama"):
+    """A Llama config of about 25M parameters at the defaults; `arch="qwen2"`: the same sizes as Qwen2
+    (biased q/k/v projections, lm_head tied to the embedding)."""
+    from transformers import LlamaConfig, Qwen2Config
 
+    if arch == "qwen2":
+        return Qwen2Config(
+            vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+            num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), max_position_embeddings=512,
+            tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=1, torch_dtype=dtype,
+        )  # fmt: skip
+    if arch != "llama":
+        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
     return LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden,

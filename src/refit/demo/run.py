@@ -223,7 +223,7 @@ def _check(
 ) -> Row:
     """Compare the engine's report with what the trainer sent and with the trainer's own generation."""
     assert sender.manifest is not None
-    wire = {p.name: p.spec.dtype for p in sender.manifest.entries}
+    wire = {n: p.spec.dtype for p in sender.manifest.entries for n in p.spec.names}
     sent = report.get("expected") or fingerprints(weights.items(), wire)
     with torch.no_grad():
         for name, t in reference.state_dict(keep_vars=True).items():
