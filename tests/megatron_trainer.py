@@ -46,6 +46,9 @@ def report(trainer: MegatronTrainer, sender: Sender | None, prompts: list, out: 
     weights = trainer.full_weights()
     if dist.get_rank() != 0:
         return
+    if "error" in out:
+        emit(out)
+        return
     assert sender is not None and sender.manifest is not None
     wire = {n: p.spec.dtype for p in sender.manifest.entries for n in p.spec.names}
     out["fingerprints"] = fingerprints(weights.items(), wire)

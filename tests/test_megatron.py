@@ -137,6 +137,26 @@ def test_megatron_trainer_refits_bitwise_under_hf_names_gathering_per_bucket(
         assert engine.proc.wait(timeout=120) == 0
 
 
+def test_a_failed_handshake_releases_every_rank_and_the_next_refit_fails_the_same_way() -> None:
+    """The engine is Qwen2 (biases, tied lm_head), the trainer Llama: both sides get the sorted report;
+    the followers, mid-refit on the leader's broadcast, are released each time and every rank exits."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core: pip install -e '.[megatron]'")
+    ranks = _start({"tp": 2, "pp": 1, "transport": "gloo", "bucket_bytes": BUCKET, "steps": 2, "dtype_change_at": -1,
+                    "model": MODEL}, world=2)  # fmt: skip
+    engine = Engine(line(ranks[0]), [[0]], "qwen2")
+    try:
+        assert line(ranks[0])["logits_gap"] < 1e-4
+        for version in (1, 2):
+            sent, got = line(ranks[0]), engine.report()
+            assert (
+                sent["error"].startswith("HandshakeError") and "model.layers.0.self_attn.q_proj.bias" in sent["error"]
+            )
+            assert got["event"] == "error"
+    finally:
+        assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+        engine.proc.wait(timeout=120)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--tp", "2"], "--tp and --pp apply only to --trainer megatron"),
     (["--trainer", "megatron", "--tp", "3"], "--tp 3 must divide the KV heads (2 at hidden 512)"),
