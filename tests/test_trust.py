@@ -226,11 +226,13 @@ def _change(live: dict[str, torch.Tensor], how: str) -> None:
             t.as_strided_(t.shape, (1, t.shape[0]))
         elif how == "dtype":  # a float64 master copy; the wire dtype (bf16) stays
             t.data = t.data.double() * 1.5
+        elif how == "neg-view":  # the same memory and layout, read negated (a lazy view)
+            live["w"] = t._neg_view()
 
 
 @pytest.mark.parametrize("verify", [None, "fingerprint"])
 @pytest.mark.parametrize(
-    "how", ["values", "identity", "storage", "offset", "layout", "restride-in-place", "dtype"]
+    "how", ["values", "identity", "storage", "offset", "layout", "restride-in-place", "dtype", "neg-view"]
 )
 def test_cached_plans_and_signatures_are_dropped_by_every_kind_of_change(how: str, verify: str | None) -> None:
     """Packing replays a cached plan while the source's layout guard holds: every change the guard must

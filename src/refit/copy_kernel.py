@@ -135,6 +135,8 @@ def _key(d: torch.Tensor, s: torch.Tensor) -> tuple[torch.dtype, torch.dtype] | 
         return None
     if not (d.is_contiguous() and s.is_contiguous()) or d.data_ptr() % ALIGN or s.data_ptr() % ALIGN:
         return None
+    if s.is_neg() or s.is_conj() or d.is_neg() or d.is_conj():  # lazy views: the memory holds other values
+        return None
     if d.dtype == s.dtype:  # a plain byte copy, in the widest words that divide its size
         word = next(w for w in _WORDS if d.nbytes % w.itemsize == 0)
         return word, word

@@ -54,7 +54,7 @@ if triton is not None:
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """`t`'s bytes, flat, as uint8 starting at an 8-byte aligned address (copied only when it must be)."""
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    raw = t.detach().resolve_neg().resolve_conj().contiguous().reshape(-1).view(torch.uint8)
     return raw if raw.data_ptr() % 8 == 0 else raw.clone()
 
 
@@ -128,6 +128,8 @@ def _digests_flat(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     nbytes = list(map(_NBYTES, tensors))
     if max(nbytes) > ROW_WORDS * 8 or any(n % 8 for n in nbytes) or any(t.device != device for t in tensors):
         return None
+    if any(map(torch.Tensor.is_neg, tensors)) or any(map(torch.Tensor.is_conj, tensors)):
+        return None  # lazy views: the general path resolves them
     groups: dict[torch.dtype, list[int]] = {}
     for i, dtype in enumerate(map(_DTYPE, tensors)):
         groups.setdefault(dtype, []).append(i)

@@ -63,14 +63,17 @@ _dtype = operator.attrgetter("dtype")
 
 
 def layout_key(tensors: Sequence[torch.Tensor]) -> LayoutKey:
-    """Changes whenever any tensor is replaced, moved, reshaped, restrided or recast; reads metadata only,
-    one C call per field for all tensors (about 0.5 us a tensor)."""
+    """Changes whenever any tensor is replaced, moved, reshaped, restrided, recast or turned into a lazily
+    negated or conjugated view of the same memory; reads metadata only, one C call per field for all
+    tensors (about 0.5 us a tensor)."""
     T = torch.Tensor
     return (
         tuple(map(T.data_ptr, tensors)),
         tuple(map(T.size, tensors)),
         tuple(map(T.stride, tensors)),
         tuple(map(_dtype, tensors)),
+        tuple(map(T.is_neg, tensors)),
+        tuple(map(T.is_conj, tensors)),
     )
 
 
@@ -148,6 +151,8 @@ class Packer:
             and tuple(map(T.numel, tensors)) == where[1]
             and tuple(map(_dtype, tensors)) == where[2]
             and all(map(T.is_contiguous, tensors))
+            and not any(map(T.is_neg, tensors))
+            and not any(map(T.is_conj, tensors))
         )
 
     def replay(self, bucket: int, slot: int, generation: int) -> bool:
