@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -26,20 +27,42 @@ def emit(obj: object) -> None:
     print("@@rank0 " + json.dumps(obj), flush=True)
 
 
+def from_checkpoint(trainer: MegatronTrainer, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The HF model loaded by transformers from `weights` saved as a checkpoint (MoE experts per expert,
+    as vLLM reads them; transformers fuses them on load)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    aliases = trainer.source.layout.aliases()
+    with tempfile.TemporaryDirectory() as path:
+        trainer.hf_model.config.save_pretrained(path)
+        save_file({n: t.contiguous() for n, t in weights.items() if n not in aliases}, f"{path}/model.safetensors")
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def logits_gap(trainer: MegatronTrainer, ids: torch.Tensor) -> float | None:
-    """Every rank (PP=1): max |megatron logits - HF logits| with the converted live weights (fp32)."""
+    """Every rank: max |megatron logits - HF logits| with the converted live weights (fp32), on rank 0.
+    Activations go stage to stage; the last stage's logits (gathered over TP) come back to rank 0."""
     from megatron.core import parallel_state as ps
 
     weights = trainer.full_weights()
+    stages, logits = trainer.source.stage_ranks, None
     with torch.no_grad():
-        local = forward(trainer.model, ids)  # [1, s, V/tp]
-        parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
-        dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+        out = forward(trainer.model, ids)
+        if not ps.is_pipeline_last_stage():
+            dist.send(out, ps.get_pipeline_model_parallel_next_rank())
+        else:
+            parts = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
+            dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+            logits = torch.cat(parts, dim=-1)
+        if len(stages) > 1 and ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage():
+            dist.send(logits, stages[0])
         if dist.get_rank() != 0:
             return None
-        hf = trainer.hf_model
-        hf.load_state_dict(weights)
-        return float((torch.cat(parts, dim=-1) - hf(input_ids=ids).logits).abs().max())
+        if logits is None:
+            logits = torch.empty(1, ids.shape[1], trainer.source.layout.vocab_size)
+            dist.recv(logits, stages[-1])
+        return float((logits - from_checkpoint(trainer, weights)(input_ids=ids).logits).abs().max())
 
 
 def report(trainer: MegatronTrainer, sender: Sender | None, prompts: list, out: dict) -> None:
@@ -52,11 +75,7 @@ def report(trainer: MegatronTrainer, sender: Sender | None, prompts: list, out: 
     assert sender is not None and sender.manifest is not None
     wire = {n: p.spec.dtype for p in sender.manifest.entries for n in p.spec.names}
     out["fingerprints"] = fingerprints(weights.items(), wire)
-    ref = trainer.hf_model
-    with torch.no_grad():
-        for n, t in ref.state_dict(keep_vars=True).items():
-            t.copy_(weights[n].to(wire[n]))
-    out["generated"] = greedy(ref, prompts)
+    out["generated"] = greedy(from_checkpoint(trainer, {n: t.to(wire[n]).float() for n, t in weights.items()}), prompts)
     src = trainer.source
     out.update(peak=src.peak_gathered_bytes, predicted=src.predicted_gather_bytes(sender.manifest),
                gathers=dict(src.gather_counts), model_bytes=sum(t.numel() * t.element_size() for t in weights.values()))  # fmt: skip
@@ -76,7 +95,7 @@ def main() -> int:
         sender = Sender(trainer.source, transport=args["transport"], verify="fingerprint",
                         settings=Settings(bucket_bytes=args["bucket_bytes"], timeout_s=120.0))  # fmt: skip
         emit(sender.rendezvous())
-    if args["pp"] == 1:
+    if args["pp"] == 1 or args.get("check_logits"):
         gap = logits_gap(trainer, ids[:, :32])
         if dist.get_rank() == 0:
             emit({"logits_gap": gap})

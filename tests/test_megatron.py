@@ -137,6 +137,37 @@ def test_megatron_trainer_refits_bitwise_under_hf_names_gathering_per_bucket(
         assert engine.proc.wait(timeout=120) == 0
 
 
+def test_megatron_moe_refits_bitwise_under_per_expert_checkpoint_names() -> None:
+    """Qwen3-MoE over PP=2: the router as mlp.gate, each expert's fc1/fc2 as gate/up/down, q/k norms; the
+    engine holds the checkpoint names transformers saves and vLLM loads (a state-dict engine: transformers
+    fuses experts in its modules)."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core: pip install -e '.[megatron]'")
+    from peer import Peer
+
+    model = {**MODEL, "arch": "qwen3_moe"}
+    ranks = _start({"tp": 1, "pp": 2, "transport": "gloo", "bucket_bytes": BUCKET, "steps": 2, "dtype_change_at": 2,
+                    "model": model, "check_logits": True}, world=2)  # fmt: skip
+    c = model_config(**model)
+    layout = GptLayout(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                       num_query_groups=c.num_key_value_heads, head_dim=c.head_dim, ffn_hidden_size=c.intermediate_size,
+                       vocab_size=c.vocab_size, qk_norm=True, num_experts=c.num_experts,
+                       moe_ffn_hidden_size=c.moe_intermediate_size)  # fmt: skip
+    specs = [[n, list(shape), "float32"] for n, shape in layout.hf_shapes().items()]
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in layout.hf_shapes()
+    peer = Peer({"rendezvous": line(ranks[0]), "specs": specs, "bucket_bytes": BUCKET})
+    try:
+        assert line(ranks[0])["logits_gap"] < 1e-4  # megatron's MoE forward equals transformers' Qwen3-MoE
+        for version in (1, 2):
+            sent, got = line(ranks[0]), peer.report()
+            assert "error" not in sent, sent["error"]
+            assert got["fingerprints"] == sent["fingerprints"] and got["version"] == version
+            assert set(sent["gathers"].values()) == {version}, {k: v for k, v in sent["gathers"].items() if v != version}
+        assert sent["stats"]["epoch"] == 2
+    finally:
+        assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+        peer.wait(timeout=120)
+
+
 def test_a_failed_handshake_releases_every_rank_and_the_next_refit_fails_the_same_way() -> None:
     """The engine is Qwen2 (biases, tied lm_head), the trainer Llama: both sides get the sorted report;
     the followers, mid-refit on the leader's broadcast, are released each time and every rank exits."""

@@ -175,20 +175,21 @@ class MegatronSource(WireDtypes, Source):
 
     def _gather(self, first: int, last: int) -> dict[str, torch.Tensor]:
         """Every rank: the slots behind names[first..last], gathered over TP and sent to the leader
-        (only the leader gets tensors back). Slots still needed by a later bucket are kept."""
+        (only the leader gets tensors back). Slots with names after `last` are kept, even through a
+        run that skips them (q/k/v around o_proj), so each slot is gathered once per refit."""
         keys = list(dict.fromkeys(self._slot_of[n] for n in self._order[first : last + 1]))
         todo = [k for k in keys if k not in self._kept]
         got = self._over_tp(todo)
         got.update(self._to_leader(todo, got))
         if self.rank != 0:
             got = {}
-        got.update({k: t for k, t in self._kept.items() if k in keys and t is not None})
-        self.peak_gathered_bytes = max(
-            self.peak_gathered_bytes, sum(t.numel() * t.element_size() for t in got.values())
-        )
+        held = {**got, **{k: t for k, t in self._kept.items() if t is not None}}
+        nbytes = sum(t.numel() * t.element_size() for t in held.values())
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, nbytes)
         self.gather_counts.update(todo)
-        self._kept = {k: got.get(k) for k in keys if self._last[k] > last}
-        return got
+        later = [k for k in [*self._kept, *todo] if self._last[k] > last]
+        self._kept = {k: held.get(k) for k in later}
+        return {k: held[k] for k in keys if k in held}
 
     def _over_tp(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """The slots this rank's stage owns, each all-gathered over the TP group (all in flight at once)."""
@@ -263,10 +264,13 @@ class MegatronSource(WireDtypes, Source):
 
     def predicted_gather_bytes(self, manifest: Manifest) -> int:
         """The leader's peak bytes of gathered Megatron parameters for this manifest's buckets."""
-        peak = 0
+        peak, kept = 0, set()
         for segs in manifest.segments:
-            keys = {self._slot_of[manifest.entries[s.entry].name] for s in segs}
-            peak = max(peak, sum(self._slot_bytes(k) for k in keys))
+            names = [manifest.entries[s.entry].name for s in segs]
+            keys = {self._slot_of[n] for n in names}
+            peak = max(peak, sum(self._slot_bytes(k) for k in keys | kept))
+            if names:
+                kept = {k for k in keys | kept if self._last[k] > self._pos[names[-1]]}
         return peak
 
     def _slot_bytes(self, key: str) -> int:

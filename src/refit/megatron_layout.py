@@ -1,4 +1,5 @@
-"""GptLayout: a megatron-core GPTModel's parameters as Hugging Face (Llama / Qwen2) checkpoint tensors.
+"""GptLayout: a megatron-core GPTModel's parameters as Hugging Face checkpoint tensors (Llama, Qwen2, and
+Qwen3-MoE: per-expert checkpoint names, as transformers saves them and vLLM loads them).
 
 Pure layout, no megatron import: which Megatron parameter ("slot") each HF name comes from, the
 global shapes on both sides, how tensor-parallel shards concatenate, and the conversions:
@@ -7,7 +8,9 @@ global shapes on both sides, how tensor-parallel shards concatenate, and the con
 - `linear_fc1` holds [gate; up] on each TP rank, so the concatenation is [g0; u0; g1; u1; ...];
 - the layer norms are separate (local spec: `input_layernorm`, `pre_mlp_layernorm`) or folded into
   the next linear layer (Transformer Engine spec: `linear_qkv.layer_norm_weight`,
-  `linear_fc1.layer_norm_weight`); both name the same slot.
+  `linear_fc1.layer_norm_weight`); both name the same slot;
+- MoE (SequentialMLP, no expert parallelism): the router is `mlp.gate`, each local expert's fc1/fc2
+  splits like the dense MLP's into `mlp.experts.E.{gate,up,down}_proj`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_(fc[12])\.weight$")
 _LAYER_PARAMS = {
     "input_layernorm.weight": "attn_norm",
     "self_attention.linear_qkv.layer_norm_weight": "attn_norm",
@@ -28,14 +32,15 @@ _LAYER_PARAMS = {
     "mlp.linear_fc1.layer_norm_weight": "mlp_norm",
     "mlp.linear_fc1.weight": "fc1",
     "mlp.linear_fc2.weight": "fc2",
+    "self_attention.q_layernorm.weight": "q_norm",
+    "self_attention.k_layernorm.weight": "k_norm",
+    "mlp.router.weight": "router",
 }
 _MODEL_PARAMS = {
     "embedding.word_embeddings.weight": "embed",
     "decoder.final_layernorm.weight": "final_norm",
     "output_layer.weight": "output",
 }
-_PARTITION_DIM = {"embed": 0, "output": 0, "qkv": 0, "qkv_bias": 0, "fc1": 0, "proj": 1, "fc2": 1}
-"""The dimension Megatron splits each slot over TP ranks (others are replicated)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +74,12 @@ class GptLayout:
     """Qwen2: q, k and v projections carry biases."""
     tied_embeddings: bool = False
     """lm_head shares the input embedding: one tensor sent under both names."""
+    qk_norm: bool = False
+    """Qwen3: RMSNorm over each query and key head (`q_norm`, `k_norm`)."""
+    num_experts: int = 0
+    """MoE experts per layer (0: a dense MLP)."""
+    moe_ffn_hidden_size: int = 0
+    """Each expert's intermediate size."""
     tp: int = 1
     """Tensor-parallel size (the shards' concatenation order depends on it)."""
     slots: dict[str, Slot] = field(init=False, repr=False)
@@ -88,19 +99,21 @@ class GptLayout:
     @classmethod
     def from_megatron(cls, config, *, vocab_size: int, tied_embeddings: bool) -> GptLayout:  # type: ignore[no-untyped-def]
         """From a megatron-core TransformerConfig (duck-typed: no megatron import here)."""
-        if getattr(config, "num_moe_experts", None):
-            raise ValueError("MoE GPT models are not supported yet (docs/MEGATRON.md); use a dense model")
+        experts = getattr(config, "num_moe_experts", None) or 0
+        if experts:
+            _check_moe(config)
         if not config.gated_linear_unit:
             raise ValueError("the Llama/Qwen2 layout needs gated_linear_unit=True (SwiGLU); set it in the config")
-        if config.add_bias_linear or config.qk_layernorm:
-            raise ValueError("add_bias_linear and qk_layernorm have no Llama/Qwen2 counterpart; turn them off")
+        if config.add_bias_linear:
+            raise ValueError("add_bias_linear has no Llama/Qwen2 counterpart; turn it off")
         return cls(
             num_layers=config.num_layers, hidden_size=config.hidden_size,
             num_attention_heads=config.num_attention_heads,
             num_query_groups=config.num_query_groups or config.num_attention_heads,
             head_dim=config.kv_channels or config.hidden_size // config.num_attention_heads,
             ffn_hidden_size=config.ffn_hidden_size, vocab_size=vocab_size, qkv_bias=bool(config.add_qkv_bias),
-            tied_embeddings=tied_embeddings, tp=config.tensor_model_parallel_size,
+            tied_embeddings=tied_embeddings, tp=config.tensor_model_parallel_size, qk_norm=bool(config.qk_layernorm),
+            num_experts=experts, moe_ffn_hidden_size=config.moe_ffn_hidden_size or 0,
         )  # fmt: skip
 
     def _slots(self) -> list[Slot]:
@@ -118,12 +131,24 @@ class GptLayout:
                 Slot(f"{i}.qkv", (qkv_rows, h), 0, tuple(a + "weight" for a in attn)),
                 Slot(f"{i}.proj", (h, self.num_attention_heads * d), 1, (p + "self_attn.o_proj.weight",)),
                 Slot(f"{i}.mlp_norm", (h,), None, (p + "post_attention_layernorm.weight",)),
-                Slot(f"{i}.fc1", (2 * self.ffn_hidden_size, h), 0, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
-                Slot(f"{i}.fc2", (h, self.ffn_hidden_size), 1, (p + "mlp.down_proj.weight",)),
             ]  # fmt: skip
             if self.qkv_bias:
                 layer.append(Slot(f"{i}.qkv_bias", (qkv_rows,), 0, tuple(a + "bias" for a in attn)))
-            out.extend(layer)
+            if self.qk_norm:
+                layer += [Slot(f"{i}.{x}_norm", (d,), None, (p + f"self_attn.{x}_norm.weight",)) for x in "qk"]
+            out.extend(layer + self._mlp_slots(i))
+        return out
+
+    def _mlp_slots(self, i: int) -> list[Slot]:
+        p, h = f"model.layers.{i}.mlp.", self.hidden_size
+        if not self.num_experts:
+            return [Slot(f"{i}.fc1", (2 * self.ffn_hidden_size, h), 0, (p + "gate_proj.weight", p + "up_proj.weight")),
+                    Slot(f"{i}.fc2", (h, self.ffn_hidden_size), 1, (p + "down_proj.weight",))]  # fmt: skip
+        f, out = self.moe_ffn_hidden_size, [Slot(f"{i}.router", (self.num_experts, h), None, (p + "gate.weight",))]
+        for e in range(self.num_experts):
+            x = f"{p}experts.{e}."
+            out += [Slot(f"{i}.expert.{e}.fc1", (2 * f, h), 0, (x + "gate_proj.weight", x + "up_proj.weight")),
+                    Slot(f"{i}.expert.{e}.fc2", (h, f), 1, (x + "down_proj.weight",))]  # fmt: skip
         return out
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -145,7 +170,7 @@ class GptLayout:
             q, kv = self.num_attention_heads * self.head_dim, self.num_query_groups * self.head_dim
             return [(q, *rest), (kv, *rest), (kv, *rest)]
         if kind == "fc1":
-            return [(self.ffn_hidden_size, *rest)] * 2
+            return [(s.shape[0] // 2, *rest)] * 2
         return [s.shape]
 
     def slot_of(self, megatron_name: str, layer_offset: int = 0) -> str | None:
@@ -154,8 +179,12 @@ class GptLayout:
         m = _LAYER.match(megatron_name)
         if m is None:
             return _MODEL_PARAMS.get(megatron_name)
-        kind = _LAYER_PARAMS.get(m.group(2))
-        return f"{int(m.group(1)) + layer_offset}.{kind}" if kind else None
+        layer, rest = int(m.group(1)) + layer_offset, m.group(2)
+        expert = _EXPERT.match(rest)
+        if expert is not None:
+            return f"{layer}.expert.{expert.group(1)}.{expert.group(2)}"
+        kind = _LAYER_PARAMS.get(rest)
+        return f"{layer}.{kind}" if kind else None
 
     def merge_shards(self, key: str, gathered: torch.Tensor) -> torch.Tensor:
         """[tp, *shard] (an all-gather's output) -> the slot's global tensor (shards concatenated)."""
@@ -177,6 +206,23 @@ class GptLayout:
             return [groups[:, :per].reshape(-1, *rest), groups[:, per].reshape(-1, *rest),
                     groups[:, per + 1].reshape(-1, *rest)]  # fmt: skip
         if kind == "fc1":
-            ranks = full.view(self.tp, 2, self.ffn_hidden_size // self.tp, *rest)
+            ranks = full.view(self.tp, 2, -1, *rest)
             return [ranks[:, 0].reshape(-1, *rest), ranks[:, 1].reshape(-1, *rest)]
         return [full]
+
+
+def _check_moe(config) -> None:  # type: ignore[no-untyped-def]
+    """What the MoE layout covers: SequentialMLP experts, all on every rank of their stage."""
+    problems = []
+    if (config.expert_model_parallel_size or 1) != 1:
+        problems.append(
+            f"expert_model_parallel_size ({config.expert_model_parallel_size}) must be 1 (EP is not supported yet)"
+        )
+    if (config.expert_tensor_parallel_size or config.tensor_model_parallel_size) != config.tensor_model_parallel_size:
+        problems.append("expert_tensor_parallel_size must equal tensor_model_parallel_size")
+    if config.moe_grouped_gemm:
+        problems.append("moe_grouped_gemm must be off (SequentialMLP experts)")
+    if config.moe_shared_expert_intermediate_size:
+        problems.append("shared experts are not supported (Qwen3-MoE has none)")
+    if problems:
+        raise ValueError("MegatronSource cannot send this MoE model: " + "; ".join(problems))

@@ -30,6 +30,10 @@ def cpu_shims() -> None:
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: torch.device("cpu")  # RoPE moves its frequencies "to the GPU"
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16 reads it unguarded when Transformer Engine is absent
+        moe_utils.te_general_gemm = None
 
 
 def build_gpt(hf_config, *, tp: int, pp: int, seed: int = 0) -> torch.nn.Module:  # type: ignore[no-untyped-def]
@@ -47,6 +51,10 @@ def build_gpt(hf_config, *, tp: int, pp: int, seed: int = 0) -> torch.nn.Module:
     if torch.cuda.is_available():
         model_parallel_cuda_manual_seed(seed)
     c = hf_config
+    experts = getattr(c, "num_experts", None) or 0
+    moe = {"num_moe_experts": experts, "moe_router_topk": c.num_experts_per_tok,
+           "moe_ffn_hidden_size": c.moe_intermediate_size, "moe_token_dispatcher_type": "allgather",
+           "moe_router_load_balancing_type": "none"} if experts else {}  # fmt: skip
     config = TransformerConfig(
         num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
         num_query_groups=c.num_key_value_heads, kv_channels=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
@@ -57,9 +65,13 @@ def build_gpt(hf_config, *, tp: int, pp: int, seed: int = 0) -> torch.nn.Module:
         params_dtype=torch.float32, pipeline_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        qk_layernorm=c.model_type.startswith("qwen3"), **moe,
     )  # fmt: skip
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts or None, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
+    )
     return GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=config, transformer_layer_spec=spec,
         vocab_size=c.vocab_size, max_sequence_length=c.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=bool(c.tie_word_embeddings), position_embedding_type="rope",

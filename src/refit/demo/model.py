@@ -38,7 +38,8 @@ def build_tokenizer():
 
 def model_config(*, layers: int = 8, hidden: int = 512, ffn: int = 1536, dtype: str = "float32", arch: str = "llama"):
     """A Llama config of about 25M parameters at the defaults; `arch="qwen2"`: the same sizes as Qwen2
-    (biased q/k/v projections, lm_head tied to the embedding)."""
+    (biased q/k/v projections, lm_head tied to the embedding); "qwen3_moe": Qwen3-MoE (q/k norms, 4
+    experts of ffn/4, top 2)."""
     from transformers import LlamaConfig, Qwen2Config
 
     if arch == "qwen2":
@@ -47,8 +48,18 @@ def model_config(*, layers: int = 8, hidden: int = 512, ffn: int = 1536, dtype: 
             num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), max_position_embeddings=512,
             tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=1, torch_dtype=dtype,
         )  # fmt: skip
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=ffn, moe_intermediate_size=ffn // 4,
+            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=layers,
+            num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), head_dim=64,
+            max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+            torch_dtype=dtype,
+        )  # fmt: skip
     if arch != "llama":
-        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+        raise ValueError(f"arch must be 'llama', 'qwen2' or 'qwen3_moe', got {arch!r}")
     return LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden,
