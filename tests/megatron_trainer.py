@@ -2,7 +2,9 @@
 
 Run with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and one JSON argument: "tp", "pp", "transport",
 "bucket_bytes", "steps", "dtype_change_at" (the step whose refit sends model.norm.weight as fp32),
-"model" (refit.demo.model.model_config keywords). Rank 0 prints its rendezvous, then (TP only) how far
+"model" (refit.demo.model.model_config keywords), "engine": "peer" (an engine process that connects to the
+printed rendezvous) or "vllm" (rank 0 runs vLLM from dummy weights, refitted through the 'refit'
+backend). Rank 0 prints its rendezvous (peer), then (PP=1 or "check_logits") how far
 megatron's logits are from the Hugging Face model's with the converted weights, then one '@@rank0'
 JSON line per refit: the stats (or error), fingerprints of the trainer's live weights under checkpoint
 names in their wire dtypes, the HF model's greedy output with those weights, and the gathers' figures.
@@ -65,7 +67,7 @@ def logits_gap(trainer: MegatronTrainer, ids: torch.Tensor) -> float | None:
         return float((logits - from_checkpoint(trainer, weights)(input_ids=ids).logits).abs().max())
 
 
-def report(trainer: MegatronTrainer, sender: Sender | None, prompts: list, out: dict) -> None:
+def report(trainer: MegatronTrainer, sender: Sender | None, prompts: list, out: dict, vllm=None) -> None:  # type: ignore[no-untyped-def]
     weights = trainer.full_weights()
     if dist.get_rank() != 0:
         return
@@ -76,6 +78,9 @@ def report(trainer: MegatronTrainer, sender: Sender | None, prompts: list, out: 
     wire = {n: p.spec.dtype for p in sender.manifest.entries for n in p.spec.names}
     out["fingerprints"] = fingerprints(weights.items(), wire)
     out["generated"] = greedy(from_checkpoint(trainer, {n: t.to(wire[n]).float() for n, t in weights.items()}), prompts)
+    if vllm is not None:  # what vLLM holds (in its fused layout) against the live weights, and its output
+        got = vllm.report(weights)
+        out.update(vllm_params_ok=got["fingerprints"] == got["expected"], vllm_generated=got["generated"])
     src = trainer.source
     out.update(peak=src.peak_gathered_bytes, predicted=src.predicted_gather_bytes(sender.manifest),
                gathers=dict(src.gather_counts), model_bytes=sum(t.numel() * t.element_size() for t in weights.values()))  # fmt: skip
@@ -90,11 +95,17 @@ def main() -> int:
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     hf = build_model(model_config(**args["model"]), seed=0)
     trainer = MegatronTrainer(hf, ids, tp=args["tp"], pp=args["pp"])
-    sender = None
+    sender = vllm = None
+    workdir = tempfile.TemporaryDirectory()
     if dist.get_rank() == 0:
         sender = Sender(trainer.source, transport=args["transport"], verify="fingerprint",
                         settings=Settings(bucket_bytes=args["bucket_bytes"], timeout_s=120.0))  # fmt: skip
-        emit(sender.rendezvous())
+        if args.get("engine") == "vllm":
+            from refit.demo.run import VllmSide
+
+            vllm = VllmSide(sender, hf, tok, prompts, workdir.name)
+        else:
+            emit(sender.rendezvous())
     if args["pp"] == 1 or args.get("check_logits"):
         gap = logits_gap(trainer, ids[:, :32])
         if dist.get_rank() == 0:
@@ -106,13 +117,16 @@ def main() -> int:
             trainer.source.set_wire_dtype("model.norm.weight", torch.float32)
         out: dict = {"version": version}
         try:
-            stats = trainer.refit(sender, version)
+            stats = trainer.refit(vllm or sender, version)
             out["stats"] = stats.to_json() if stats is not None else None
         except RefitError as e:
             out["error"] = f"{type(e).__name__}: {e}"
-        report(trainer, sender, prompts, out)
-    if sender is not None:
+        report(trainer, sender, prompts, out, vllm)
+    if vllm is not None:
+        vllm.close()
+    elif sender is not None:
         sender.close()
+    workdir.cleanup()
     dist.barrier()  # rank 0 hosts the store: leave together
     dist.destroy_process_group()
     return 0
