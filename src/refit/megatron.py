@@ -78,6 +78,8 @@ class MegatronSource(WireDtypes, Source):
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.stage_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
         self.rank = dist.get_rank(self.group)
+        self.device = next(self.model.parameters()).device
+        """Where gathers land and control tensors live (NCCL groups need CUDA tensors)."""
         if self.rank == 0 and (self.tp_rank or self.stage):
             raise ValueError("the model-parallel group's first rank must be TP rank 0 of the first stage "
                              "(megatron-core's default rank order); initialise parallel_state with it")  # fmt: skip
@@ -126,21 +128,25 @@ class MegatronSource(WireDtypes, Source):
         return out
 
     def sync(self) -> None:
-        """Collective: agree on each slot's owning stage and dtype (one all-reduce of a small int table)."""
+        """Collective: agree on each slot's owning stage and dtype (one all-reduce of a small int table).
+        Every rank raises the same ValueError after it, so a bad parameter on one rank hangs no other."""
         self._params = self._local()
         keys = list(self.layout.slots)
-        table = torch.zeros(len(keys), 2, dtype=torch.int64)
-        for i, k in enumerate(keys):
+        rows = [[0, 0, 0] for _ in keys]
+        for row, k in zip(rows, keys):
             if k in self._params:
                 dt = self._params[k].dtype
-                if dt not in _CODES:
-                    raise ValueError(f"parameter {k} is {dt}; MegatronSource sends {_CODES} parameters")
-                table[i] = torch.tensor([self.stage + 1, _CODES.index(dt) + 1])
+                row[:] = [self.stage + 1, _CODES.index(dt) + 1, 0] if dt in _CODES else [self.stage + 1, 1, 1]
+        table = torch.tensor(rows, dtype=torch.int64).to(self.device)
         dist.all_reduce(table, op=dist.ReduceOp.MAX, group=self.group)
-        missing = [k for k, row in zip(keys, table.tolist()) if row[0] == 0]
+        rows = table.tolist()
+        bad = [k for k, row in zip(keys, rows) if row[2]]
+        if bad:
+            raise ValueError(f"parameters {bad[:5]} are not {_CODES}: cast them (FP8 weights are not supported yet)")
+        missing = [k for k, row in zip(keys, rows) if row[0] == 0]
         if missing:
             raise ValueError(f"no stage holds {missing[:5]}: the model does not match the Llama/Qwen2 layout")
-        self._table = {k: (row[0] - 1, row[1] - 1) for k, row in zip(keys, table.tolist())}
+        self._table = {k: (row[0] - 1, row[1] - 1) for k, row in zip(keys, rows)}
 
     def owner(self, key: str) -> int:
         """The pipeline stage holding slot `key` (as of the last sync)."""
@@ -224,7 +230,7 @@ class MegatronSource(WireDtypes, Source):
             if owner == 0:
                 continue
             if self.rank == 0:
-                received[k] = torch.empty(self.layout.slots[k].shape, dtype=_CODES[code])
+                received[k] = torch.empty(self.layout.slots[k].shape, dtype=_CODES[code], device=self.device)
                 works.append(dist.irecv(received[k], src=self.stage_ranks[owner]))
             elif owner == self.stage:
                 works.append(dist.isend(got[k].contiguous(), dst=self.stage_ranks[0]))
@@ -235,7 +241,7 @@ class MegatronSource(WireDtypes, Source):
     # -- driving -----------------------------------------------------------------------------------
 
     def _control(self, go: int, first: int = 0, count: int = 0) -> tuple[int, int, int]:
-        msg = torch.tensor([go, first, count], dtype=torch.int64)
+        msg = torch.tensor([go, first, count], dtype=torch.int64).to(self.device)
         dist.broadcast(msg, src=dist.get_global_rank(self.group, 0), group=self.group)
         go, first, count = (int(v) for v in msg.tolist())
         return go, first, count
