@@ -23,6 +23,7 @@ CHANGES: dict[str, Callable[[list[torch.Tensor]], None]] = {
     "dtype": lambda ts: setattr(ts[3], "data", ts[3].data.double()),
     "identity": lambda ts: ts.__setitem__(3, ts[3].clone()),
     "count": lambda ts: ts.append(torch.zeros(1)),
+    "neg-view": lambda ts: ts.__setitem__(3, ts[3]._neg_view()),
 }
 
 
@@ -41,6 +42,19 @@ def test_a_layout_guard_fails_after_each_kind_of_change(how: str, batched: bool,
     ts[0].add_(1.0)  # values alone never matter to a layout
     assert guard.holds(ts)
     CHANGES[how](ts)
+    assert not guard.holds(ts)
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("wrap", [torch.nn.Parameter, lambda t: t.as_subclass(_Sub)])
+def test_the_batched_guard_fails_for_another_tensor_type_in_the_same_memory(wrap: Callable) -> None:
+    """So `LayoutGuard.holds` needs no separate check that every tensor is still a plain one."""
+    ts = _tensors()
+    guard = LayoutGuard(ts)
+    ts[2] = wrap(ts[2])
     assert not guard.holds(ts)
 
 

@@ -37,10 +37,15 @@ def _build(tensors: Sequence[torch.Tensor]) -> Check:
     return guards.check
 
 
+class _Probe(torch.Tensor):
+    """A tensor subclass, for the probe's type change."""
+
+
 @functools.cache
 def _works() -> bool:
     """The probe: a snapshot holds for the same tensors, and fails after a reshape, a restride, a recast,
-    a resize and a move to a different dtype of the same object (`.data =`)."""
+    a resize and a move to a different dtype of the same object (`.data =`), and for a tensor of another
+    Python type in a tensor's place (so a check that holds also says every tensor is still plain)."""
     try:
         ts = [torch.zeros(4, 4), torch.zeros(16)]
         check = _build(ts)
@@ -61,7 +66,9 @@ def _works() -> bool:
             change()
             if check(*ts):
                 return False
-        return True
+        ts[0].set_(torch.zeros(4, 4))
+        ts[1].data = torch.zeros(16)
+        return not check(torch.nn.Parameter(ts[0]), ts[1]) and not check(ts[0].as_subclass(_Probe), ts[1])
     except Exception as e:  # any other torch: fall back, never guess
         log.info("TensorGuards unusable here (%s: %s); layout checks read metadata through Python", type(e).__name__, e)
         return False
