@@ -1,15 +1,16 @@
 """MegatronSource: a megatron-core GPTModel sharded with tensor (TP) and pipeline (PP) parallelism as the
-source, sent under Hugging Face checkpoint names (Llama / Qwen2 layout, refit.megatron_layout).
+source, sent under Hugging Face checkpoint names (Llama, Qwen2 and Qwen3-MoE layouts, refit.megatron_layout).
 
 Every rank of the model-parallel group (TP x PP ranks of one data-parallel replica) builds the source;
 the first rank of that group (TP rank 0 of the first stage) also holds the Sender. The specs come from
 the config (names and global shapes) and one small table all ranks agree on per refit (which stage
 owns each parameter, in which dtype), so nothing is gathered to know them. Each bucket is gathered
-on its own: the owning stage all-gathers each Megatron parameter over its TP group, its TP rank 0
-sends the result to the leader, and the leader converts it (q/k/v, gate/up) into the bucket's
-tensors. The leader announces each bucket to the others with a 3-integer broadcast (go, first,
-count), as `FsdpSource` does, so no rank needs the manifest. A parameter whose checkpoint tensors
-straddle a bucket boundary is kept until its last one is packed; nothing else outlives its bucket.
+on its own, one checkpoint tensor at a time: every TP rank of the owning stage converts its shard
+into its shard of that tensor (a Megatron shard holds whole query groups and its own [gate; up]), the
+pieces are all-gathered over the TP group, and TP rank 0 sends the result to the leader. So the
+leader holds one bucket's tensors (plus one split across the bucket boundary, kept for the next
+run), never a fused parameter whole. The leader announces each bucket to the others with a
+3-integer broadcast (go, first, count), as `FsdpSource` does, so no rank needs the manifest.
 megatron-core is imported only where a process group is looked up.
 """
 
@@ -25,7 +26,7 @@ from torch import nn
 
 from refit.log import get_logger
 from refit.manifest import Manifest
-from refit.megatron_layout import GptLayout
+from refit.megatron_layout import GptLayout, merge
 from refit.source import Source, WireDtypes
 from refit.spec import TensorSpec
 
@@ -88,8 +89,11 @@ class MegatronSource(WireDtypes, Source):
         self._tensors = self._shapes  # type: ignore[assignment]  # WireDtypes checks override names against it
         self._slot_of = {n: s.key for s in self.layout.slots.values() for n in s.hf_names}
         self._pos = {n: i for i, n in enumerate(self._order)}
-        self._last = {k: max(self._pos[n] for n in s.hf_names) for k, s in self.layout.slots.items()}
-        self._kept: dict[str, torch.Tensor | None] = {}
+        self._dim = {n: s.partition_dim for s in self.layout.slots.values() for n in s.hf_names}
+        self._piece = {n: i for s in self.layout.slots.values() for i, n in enumerate(s.hf_names)}
+        self._kept: tuple[str, torch.Tensor | None] | None = None
+        """The last name of the previous run and its tensor (the leader's; None elsewhere): a tensor split
+        across buckets is asked for again at the start of the next run."""
         self._leading = False
         self.peak_gathered_bytes = 0
         """Most bytes of gathered Megatron parameters alive at once on this rank."""
@@ -173,67 +177,67 @@ class MegatronSource(WireDtypes, Source):
             self._control(1, first, len(names))
         elif dist.get_world_size(self.group) > 1:
             raise ValueError("MegatronSource.tensors runs inside megatron_refit on every rank; call that instead")
-        full = self._gather(first, first + len(names) - 1)
-        out: dict[str, torch.Tensor] = {}
-        for key, t in full.items():
-            out.update(zip(self.layout.slots[key].hf_names, self.layout.to_hf(key, t)))
-        return [out[n] for n in names]
+        return self._gather(first, first + len(names) - 1)
 
-    def _gather(self, first: int, last: int) -> dict[str, torch.Tensor]:
-        """Every rank: the slots behind names[first..last], gathered over TP and sent to the leader
-        (only the leader gets tensors back). Slots with names after `last` are kept, even through a
-        run that skips them (q/k/v around o_proj), so each slot is gathered once per refit."""
-        keys = list(dict.fromkeys(self._slot_of[n] for n in self._order[first : last + 1]))
-        todo = [k for k in keys if k not in self._kept]
+    def _gather(self, first: int, last: int) -> list[torch.Tensor]:
+        """Every rank: the checkpoint tensors names[first..last], each converted on its TP shards, gathered
+        over TP and sent to the leader (only the leader gets them back). The run's last tensor is kept
+        until the next run, which starts with it when it is split across buckets."""
+        names = self._order[first : last + 1]
+        kept = self._kept if self._kept is not None and self._kept[0] == names[0] else None
+        self._kept = None
+        todo = names[1:] if kept else names
         got = self._over_tp(todo)
         got.update(self._to_leader(todo, got))
+        if kept is not None and kept[1] is not None:
+            got[names[0]] = kept[1]
         if self.rank != 0:
             got = {}
-        held = {**got, **{k: t for k, t in self._kept.items() if t is not None}}
-        nbytes = sum(t.numel() * t.element_size() for t in held.values())
+        nbytes = sum(t.numel() * t.element_size() for t in got.values())
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, nbytes)
         self.gather_counts.update(todo)
-        later = [k for k in [*self._kept, *todo] if self._last[k] > last]
-        self._kept = {k: held.get(k) for k in later}
-        return {k: held[k] for k in keys if k in held}
+        self._kept = (names[-1], got.get(names[-1]))
+        return [got[n] for n in names] if self.rank == 0 else []
 
-    def _over_tp(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        """The slots this rank's stage owns, each all-gathered over the TP group (all in flight at once)."""
+    def _over_tp(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors this rank's stage owns: each rank converts its shard into its shard of the checkpoint
+        tensor, then the pieces are all-gathered over the TP group (all in flight at once)."""
         pending = []
         with torch.no_grad():
-            for k in keys:
-                if k not in self._params:
+            for n in names:
+                key = self._slot_of[n]
+                if key not in self._params:
                     continue
-                local = self._params[k].detach()
-                if self.layout.slots[k].partition_dim is None or self.layout.tp == 1:
-                    pending.append((k, local.unsqueeze(0), None))
+                piece = self.layout.to_hf(key, self._params[key].detach(), ranks=1)[self._piece[n]]
+                if self._dim[n] is None or self.layout.tp == 1:
+                    pending.append((n, piece.unsqueeze(0), None))
                     continue
-                local = local.contiguous()
-                flat = local.new_empty(self.layout.tp * local.numel())  # gloo gathers flat tensors only
-                work = dist.all_gather_into_tensor(flat, local.view(-1), group=self.tp_group, async_op=True)
-                pending.append((k, flat.view(self.layout.tp, *local.shape), work))
+                piece = piece.contiguous()
+                flat = piece.new_empty(self.layout.tp * piece.numel())  # gloo gathers flat tensors only
+                work = dist.all_gather_into_tensor(flat, piece.view(-1), group=self.tp_group, async_op=True)
+                pending.append((n, flat.view(self.layout.tp, *piece.shape), work))
         got = {}
-        for k, out, work in pending:
+        for n, out, work in pending:
             if work is not None:
                 work.wait()
             if self.tp_rank == 0:
-                got[k] = self.layout.merge_shards(k, out)
+                got[n] = merge(out, self._dim[n], self._shapes[n])
         return got
 
-    def _to_leader(self, keys: list[str], got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Slots owned by later stages, sent by their TP rank 0 to the leader (point to point)."""
+    def _to_leader(self, names: list[str], got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensors owned by later stages, sent by their TP rank 0 to the leader (point to point)."""
         if self.tp_rank != 0:
             return {}
         works, received = [], {}
-        for k in keys:
-            owner, code = self._table[k]
+        for n in names:
+            owner, code = self._table[self._slot_of[n]]
             if owner == 0:
                 continue
             if self.rank == 0:
-                received[k] = torch.empty(self.layout.slots[k].shape, dtype=_CODES[code], device=self.device)
-                works.append(dist.irecv(received[k], src=self.stage_ranks[owner]))
+                received[n] = torch.empty(self._shapes[n], dtype=_CODES[code], device=self.device)
+                works.append(dist.irecv(received[n], src=self.stage_ranks[owner]))
             elif owner == self.stage:
-                works.append(dist.isend(got[k].contiguous(), dst=self.stage_ranks[0]))
+                works.append(dist.isend(got[n].contiguous(), dst=self.stage_ranks[0]))
         for w in works:
             w.wait()
         return received
@@ -250,38 +254,35 @@ class MegatronSource(WireDtypes, Source):
     def leading(self) -> Iterator[None]:
         """The leader: wrap each Sender.refit so the other ranks are released however it ends."""
         self.sync()
-        self._kept, self._leading = {}, True
+        self._kept, self._leading = None, True
         try:
             yield
         finally:
-            self._leading, self._kept = False, {}
+            self._leading, self._kept = False, None
             self._control(0)
 
     def follow(self) -> None:
         """Every other rank: take part in one refit's gathers until the leader says it ended."""
         self.sync()
-        self._kept = {}
+        self._kept = None
         while True:
             go, first, count = self._control(0)
             if not go:
-                self._kept = {}
+                self._kept = None
                 return
             self._gather(first, first + count - 1)
 
     def predicted_gather_bytes(self, manifest: Manifest) -> int:
-        """The leader's peak bytes of gathered Megatron parameters for this manifest's buckets."""
-        peak, kept = 0, set()
+        """The leader's peak bytes of gathered tensors for this manifest: its largest bucket's tensors, whole
+        and in the training dtype (a tensor split across buckets counts in each)."""
+        peak = 0
         for segs in manifest.segments:
-            names = [manifest.entries[s.entry].name for s in segs]
-            keys = {self._slot_of[n] for n in names}
-            peak = max(peak, sum(self._slot_bytes(k) for k in keys | kept))
-            if names:
-                kept = {k for k in keys | kept if self._last[k] > self._pos[names[-1]]}
+            names = {manifest.entries[s.entry].name for s in segs}
+            peak = max(peak, sum(self._nbytes(n) for n in names))
         return peak
 
-    def _slot_bytes(self, key: str) -> int:
-        shape = self.layout.slots[key].shape
-        return int(torch.Size(shape).numel()) * _CODES[self._table[key][1]].itemsize
+    def _nbytes(self, name: str) -> int:
+        return int(torch.Size(self._shapes[name]).numel()) * _CODES[self._table[self._slot_of[name]][1]].itemsize
 
 
 def megatron_refit(source: MegatronSource, sender, version: int):  # type: ignore[no-untyped-def]

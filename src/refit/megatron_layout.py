@@ -186,29 +186,30 @@ class GptLayout:
         kind = _LAYER_PARAMS.get(rest)
         return f"{layer}.{kind}" if kind else None
 
-    def merge_shards(self, key: str, gathered: torch.Tensor) -> torch.Tensor:
-        """[tp, *shard] (an all-gather's output) -> the slot's global tensor (shards concatenated)."""
-        dim = self.slots[key].partition_dim
-        if dim is None or self.tp == 1:
-            return gathered.reshape(self.slots[key].shape)
-        if dim == 0:
-            return gathered.view(self.slots[key].shape)
-        return gathered.movedim(0, dim).reshape(self.slots[key].shape)
+    def to_hf(self, key: str, t: torch.Tensor, *, ranks: int | None = None) -> list[torch.Tensor]:
+        """A slot's tensor as its checkpoint tensors (views where the layout allows, else copies).
 
-    def to_hf(self, key: str, full: torch.Tensor) -> list[torch.Tensor]:
-        """A slot's global tensor as its checkpoint tensors (views where the layout allows, else copies)."""
+        `t` is the slot's global tensor (the TP shards concatenated: `ranks` defaults to the TP size)
+        or one rank's shard (`ranks=1`): a shard converts to the same rank's shard of each checkpoint
+        tensor, so shards may be converted before they are gathered."""
         kind = key.rsplit(".", 1)[-1]
-        rest = full.shape[1:]
+        rest = t.shape[1:]
         if kind in ("qkv", "qkv_bias"):
-            ng, d = self.num_query_groups, self.head_dim
-            per = self.num_attention_heads // ng
-            groups = full.view(ng, per + 2, d, *rest)
+            per = self.num_attention_heads // self.num_query_groups
+            groups = t.view(-1, per + 2, self.head_dim, *rest)
             return [groups[:, :per].reshape(-1, *rest), groups[:, per].reshape(-1, *rest),
                     groups[:, per + 1].reshape(-1, *rest)]  # fmt: skip
         if kind == "fc1":
-            ranks = full.view(self.tp, 2, -1, *rest)
-            return [ranks[:, 0].reshape(-1, *rest), ranks[:, 1].reshape(-1, *rest)]
-        return [full]
+            halves = t.view(self.tp if ranks is None else ranks, 2, -1, *rest)
+            return [halves[:, 0].reshape(-1, *rest), halves[:, 1].reshape(-1, *rest)]
+        return [t]
+
+
+def merge(gathered: torch.Tensor, dim: int | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """[ranks, *shard] (an all-gather's output) -> the global tensor: the shards concatenated on `dim`."""
+    if dim is None or dim == 0 or gathered.shape[0] == 1:
+        return gathered.view(shape)
+    return gathered.movedim(0, dim).reshape(shape)
 
 
 def _check_moe(config) -> None:  # type: ignore[no-untyped-def]
