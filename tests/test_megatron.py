@@ -105,9 +105,7 @@ class Engine:
         raise AssertionError(f"engine exited with {self.proc.wait()} before reporting")
 
 
-@pytest.mark.parametrize(
-    ("tp", "pp", "transport", "arch"), [(2, 1, "shm", "llama"), (2, 2, "gloo", "llama"), (2, 1, "gloo", "qwen2")]
-)
+@pytest.mark.parametrize(("tp", "pp", "transport", "arch"), [(2, 2, "gloo", "llama"), (2, 1, "shm", "qwen2")])
 def test_megatron_trainer_refits_bitwise_under_hf_names_gathering_per_bucket(
     tp: int, pp: int, transport: str, arch: str
 ) -> None:
