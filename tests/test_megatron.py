@@ -231,3 +231,28 @@ def test_demo_megatron_tp2_into_vllm_verifies_every_refit(capfd: pytest.CaptureF
     out = capfd.readouterr().out
     assert code == 0, out
     assert "TP=2 x PP=1" in out and "all refits verified" in out and out.count("✓") == 4 and "2*" in out
+
+
+_ALONE = """
+import torch, torch.distributed as dist
+from refit import Sender
+from refit.demo.megatron import MegatronTrainer
+from refit.demo.model import build_model, model_config
+dist.init_process_group("gloo")
+trainer = MegatronTrainer(build_model(model_config(layers=1, hidden=64, ffn=128), seed=0), torch.zeros(1, 8, dtype=torch.long), tp=1, pp=1)
+names = [s.name for s in trainer.source.specs()][:1]
+try:
+    trainer.source.tensors(names)
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_single_rank_source_outside_megatron_refit_is_refused_not_served_stale() -> None:
+    """megatron_refit re-reads the live parameters before each refit; a bare Sender.refit would serve the
+    ones read at the last pass, so it is refused even when the model-parallel group has one rank."""
+    pytest.importorskip("megatron.core")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "PYTHONPATH": os.pathsep.join([HERE, *sys.path])}  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", _ALONE], env=env, capture_output=True, text=True)
+    assert "refused:" in r.stdout and "megatron_refit" in r.stdout, r.stderr[-2000:]

@@ -173,10 +173,10 @@ class MegatronSource(WireDtypes, Source):
         first = self._pos[names[0]]
         if list(names) != self._order[first : first + len(names)]:
             raise ValueError("MegatronSource serves contiguous runs of names in name order (as the planner lays them)")
-        if self._leading:
-            self._control(1, first, len(names))
-        elif dist.get_world_size(self.group) > 1:
-            raise ValueError("MegatronSource.tensors runs inside megatron_refit on every rank; call that instead")
+        if not self._leading:  # also with one rank: megatron_refit re-reads the live parameters first
+            raise ValueError("MegatronSource.tensors runs inside megatron_refit on every rank; call "
+                             "megatron_refit(source, sender, version) instead of sender.refit(version)")  # fmt: skip
+        self._control(1, first, len(names))
         return self._gather(first, first + len(names) - 1)
 
     def _gather(self, first: int, last: int) -> list[torch.Tensor]:
