@@ -83,8 +83,12 @@ def test_the_triton_kernel_equals_the_definition_under_the_interpreter() -> None
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_digests_equal_the_cpu_ones_bit_for_bit() -> None:
+    """Mixed (regular tensors through the address table, the others as copied bytes), then regular ones alone."""
     tensors = _tensors() + [torch.randn(3 << 20).to(torch.bfloat16)]
     assert _hexes([t.cuda() for t in tensors]) == _hexes(tensors)
+    regular = [t.cuda() for t in tensors if t.is_contiguous() and t.nbytes % 8 == 0]
+    assert len(regular) >= 4 and all(t.data_ptr() % 8 == 0 for t in regular)
+    assert _hexes(regular) == [_reference(t) for t in regular]
 
 
 def test_many_small_whole_word_tensors_take_the_flat_path_and_equal_the_definition() -> None:

@@ -102,12 +102,50 @@ def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     device = tensors[0].device
     if not available(device):
         flat = _digests_flat(tensors, device)
-        if flat is not None:
-            return flat
+        return flat if flat is not None else _digests_general(tensors, device)
+    regular = _regular(tensors)
+    if all(regular):
+        return _digests_words(tensors, device)
+    if not any(regular):
+        return _digests_general(tensors, device)
+    out = torch.empty(len(tensors), dtype=torch.int64, device=device)
+    for flag, digest_some in ((True, _digests_words), (False, _digests_general)):
+        idx = [i for i, r in enumerate(regular) if r == flag]
+        out.index_copy_(0, torch.tensor(idx, device=device), digest_some([tensors[i] for i in idx], device))
+    return out
+
+
+def _regular(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Per tensor: contiguous, not a lazy neg/conj view, 8-byte aligned and whole words, so that its words are
+    its memory as it is (the usual case; read in a few C passes)."""
+    T = torch.Tensor
+    return [
+        c and not n and not j and p % 8 == 0 and b % 8 == 0
+        for c, n, j, p, b in zip(
+            map(T.is_contiguous, tensors),
+            map(T.is_neg, tensors),
+            map(T.is_conj, tensors),
+            map(T.data_ptr, tensors),
+            map(_NBYTES, tensors),
+        )
+    ]
+
+
+def _digests_words(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The kernel's digests of regular tensors (`_regular`), its table made from their addresses and sizes
+    alone: no per-tensor views or copies."""
+    nbytes = list(map(_NBYTES, tensors))
+    s0, s1 = _sums_table(list(map(torch.Tensor.data_ptr, tensors)), [n // 8 for n in nbytes], device)
+    return s1 * M + s0 + torch.tensor(nbytes, dtype=torch.int64, device=device)
+
+
+def _digests_general(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Any tensors: each read as its bytes (copied where not contiguous or aligned), the partial last word
+    zero-padded."""
     raws = [_bytes(t) for t in tensors]
     words = [r[: r.numel() - r.numel() % 8].view(torch.int64) for r in raws]
     if available(device):  # CUDA with Triton (or Triton's CPU interpreter, in tests)
-        s0, s1 = _sums_kernel(words, device)
+        s0, s1 = _sums_table([w.data_ptr() for w in words], [w.numel() for w in words], device)
     else:
         s0, s1 = _sums_each(words, device)
     for i, r in enumerate(raws):
@@ -159,18 +197,20 @@ def _sums_each(words: list[torch.Tensor], device: torch.device) -> tuple[torch.T
     return s0, s1
 
 
-def _sums_kernel(words: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _sums_table(ptrs: list[int], num_words: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two sums of each run of int64 words at address `ptrs[k]` (8-byte aligned, live until the kernel
+    ran), `num_words[k]` long: one kernel launch over a table of chunks."""
     anchor = torch.zeros(1, dtype=torch.int64, device=device)
     origin = anchor.data_ptr()
-    counts = [-(-w.numel() // ROW_WORDS) for w in words]
+    counts = [-(-n // ROW_WORDS) for n in num_words]
     total = sum(counts)
-    s0 = torch.zeros(len(words), dtype=torch.int64, device=device)
-    s1 = torch.zeros(len(words), dtype=torch.int64, device=device)
+    s0 = torch.zeros(len(ptrs), dtype=torch.int64, device=device)
+    s1 = torch.zeros(len(ptrs), dtype=torch.int64, device=device)
     if total == 0:
         return s0, s1
-    offsets = torch.tensor([(w.data_ptr() - origin) // 8 for w in words], dtype=torch.int64)
-    sizes = torch.tensor([w.numel() for w in words], dtype=torch.int64)
-    owner = torch.repeat_interleave(torch.arange(len(words)), torch.tensor(counts))
+    offsets = (torch.tensor(ptrs, dtype=torch.int64) - origin) // 8
+    sizes = torch.tensor(num_words, dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(ptrs)), torch.tensor(counts))
     first = torch.cumsum(torch.tensor([0, *counts[:-1]]), 0)
     base = (torch.arange(total) - first[owner]) * ROW_WORDS
     table = torch.stack([offsets[owner] + base, base, torch.clamp(sizes[owner] - base, max=ROW_WORDS)], dim=1)

@@ -127,10 +127,12 @@ def compare(m: Manifest, engine: Engine, digests: object) -> tuple[list[str], in
 
 
 def _groups(held: list[tuple[str, torch.Tensor, torch.dtype]], limit: int = 256 << 20) -> Iterator[list]:
+    """Runs of `held` whose casts to the wire dtype take at most about `limit` bytes at once. A tensor already
+    in its wire dtype is digested as it is (no copy), so it counts for nothing: without casts, one run."""
     group, size = [], 0
     for item in held:
         group.append(item)
-        size += item[1].numel() * item[2].itemsize
+        size += item[1].numel() * item[2].itemsize if item[1].dtype != item[2] else 0
         if size >= limit:
             yield group
             group, size = [], 0
