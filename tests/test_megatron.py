@@ -203,9 +203,13 @@ def test_demo_megatron_options_fail_with_the_fix(argv: list[str], message: str, 
 
 
 @pytest.mark.vllm
-def test_demo_megatron_tp2_into_vllm_verifies_every_refit(capfd: pytest.CaptureFixture) -> None:
+def test_demo_megatron_tp2_into_vllm_verifies_every_refit(capfd: pytest.CaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """vLLM runs in rank 0 of the trainer, in its default multiprocess mode (test_vllm.py switches that off
+    for the session; in-process it would deadlock on the trainer's world group, so the demo forces it on)."""
     pytest.importorskip("megatron.core", reason="needs megatron-core: pip install -e '.[megatron]'")
     pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     argv = "demo --trainer megatron --tp 2 --engine vllm --layers 2 --steps 2 --dtype-change-at 1 --transport shm"
     code = main(argv.split())
     out = capfd.readouterr().out

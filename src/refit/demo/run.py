@@ -142,6 +142,10 @@ class VllmSide:
         from refit.engines.vllm import VllmRefit
 
         path = save(model, tok, os.path.join(workdir, "model"))
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # In-process, vLLM would call new_group on this trainer's world group, which the other
+            # trainer ranks never join (they wait in the source's collectives): a deadlock.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         self.llm = LLM(
             model=path,
             load_format="dummy",
