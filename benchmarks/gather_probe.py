@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from refit.bench.presets import PRESETS, specs
-from refit.planner import plan
-from refit.packing import typed_view
+from refit.layout.packing import typed_view
+from refit.layout.planner import plan
+from refit.tools.bench.presets import PRESETS, specs
 
 
 def _timed(fn: Callable[[], None], repeats: int) -> float:

@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from refit.manifest import Manifest
-from refit.planner import plan
-from refit.spec import TensorSpec
-from refit.validation import validate
+from refit.checks.validation import validate
+from refit.layout.manifest import Manifest
+from refit.layout.planner import plan
+from refit.layout.spec import TensorSpec
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from refit.bench.colocated import ColocatedConfig, run_colocated
+from refit.tools.bench.colocated import ColocatedConfig, run_colocated
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from refit import ModuleSource
-from refit.planner import plan
+from refit.layout.planner import plan
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import ray
 import torch
 
 from refit import ModuleEngine, ModuleSource, Receiver, Sender
-from refit.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
+from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
 
 SIZE = {"layers": 2, "hidden": 128, "ffn": 384}
 

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
 from peer import Peer, make_tensors
+
 from refit import ModuleSource, Sender, Settings
-from refit.verify import fingerprints
+from refit.checks.hashes import fingerprints
 
 
 def sent_fingerprints(sender: Sender) -> dict[str, str]:

@@ -2,7 +2,7 @@
 
 Run with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and one JSON argument:
 - "mode": "lead" (rank 0 runs the one Sender, the others follow its gathers) or "ranked" (every
-  rank runs its own Sender for the worker on its own device, refit.colocated);
+  rank runs its own Sender for the worker on its own device, refit.topology.ranked);
 - "model": "fsdp" or "replicated"; "device": "cpu" (gloo) or "cuda" (NCCL, "device_index" per rank);
 - "transport", "bucket_bytes", "steps", "dtype_change_at" (the step whose refit sends 3.bias as fp32);
 - "verify": the Sender's end-to-end check ("fingerprint"), ranked mode;
@@ -25,9 +25,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from refit import ModuleSource, RefitError, Sender, Settings
-from refit.colocated import RankedRefit
-from refit.fsdp import FsdpSource, _full, sharded_refit
-from refit.verify import fingerprints
+from refit.checks.hashes import fingerprints
+from refit.integrations.fsdp import sharded_refit
+from refit.sources.fsdp import FsdpSource, full_tensor
+from refit.topology.ranked import RankedRefit
 
 
 def build(seed: int) -> torch.nn.Module:
@@ -52,7 +53,9 @@ def _replace(module: torch.nn.Module, name: str) -> None:
     old = getattr(module, name)
     with torch.no_grad():
         if isinstance(old, DTensor):
-            new = DTensor.from_local(old.to_local() * 2 + 1, old.device_mesh, old.placements, shape=old.shape, stride=old.stride())
+            new = DTensor.from_local(
+                old.to_local() * 2 + 1, old.device_mesh, old.placements, shape=old.shape, stride=old.stride()
+            )
         else:
             new = old.detach() * 2 + 1
     setattr(module, name, torch.nn.Parameter(new))
@@ -61,10 +64,14 @@ def _replace(module: torch.nn.Module, name: str) -> None:
 def _report(model: torch.nn.Module, source, sender, out: dict) -> None:
     """Every rank gathers the live full tensors; rank 0 prints them with the refit's outcome."""
     with torch.no_grad():
-        full = {n: _full(t) for n, t in sorted(model.state_dict(keep_vars=True).items())}
+        full = {n: full_tensor(t) for n, t in sorted(model.state_dict(keep_vars=True).items())}
     if dist.get_rank() != 0:
         return
-    wire = {n: dt for s in source.specs() for n, dt in [(s.name, s.dtype), *((a, s.dtype) for a in getattr(s, "aliases", ()))]}
+    wire = {
+        n: dt
+        for s in source.specs()
+        for n, dt in [(s.name, s.dtype), *((a, s.dtype) for a in getattr(s, "aliases", ()))]
+    }
     out["fingerprints"] = fingerprints(full.items(), wire)
     out["model_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
     if isinstance(source, FsdpSource):
@@ -88,7 +95,9 @@ def main() -> int:
     settings = Settings(bucket_bytes=args["bucket_bytes"], timeout_s=args.get("timeout_s", 120.0))
     sender = driver = None
     if ranked:
-        sender = Sender(source, transport=args["transport"], settings=settings, device=device, verify=args.get("verify"))
+        sender = Sender(
+            source, transport=args["transport"], settings=settings, device=device, verify=args.get("verify")
+        )
         driver = RankedRefit(sender)
         infos = driver.rendezvous()
         if rank == 0:

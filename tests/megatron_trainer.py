@@ -2,7 +2,7 @@
 
 Run with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and one JSON argument: "tp", "pp", "transport",
 "bucket_bytes", "steps", "dtype_change_at" (the step whose refit sends model.norm.weight as fp32),
-"model" (refit.demo.model.model_config keywords), "engine": "peer" (an engine process that connects to the
+"model" (refit.tools.demo.model.model_config keywords), "engine": "peer" (an engine process that connects to the
 printed rendezvous) or "vllm" (rank 0 runs vLLM from dummy weights, refitted through the 'refit'
 backend). Rank 0 prints its rendezvous (peer), then (PP=1 or "check_logits") how far
 megatron's logits are from the Hugging Face model's with the converted weights, then one '@@rank0'
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from refit import RefitError, Sender, Settings
-from refit.demo.megatron import MegatronTrainer, forward
-from refit.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
-from refit.verify import fingerprints
+from refit.checks.hashes import fingerprints
+from refit.tools.demo.megatron import MegatronTrainer, forward
+from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
 
 
 def emit(obj: object) -> None:
@@ -101,7 +101,7 @@ def main() -> int:
         sender = Sender(trainer.source, transport=args["transport"], verify="fingerprint",
                         settings=Settings(bucket_bytes=args["bucket_bytes"], timeout_s=120.0))  # fmt: skip
         if args.get("engine") == "vllm":
-            from refit.demo.run import VllmSide
+            from refit.tools.demo.run import VllmSide
 
             vllm = VllmSide(sender, hf, tok, prompts, workdir.name)
         else:

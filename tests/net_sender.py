@@ -13,7 +13,7 @@ import torch
 from peer import make_tensors
 
 from refit import ModuleSource, Sender, Settings
-from refit.verify import fingerprints
+from refit.checks.hashes import fingerprints
 
 
 def main() -> int:

@@ -15,8 +15,8 @@ import time
 import torch
 
 from refit import ModuleEngine, PeerError, Receiver, RefitError, Settings
-from refit.spec import dtype_from_name
-from refit.verify import fingerprints
+from refit.checks.hashes import fingerprints
+from refit.dtypes import dtype_from_name
 
 MARK = "@@peer "
 
@@ -49,7 +49,7 @@ class RecordingEngine(ModuleEngine):
         return t.narrow(s["dim"], s["start"], s["stop"] - s["start"])
 
     def specs(self) -> list:
-        from refit.spec import TensorSpec
+        from refit.layout.spec import TensorSpec
 
         specs = super().specs()
         if self.shard:  # the engine expects the global shape; it keeps only its slice

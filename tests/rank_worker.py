@@ -14,7 +14,7 @@ import sys
 import peer
 import torch
 
-from refit.colocated import pick
+from refit.topology.ranked import pick
 
 
 class RankWorker(peer.Peer):

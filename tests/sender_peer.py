@@ -14,6 +14,7 @@ import signal
 import sys
 
 from peer import make_tensors
+
 from refit import ModuleSource, Sender, Settings
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from refit.bench.presets import PRESETS, specs
-from refit.cli import main
+from refit.tools.bench.presets import PRESETS, specs
+from refit.tools.cli import main
 
 
 def test_presets_have_the_documented_tensor_counts_and_sizes() -> None:
@@ -44,8 +44,16 @@ def test_quick_bench_reports_every_method_and_refit_beats_per_tensor_metadata(tm
     reports = json.loads(out.read_text())
     assert [r["config"]["preset"] for r in reports] == ["tiny", "moe-small"]
     for r in reports:
-        assert set(r["results"]) == {"floor", "foreach", "refit", "checksum", "fingerprint", "serial", "per_tensor",
-                                     "per_tensor_meta"}
+        assert set(r["results"]) == {
+            "floor",
+            "foreach",
+            "refit",
+            "checksum",
+            "fingerprint",
+            "serial",
+            "per_tensor",
+            "per_tensor_meta",
+        }
         for res in r["results"].values():
             assert res["median_s"] > 0 and res["gbps"] > 0 and res["ratio_to_floor"] > 0 and len(res["times"]) == 3
         stages = set(r["results"]["refit"]["stages"])
@@ -79,7 +87,7 @@ def test_plan_takes_deepseek_v3_and_a_layer_count(capsys) -> None:
 
 
 def test_deepseek_v3_config_json_gives_the_preset_and_layers_are_checked(tmp_path) -> None:
-    from refit.bench.presets import from_config
+    from refit.tools.bench.presets import from_config
 
     config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
               "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from refit.cli import build_parser, main
+from refit.tools.cli import build_parser, main
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
@@ -66,7 +66,7 @@ def test_a_gpu_transport_without_cuda_is_a_clean_error(argv: list[str]) -> None:
 
 
 def test_demo_with_vllm_missing_says_how_to_install_it() -> None:
-    code = "import sys; sys.modules['vllm'] = None; from refit.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; sys.modules['vllm'] = None; from refit.tools.cli import main; sys.exit(main(sys.argv[1:]))"
     _one_line_error(
         _run("demo", "--engine", "vllm", code=code), "--engine vllm needs vllm", "pip install", "--engine module"
     )
@@ -128,7 +128,7 @@ def test_every_option_is_described_and_shows_its_default(command: str) -> None:
 
 
 def test_plan_help_lists_its_presets() -> None:
-    from refit.bench.presets import PRESETS
+    from refit.tools.bench.presets import PRESETS
 
     text = " ".join(_subparsers(build_parser())["plan"].format_help().split())
     assert f"presets: {', '.join(PRESETS)}" in text

@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from refit import copy_kernel
-from refit.copy_kernel import BatchedCopy
-from refit.packing import CopyPlan
+from refit.layout import copy_kernel
+from refit.layout.copy_kernel import BatchedCopy
+from refit.layout.packing import CopyPlan
 
 SHAPES = [(1,), (3,), (7,), (8,), (33, 65), (4096,), (1000003,), (128, 8), (5, 7, 9), (262147,)]
 DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.uint8, torch.uint8),
@@ -103,7 +103,7 @@ for offset in (0, 1, 8):
         c = _check("cpu", s, d, offset)
         assert offset or c.num_launches >= 1, (s, offset)
 _check("cpu", torch.bfloat16, torch.bfloat16, 0, programs=3)  # few programs, each walking many chunks
-from refit import copy_kernel
+from refit.layout import copy_kernel
 with copy_kernel.sharing_device(2):
     c = _check("cpu", torch.int32, torch.int32, 0)
 assert all(l.num_programs <= 2 for l in c._launches), [l.num_programs for l in c._launches]

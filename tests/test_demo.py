@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from refit.cli import main
+from refit.tools.cli import main
 
 SMALL = "--layers 2 --hidden 128 --bucket-bytes 262144".split()
 """A 0.7M-parameter model in 256 KiB buckets: several buckets, seconds per refit on 2 cores."""

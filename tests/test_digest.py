@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from refit.digest import M, ROW_WORDS, Pending
+from refit.checks.digest import ROW_WORDS, M, Pending
 
 
 def _reference(t: torch.Tensor) -> str:
@@ -63,7 +63,7 @@ _KERNEL = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import test_digest as t
-from refit import digest
+from refit.checks import digest
 assert digest.available(torch.device("cpu")), "Triton's interpreter is not active"
 tensors = [x for x in t._tensors() if x.numel() < 100_000]  # the interpreter runs each program in Python
 print("OK" if t._hexes(tensors) == [t._reference(x) for x in tensors] else "MISMATCH")
@@ -105,6 +105,6 @@ def test_many_small_whole_word_tensors_take_the_flat_path_and_equal_the_definiti
         torch.randn(8, generator=g).to(torch.float16).expand(2, 8),
     ]
     assert _hexes(tensors) == [_reference(t) for t in tensors]
-    from refit import digest
+    from refit.checks import digest
 
     assert digest._digests_flat(tensors, torch.device("cpu")) is not None  # the path under test

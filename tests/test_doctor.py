@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from refit import doctor
-from refit.cli import main
-from refit.doctor import FAIL, OK, WARN, Check, Report, diagnose, verdict
 from refit.settings import Settings
+from refit.tools import doctor
+from refit.tools.cli import main
+from refit.tools.doctor import FAIL, OK, WARN, Check, Report, diagnose, verdict
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
@@ -109,7 +109,7 @@ def test_vllm_and_its_refit_backend_are_reported(monkeypatch: pytest.MonkeyPatch
     if doctor.installed("vllm"):
         assert check.status in (OK, WARN) and "vLLM" in check.detail
         if check.status == OK:
-            assert "backend 'refit' registered (refit.engines.vllm:register)" in check.detail
+            assert "backend 'refit' registered (refit.integrations.vllm:register)" in check.detail
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
     missing = doctor.check_vllm()
     assert missing.status == "info" and "not installed" in missing.detail and "vllm" in missing.fix

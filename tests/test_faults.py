@@ -12,9 +12,9 @@ import time
 
 import pytest
 import torch
-
 from conftest import live_fingerprints, session
 from peer import Peer, make_tensors
+
 from refit import (
     HandshakeError,
     IntegrityError,
@@ -26,8 +26,8 @@ from refit import (
     Settings,
     State,
 )
-from refit.verify import fingerprints
-from refit.wire import HEADER, Kind
+from refit.checks.hashes import fingerprints
+from refit.protocol.wire import HEADER, Kind
 
 SPECS = [[f"w{i}", [32, 32], "float32"] for i in range(6)]  # 4 KiB each: one tensor per bucket
 

@@ -8,8 +8,8 @@ from fsdp_trainer import build
 from peer import Peer
 from trainer_ranks import line, start
 
-from refit.spec import dtype_name
-from refit.verify import fingerprints
+from refit.checks.hashes import fingerprints
+from refit.dtypes import dtype_name
 
 
 @pytest.mark.parametrize("transport", ["shm", "gloo"])

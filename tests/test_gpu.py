@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import sent_fingerprints, session
 
-from refit.spec import dtype_name
+from refit.dtypes import dtype_name
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -14,7 +14,7 @@ needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GP
 
 
 def _model() -> dict[str, torch.Tensor]:
-    from refit.demo.model import build_model, model_config
+    from refit.tools.demo.model import build_model, model_config
 
     model = build_model(model_config(layers=4, hidden=512, ffn=1536), seed=0).cuda()
     return dict(model.state_dict(keep_vars=True))

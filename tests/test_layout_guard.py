@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from refit import ModuleSource
-from refit import packing
-from refit.packing import LayoutGuard
-from refit.tensor_guard import tensor_guard
+from refit.layout import packing
+from refit.layout.packing import LayoutGuard
+from refit.layout.tensor_guard import tensor_guard
 
 CHANGES: dict[str, Callable[[list[torch.Tensor]], None]] = {
     "storage": lambda ts: ts[3].set_(torch.zeros(4, 4)),

@@ -15,9 +15,9 @@ import pytest
 import torch
 from trainer_ranks import free_port, line
 
-from refit.cli import main
-from refit.demo.model import model_config
-from refit.megatron_layout import GptLayout, merge
+from refit.sources.megatron_layout import GptLayout, merge
+from refit.tools.cli import main
+from refit.tools.demo.model import model_config
 
 HERE = os.path.dirname(__file__)
 MODEL = {"layers": 2, "hidden": 512, "ffn": 1024}
@@ -34,7 +34,7 @@ def _layout(tp: int) -> GptLayout:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_layout_names_shapes_and_split_match_the_hf_model(tp: int) -> None:
-    from refit.demo.model import build_model
+    from refit.tools.demo.model import build_model
 
     hf = build_model(model_config(**MODEL), seed=0).state_dict()
     layout = _layout(tp)
@@ -87,16 +87,16 @@ def _start(args: dict, world: int) -> list[subprocess.Popen]:
 
 
 class Engine:
-    """refit.demo.engine: a transformers Llama behind a Receiver, reporting fingerprints and greedy output."""
+    """refit.tools.demo.engine: a transformers Llama behind a Receiver, reporting fingerprints and greedy output."""
 
     def __init__(self, rendezvous: dict, prompts: list, arch: str) -> None:
         args = {"rendezvous": rendezvous, "model": {**MODEL, "arch": arch}, "prompts": prompts, "bucket_bytes": BUCKET}
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "refit.demo.engine", json.dumps(args)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "refit.tools.demo.engine", json.dumps(args)],
                                      stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
 
     def report(self) -> dict:
-        from refit.demo.engine import MARK
+        from refit.tools.demo.engine import MARK
 
         assert self.proc.stdout is not None
         for text in self.proc.stdout:
@@ -111,7 +111,7 @@ def test_megatron_trainer_refits_bitwise_under_hf_names_gathering_per_bucket(
 ) -> None:
     """qwen2: q/k/v biases split like their weights; lm_head tied to the embedding, sent once under both names."""
     pytest.importorskip("megatron.core", reason="needs megatron-core: pip install -e '.[megatron]'")
-    from refit.demo.model import PROMPTS, build_tokenizer
+    from refit.tools.demo.model import PROMPTS, build_tokenizer
 
     tok = build_tokenizer()
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
@@ -220,8 +220,8 @@ def test_demo_megatron_tp2_into_vllm_verifies_every_refit(capfd: pytest.CaptureF
 _ALONE = """
 import torch, torch.distributed as dist
 from refit import Sender
-from refit.demo.megatron import MegatronTrainer
-from refit.demo.model import build_model, model_config
+from refit.tools.demo.megatron import MegatronTrainer
+from refit.tools.demo.model import build_model, model_config
 dist.init_process_group("gloo")
 trainer = MegatronTrainer(build_model(model_config(layers=1, hidden=64, ffn=128), seed=0), torch.zeros(1, 8, dtype=torch.long), tp=1, pp=1)
 names = [s.name for s in trainer.source.specs()][:1]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from refit.packing import Packer, Unpacker
-from refit.planner import plan
-from refit.spec import TensorSpec
+from refit.layout.packing import Packer, Unpacker
+from refit.layout.planner import plan
+from refit.layout.spec import TensorSpec
 
 
 def test_pack_then_unpack_gives_views_into_the_buffer_with_wire_values() -> None:

@@ -9,14 +9,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refit.digests import parse_regions
+from refit.checks.validation import Report
 from refit.errors import IntegrityError, PeerError
-from refit.lobby import _parse_hello
-from refit.manifest import Manifest
-from refit.planner import plan
-from refit.spec import TensorSpec
-from refit.validation import Report
-from refit.wire import HEADER, MAX_JSON_BYTES, WITH_PAYLOAD, Header, Kind, parse_json
+from refit.layout.manifest import Manifest
+from refit.layout.planner import plan
+from refit.layout.spec import TensorSpec
+from refit.protocol.lobby import _parse_hello
+from refit.protocol.wire import HEADER, MAX_JSON_BYTES, WITH_PAYLOAD, Header, Kind, parse_json
+from refit.topology.verification import parse_regions
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 numbers = st.one_of(

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from refit.budget import bucket_capacity
-from refit.manifest import Manifest
-from refit.planner import forecast, plan
-from refit.spec import TensorSpec
+from refit.layout.budget import bucket_capacity
+from refit.layout.manifest import Manifest
+from refit.layout.planner import forecast, plan
+from refit.layout.spec import TensorSpec
 
 BF16, F32, I64 = torch.bfloat16, torch.float32, torch.int64
 
@@ -113,7 +113,9 @@ def test_column_parse_and_row_parse_give_the_same_manifest() -> None:
     for m in (plain, tied):
         back = Manifest.from_json(m.to_json())
         assert back == m and back.digest == m.digest and back.specs == [x for p in m.entries for x in p.spec.expanded()]
-    obj = json.loads(plan([TensorSpec("a", (8,), F32), TensorSpec("b", (8,), F32)], capacity=256, alignment=64).to_json())
+    obj = json.loads(
+        plan([TensorSpec("a", (8,), F32), TensorSpec("b", (8,), F32)], capacity=256, alignment=64).to_json()
+    )
     obj["tensors"][0][4], obj["tensors"][1][4] = 64, 0  # valid, but not in planner order: the general checks take it
     back = Manifest.from_json(json.dumps(obj).encode())
     assert [p.offset for p in back.entries] == [64, 0]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import live_fingerprints, session
+
 from refit import HandshakeError
 
 # Mixed dtypes, an odd-sized tensor and one larger than a 4 KiB bucket.

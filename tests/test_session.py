@@ -16,11 +16,11 @@ import weakref
 
 import pytest
 import torch
-
 from conftest import live_fingerprints, session
 from peer import make_tensors
+
 from refit import ModuleEngine, ModuleSource, PeerError, Receiver, Sender, Settings
-from refit.wire import HEADER, Channel, Header, Kind
+from refit.protocol.wire import HEADER, Channel, Header, Kind
 
 SPECS = [["a", [64, 16], "float32"], ["b", [10], "float32"]]
 HERE = os.path.dirname(__file__)

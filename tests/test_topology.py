@@ -18,9 +18,9 @@ from peer import MARK
 from rank_worker import RankWorker
 from trainer_ranks import line, start
 
-from refit.address import WILDCARDS, advertised, interfaces, reachable_address
+from refit.dtypes import dtype_name
 from refit.settings import Settings
-from refit.spec import dtype_name
+from refit.transports.address import WILDCARDS, advertised, interfaces, reachable_address
 
 HERE = os.path.dirname(__file__)
 BUCKET = 16384
@@ -71,7 +71,11 @@ def test_per_rank_refit_feeds_each_worker_bitwise_from_the_rank_on_its_device(mo
     """Also: 1.weight replaced by a new parameter before the second refit is what the workers get next;
     FSDP2 runs with the fingerprint check, each worker's held tensors checked against its own rank's digests."""
     verify = "fingerprint" if model == "fsdp" else None
-    with per_rank({"model": model, "transport": "shm", "steps": 3, "replace_at": 2, "verify": verify}) as (ranks, workers, infos):
+    with per_rank({"model": model, "transport": "shm", "steps": 3, "replace_at": 2, "verify": verify}) as (
+        ranks,
+        workers,
+        infos,
+    ):
         assert [i["trainer_rank"] for i in infos] == [0, 1] and infos[0]["port"] != infos[1]["port"]
         sent = check_refits(ranks, workers, 3, fsdp=model == "fsdp")
         assert sent["stats"]["epoch"] == 2  # the dtype change at the last step re-handshook
@@ -82,7 +86,11 @@ def test_per_rank_refit_feeds_each_worker_bitwise_from_the_rank_on_its_device(mo
 
 def test_a_failure_on_one_worker_leaves_every_worker_failed_until_the_retry() -> None:
     fault = {1: {"kind": "raise", "version": 2, "at_load": 1}}
-    with per_rank({"model": "fsdp", "transport": "shm", "steps": 3, "dtype_change_at": 99}, faults=fault) as (ranks, workers, _):
+    with per_rank({"model": "fsdp", "transport": "shm", "steps": 3, "dtype_change_at": 99}, faults=fault) as (
+        ranks,
+        workers,
+        _,
+    ):
         check_refits(ranks, workers, 1, fsdp=True)
         sent = line(ranks[0])
         assert "another trainer rank" in sent["error"] and "injected engine failure" in sent["error"]
@@ -152,14 +160,18 @@ def _json(proc: subprocess.Popen, mark: str) -> dict:
 
 
 @pytest.mark.parametrize("env", [{"REFIT_HOST": "0.0.0.0"}, {"REFIT_IFNAME": "veth-ra"}], ids=["wildcard", "ifname"])
-def test_gloo_refit_between_two_hosts_advertises_and_binds_a_reachable_address(two_hosts: tuple[str, str], env: dict) -> None:
+def test_gloo_refit_between_two_hosts_advertises_and_binds_a_reachable_address(
+    two_hosts: tuple[str, str], env: dict
+) -> None:
     a, b = two_hosts
     specs = engine_specs()
     sender = _in(a, "net_sender.py", {"specs": specs, "transport": "gloo", "bucket_bytes": BUCKET, "steps": 2}, env)
     try:
         info = _json(sender, "@@sender ")
         assert info["host"] == "10.231.0.1"
-        worker = _in(b, "peer.py", {"rendezvous": info, "specs": specs, "bucket_bytes": BUCKET}, {"REFIT_HOST": "127.0.0.1"})
+        worker = _in(
+            b, "peer.py", {"rendezvous": info, "specs": specs, "bucket_bytes": BUCKET}, {"REFIT_HOST": "127.0.0.1"}
+        )
         for version in (1, 2):
             sent, got = _json(sender, "@@sender "), _json(worker, MARK)
             assert got["event"] == "refit" and got["version"] == version, got
@@ -175,7 +187,7 @@ def test_gloo_refit_between_two_hosts_advertises_and_binds_a_reachable_address(t
 @pytest.mark.vllm
 def test_vllm_tensor_parallel_2_fed_by_a_2_rank_fsdp2_trainer_one_worker_per_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("vllm")
-    from refit.demo.model import PROMPTS, build_model, build_tokenizer, model_config, save
+    from refit.tools.demo.model import PROMPTS, build_model, build_tokenizer, model_config, save
 
     tok = build_tokenizer()
     path = save(build_model(model_config(layers=2, hidden=256, ffn=768), seed=0), tok, str(tmp_path))

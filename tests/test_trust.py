@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import live_fingerprints, session
 from torch import nn
 
-from conftest import live_fingerprints, session
 from refit import HandshakeError, ModuleSource, RefitError
 
 BF16 = torch.bfloat16
 
 
 def _specs(live: dict[str, torch.Tensor]) -> list[list]:
-    from refit.spec import dtype_name
+    from refit.dtypes import dtype_name
 
     return [[n, list(t.shape), dtype_name(t.dtype)] for n, t in live.items()]
 
@@ -240,9 +240,7 @@ def test_cached_plans_and_signatures_are_dropped_by_every_kind_of_change(how: st
     With the fingerprint check, the digest plan kept for the epoch digests the live tensors and agrees."""
     g = torch.Generator().manual_seed(5)
     live = {"w": torch.randn(8, 8, generator=g), **{f"x{i:04d}": torch.randn(4, generator=g) for i in range(2000)}}
-    with session(
-        _specs(live), transport="shm", bucket_bytes=1 << 16, tensors=live, wire_dtype=BF16, verify=verify
-    ) as (
+    with session(_specs(live), transport="shm", bucket_bytes=1 << 16, tensors=live, wire_dtype=BF16, verify=verify) as (
         sender,
         _,
         (peer,),

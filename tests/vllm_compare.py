@@ -26,7 +26,7 @@ def _generate(llm, prompts: list[list[int]]) -> list[list[int]]:
 
 def _held_mismatches(llm, source) -> tuple[list[str], int]:
     """Names whose read-back differs from the trainer's live tensor (cast to the wire dtype), and how many were read."""
-    from refit.verify import fingerprint
+    from refit.checks.hashes import fingerprint
 
     primary = source.specs()
     tensors = dict(zip((s.name for s in primary), source.tensors([s.name for s in primary])))
@@ -49,7 +49,7 @@ def _reference(trainer, source, prompts: list[list[int]]) -> list[list[int]]:
     """The trainer's own greedy output with exactly the weights it sends (cast to the wire dtypes)."""
     import copy
 
-    from refit.demo.model import greedy
+    from refit.tools.demo.model import greedy
 
     ref = copy.deepcopy(trainer)
     specs = {s.name: s for s in source.specs()}
@@ -71,11 +71,11 @@ def main() -> int:
     from vllm import LLM
 
     from refit import ModuleSource, Sender, Settings
-    from refit.engines.vllm import VllmOptions, VllmRefit
+    from refit.integrations.vllm import VllmOptions, VllmRefit
 
     llm = LLM(model=model_dir, load_format="dummy", enforce_eager=True, dtype="float32", max_model_len=256,
               kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp, weight_transfer_config={"backend": "refit"},
-              worker_extension_cls="refit.engines.vllm.RefitWorkerExtension",
+              worker_extension_cls="refit.integrations.vllm.RefitWorkerExtension",
               **({"distributed_executor_backend": "mp"} if tp > 1 else {}))  # fmt: skip
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     source = ModuleSource(trainer, wire_dtype=torch.bfloat16)

@@ -16,7 +16,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     from refit import ModuleSource, Sender, Settings
-    from refit.engines.vllm import VllmRefit
+    from refit.integrations.vllm import VllmRefit
 
     sp = SamplingParams(temperature=0, max_tokens=12)
     common = {"enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_model_len": 256}

@@ -22,9 +22,9 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from refit import Sender, Settings
-    from refit.colocated import RankedRefit
-    from refit.demo.model import greedy
-    from refit.fsdp import FsdpSource, _full
+    from refit.sources.fsdp import FsdpSource, full_tensor
+    from refit.tools.demo.model import greedy
+    from refit.topology.ranked import RankedRefit
 
     dist.init_process_group("gloo")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -42,7 +42,7 @@ def main() -> int:
     if rank == 0:
         from vllm import LLM, SamplingParams
 
-        from refit.engines.vllm import VllmRefit
+        from refit.integrations.vllm import VllmRefit
 
         llm = LLM(model=model_dir, load_format="dummy", enforce_eager=True, dtype="float32", max_model_len=256,
                   kv_cache_memory_bytes=64 << 20, tensor_parallel_size=2, distributed_executor_backend="mp",
@@ -54,7 +54,7 @@ def main() -> int:
     else:
         ranked.refit(1)
     with torch.no_grad():
-        full = {n: _full(t) for n, t in trainer.state_dict(keep_vars=True).items()}
+        full = {n: full_tensor(t) for n, t in trainer.state_dict(keep_vars=True).items()}
     if rank == 0:
         plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         plain.load_state_dict(full)

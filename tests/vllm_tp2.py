@@ -13,13 +13,15 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     from refit import ModuleSource, Sender, Settings
-    from refit.engines.vllm import VllmRefit
+    from refit.integrations.vllm import VllmRefit
 
     llm = LLM(model=model_dir, load_format="dummy", enforce_eager=True, dtype="float32", max_model_len=256,
               kv_cache_memory_bytes=64 << 20, tensor_parallel_size=2, distributed_executor_backend="mp",
               weight_transfer_config={"backend": "refit"})  # fmt: skip
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
-    sender = Sender(ModuleSource(trainer), transport=transport, num_receivers=2, settings=Settings(bucket_bytes=1 << 20))
+    sender = Sender(
+        ModuleSource(trainer), transport=transport, num_receivers=2, settings=Settings(bucket_bytes=1 << 20)
+    )
     driver = VllmRefit(llm, sender)
     stats = driver.refit(1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12))

@@ -1,5 +1,5 @@
 """`python -m refit`: the same as the `refit` command."""
 
-from refit.cli import main
+from refit.tools.cli import main
 
 raise SystemExit(main())

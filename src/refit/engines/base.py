@@ -9,8 +9,7 @@ from enum import Enum
 import torch
 
 from refit.errors import RefitError
-from refit.spec import TensorSpec
-
+from refit.layout.spec import TensorSpec
 
 Region = tuple[int, int, int]
 """(dim, start, stop): the slice of a checkpoint tensor an engine holds."""

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from refit.engines.base import Engine
-from refit.packing import CopyPlan, LayoutGuard
-from refit.spec import TensorSpec
-from refit.state_layout import StateLayout
+from refit.layout.packing import CopyPlan, LayoutGuard
+from refit.layout.spec import TensorSpec
+from refit.layout.state_layout import StateLayout
 
 
 class ModuleEngine(Engine):

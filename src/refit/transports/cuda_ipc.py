@@ -12,10 +12,10 @@ import os
 
 import torch
 
-from refit import device as devices
+from refit.dtypes import dtype_from_name, dtype_name
 from refit.errors import PeerError
 from refit.settings import Settings
-from refit.spec import dtype_from_name, dtype_name
+from refit.transports import device as devices
 from refit.transports.base import DONE, Pending, Transport
 
 _OPENED = 0
@@ -44,10 +44,21 @@ def export(buf: torch.Tensor) -> dict:
     storage = buf.untyped_storage()
     dev, handle, size, offset, ref_handle, ref_offset, event, event_sync = storage._share_cuda_()
     b64 = lambda b: base64.b64encode(b).decode()
-    return {"device": dev, "uuid": devices.uuid(buf.device), "handle": b64(handle), "size": size, "offset": offset, "ref_handle": b64(ref_handle),
-            "ref_offset": ref_offset, "event": b64(event), "event_sync": bool(event_sync),
-            "storage_offset": buf.storage_offset(), "shape": list(buf.shape), "stride": list(buf.stride()),
-            "dtype": dtype_name(buf.dtype)}  # fmt: skip
+    return {
+        "device": dev,
+        "uuid": devices.uuid(buf.device),
+        "handle": b64(handle),
+        "size": size,
+        "offset": offset,
+        "ref_handle": b64(ref_handle),
+        "ref_offset": ref_offset,
+        "event": b64(event),
+        "event_sync": bool(event_sync),
+        "storage_offset": buf.storage_offset(),
+        "shape": list(buf.shape),
+        "stride": list(buf.stride()),
+        "dtype": dtype_name(buf.dtype),
+    }
 
 
 def open_tensor(h: dict) -> torch.Tensor:
@@ -57,9 +68,15 @@ def open_tensor(h: dict) -> torch.Tensor:
     index = _local_index(h)
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
-            index, d(h["handle"]), h["size"], h["offset"], d(h["ref_handle"]), h["ref_offset"],
-            d(h["event"]), h["event_sync"],
-        )  # fmt: skip
+            index,
+            d(h["handle"]),
+            h["size"],
+            h["offset"],
+            d(h["ref_handle"]),
+            h["ref_offset"],
+            d(h["event"]),
+            h["event_sync"],
+        )
     except Exception as e:
         raise PeerError(
             f"cannot open the sender's CUDA IPC handle on device {h['device']}: {e}. CUDA IPC needs both "
@@ -79,8 +96,10 @@ def _local_index(h: dict) -> int:
         return int(h["device"])
     index = devices.local_index(uuid)
     if index is None:
-        raise PeerError(f"the sender's GPU ({uuid}) is not visible in this process (CUDA_VISIBLE_DEVICES="
-                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); make it visible, or use 'nccl'")  # fmt: skip
+        raise PeerError(
+            f"the sender's GPU ({uuid}) is not visible in this process (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); make it visible, or use 'nccl'"
+        )
     return index
 
 

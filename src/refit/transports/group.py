@@ -10,9 +10,9 @@ from abc import abstractmethod
 import torch
 import torch.distributed as dist
 
-from refit import address
 from refit.errors import PeerError
 from refit.settings import Settings
+from refit.transports import address
 from refit.transports.base import Pending, Transport
 
 
@@ -49,13 +49,26 @@ class BroadcastTransport(Transport):
         listener.listen(128)
         port = listener.getsockname()[1]
         buffers = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(num_slots)]
-        t = cls(buffers, rank=0, size=num_receivers + 1, settings=settings, prefix=f"refit-{cls.name}/{settings.token}/")
+        t = cls(
+            buffers, rank=0, size=num_receivers + 1, settings=settings, prefix=f"refit-{cls.name}/{settings.token}/"
+        )
         t._store = dist.TCPStore(
-            listen, port, num_receivers + 1, True, datetime.timedelta(seconds=settings.timeout_s),
-            wait_for_workers=False, master_listen_fd=listener.detach(),
-        )  # fmt: skip
-        info = {"host": t._host, "port": port, "size": num_receivers + 1, "capacity": capacity,
-                "slots": num_slots, "prefix": t._prefix}  # fmt: skip
+            listen,
+            port,
+            num_receivers + 1,
+            True,
+            datetime.timedelta(seconds=settings.timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )
+        info = {
+            "host": t._host,
+            "port": port,
+            "size": num_receivers + 1,
+            "capacity": capacity,
+            "slots": num_slots,
+            "prefix": t._prefix,
+        }
         return t, info
 
     @classmethod

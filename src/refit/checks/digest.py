@@ -1,0 +1,243 @@
+"""Digest: a 64-bit, position-weighted sum of a tensor's bytes, equal on every device, for many tensors at once.
+
+Read the bytes as little-endian int64 words w_0 .. w_{k-1} (the last one zero-padded). Then
+
+    digest = M * sum(i * w_i) + sum(w_i) + nbytes      (mod 2^64, M = 0x9E3779B97F4A7C15)
+
+Integer sums wrap identically in any order and on any device, so a trainer's GPU and an engine's CPU
+agree bit for bit. A changed word changes the digest, and so does a word moved to another position
+(a transposed, shifted or stale layout). It is a check against mistakes, not against an adversary.
+
+On CUDA with Triton, all tensors of one call are cut into chunks listed in one table and summed by
+one kernel launch (one reading pass, no temporaries). Elsewhere each tensor's words are summed as
+rows of a matrix times the vector of positions: one reading pass too.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch._utils import _flatten_dense_tensors
+
+from refit.layout.copy_kernel import available, triton
+
+M = 0x9E3779B97F4A7C15 - (1 << 64)
+"""The odd multiplier, as a signed int64."""
+ROW_WORDS = 1 << 15
+"""Words per row (CPU) and per chunk (kernel): 256 KiB."""
+BLOCK = 2048
+_NBYTES, _DTYPE = operator.attrgetter("nbytes"), operator.attrgetter("dtype")
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _chunk_sums(table, anchor, out, BLOCK: tl.constexpr):
+        """Chunk c = (word offset from `anchor`, index of its first word in its tensor, words): its two sums."""
+        c = tl.program_id(0)
+        off = tl.load(table + c * 3)
+        base = tl.load(table + c * 3 + 1)
+        n = tl.load(table + c * 3 + 2)
+        lane = tl.arange(0, BLOCK)
+        s0 = tl.zeros([BLOCK], dtype=tl.int64)
+        s1 = tl.zeros([BLOCK], dtype=tl.int64)
+        for i in range(0, n, BLOCK):
+            mask = i + lane < n
+            w = tl.load(anchor + off + i + lane, mask=mask, other=0)
+            s0 += w
+            s1 += w * (base + i + lane)
+        tl.store(out + c * 2, tl.sum(s0, axis=0))
+        tl.store(out + c * 2 + 1, tl.sum(s1, axis=0))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes, flat, as uint8 starting at an 8-byte aligned address (copied only when it must be)."""
+    raw = t.detach().resolve_neg().resolve_conj().contiguous().reshape(-1).view(torch.uint8)
+    return raw if raw.data_ptr() % 8 == 0 else raw.clone()
+
+
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int64, device=device)
+
+
+def _sums_rows(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum w_i, sum i * w_i) of a large 1-D int64 tensor in one pass: rows of the matrix times positions."""
+    whole = words.numel() - words.numel() % ROW_WORDS
+    rows = words[:whole].view(-1, ROW_WORDS)
+    pos = _positions(ROW_WORDS, words.device)
+    if words.device.type == "cpu":
+        row_s1 = rows @ pos  # integer matmul wraps like the sums; CUDA has none, so it multiplies below
+    else:
+        row_s1 = (rows * pos).sum(dim=1)
+    row_s0 = rows.sum(dim=1)
+    rest = words[whole:]
+    bases = _positions(rows.shape[0], words.device) * ROW_WORDS
+    s0 = row_s0.sum() + rest.sum()
+    s1 = (row_s1 + row_s0 * bases).sum() + (rest * (_positions(rest.numel(), words.device) + whole)).sum()
+    return s0, s1
+
+
+def _sums_small(words: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two sums of many small tensors at once: one concatenation and two segmented sums."""
+    sizes = torch.tensor([w.numel() for w in words], dtype=torch.int64)
+    return _sums_segments(torch.cat(words), sizes, device)
+
+
+def _sums_segments(flat: torch.Tensor, sizes: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two sums of each run of `flat` (int64 words), run k being the next `sizes[k]` words."""
+    owner = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(device)
+    starts = (torch.cumsum(sizes, 0) - sizes).to(device)
+    local = _positions(flat.numel(), device) - starts[owner]
+    s0 = torch.zeros(len(sizes), dtype=torch.int64, device=device).index_add_(0, owner, flat)
+    s1 = torch.zeros(len(sizes), dtype=torch.int64, device=device).index_add_(0, owner, flat * local)
+    return s0, s1
+
+
+def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The digest of each tensor, as a 1-D int64 tensor on their (common) device; no host synchronisation."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64)
+    device = tensors[0].device
+    if not available(device):
+        flat = _digests_flat(tensors, device)
+        return flat if flat is not None else _digests_general(tensors, device)
+    regular = _regular(tensors)
+    if all(regular):
+        return _digests_words(tensors, device)
+    if not any(regular):
+        return _digests_general(tensors, device)
+    out = torch.empty(len(tensors), dtype=torch.int64, device=device)
+    for flag, digest_some in ((True, _digests_words), (False, _digests_general)):
+        idx = [i for i, r in enumerate(regular) if r == flag]
+        out.index_copy_(0, torch.tensor(idx, device=device), digest_some([tensors[i] for i in idx], device))
+    return out
+
+
+def _regular(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Per tensor: contiguous, not a lazy neg/conj view, 8-byte aligned and whole words, so that its words are
+    its memory as it is (the usual case; read in a few C passes)."""
+    T = torch.Tensor
+    return [
+        c and not n and not j and p % 8 == 0 and b % 8 == 0
+        for c, n, j, p, b in zip(
+            map(T.is_contiguous, tensors),
+            map(T.is_neg, tensors),
+            map(T.is_conj, tensors),
+            map(T.data_ptr, tensors),
+            map(_NBYTES, tensors),
+        )
+    ]
+
+
+def _digests_words(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The kernel's digests of regular tensors (`_regular`), its table made from their addresses and sizes
+    alone: no per-tensor views or copies."""
+    nbytes = list(map(_NBYTES, tensors))
+    s0, s1 = _sums_table(list(map(torch.Tensor.data_ptr, tensors)), [n // 8 for n in nbytes], device)
+    return s1 * M + s0 + torch.tensor(nbytes, dtype=torch.int64, device=device)
+
+
+def _digests_general(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Any tensors: each read as its bytes (copied where not contiguous or aligned), the partial last word
+    zero-padded."""
+    raws = [_bytes(t) for t in tensors]
+    words = [r[: r.numel() - r.numel() % 8].view(torch.int64) for r in raws]
+    if available(device):  # CUDA with Triton (or Triton's CPU interpreter, in tests)
+        s0, s1 = _sums_table([w.data_ptr() for w in words], [w.numel() for w in words], device)
+    else:
+        s0, s1 = _sums_each(words, device)
+    for i, r in enumerate(raws):
+        if r.numel() % 8:  # the last, partial word, zero-padded
+            word = r.new_zeros(8)
+            word[: r.numel() % 8] = r[r.numel() - r.numel() % 8 :]
+            tail = word.view(torch.int64)[0]
+            s0[i] += tail
+            s1[i] += tail * words[i].numel()
+    nbytes = torch.tensor([r.numel() for r in raws], dtype=torch.int64, device=device)
+    return s1 * M + s0 + nbytes
+
+
+def _digests_flat(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """Many small tensors of whole words: each dtype's tensors flattened by one C call into one run of words
+    (in each tensor's logical order, as `_bytes` reads it), then two segmented sums; no per-tensor views.
+    None where a tensor has a partial word or is large (the general path takes those)."""
+    nbytes = list(map(_NBYTES, tensors))
+    if max(nbytes) > ROW_WORDS * 8 or any(n % 8 for n in nbytes) or any(t.device != device for t in tensors):
+        return None
+    if any(map(torch.Tensor.is_neg, tensors)) or any(map(torch.Tensor.is_conj, tensors)):
+        return None  # lazy views: the general path resolves them
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, dtype in enumerate(map(_DTYPE, tensors)):
+        groups.setdefault(dtype, []).append(i)
+    s0 = torch.zeros(len(tensors), dtype=torch.int64, device=device)
+    s1 = torch.zeros(len(tensors), dtype=torch.int64, device=device)
+    for idx in groups.values():
+        with torch.no_grad():
+            flat = _flatten_dense_tensors([tensors[i] for i in idx]).view(torch.uint8).view(torch.int64)
+        a, b = _sums_segments(flat, torch.tensor([nbytes[i] // 8 for i in idx], dtype=torch.int64), device)
+        where = torch.tensor(idx, dtype=torch.int64, device=device)
+        s0.index_copy_(0, where, a)
+        s1.index_copy_(0, where, b)
+    return s1 * M + s0 + torch.tensor(nbytes, dtype=torch.int64, device=device)
+
+
+def _sums_each(words: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    small = [i for i, w in enumerate(words) if w.numel() <= ROW_WORDS]
+    s0 = torch.zeros(len(words), dtype=torch.int64, device=device)
+    s1 = torch.zeros(len(words), dtype=torch.int64, device=device)
+    if small:
+        idx = torch.tensor(small, dtype=torch.int64, device=device)
+        a, b = _sums_small([words[i] for i in small], device)
+        s0.index_copy_(0, idx, a)
+        s1.index_copy_(0, idx, b)
+    for i in set(range(len(words))) - set(small):
+        s0[i], s1[i] = _sums_rows(words[i])
+    return s0, s1
+
+
+def _sums_table(ptrs: list[int], num_words: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two sums of each run of int64 words at address `ptrs[k]` (8-byte aligned, live until the kernel
+    ran), `num_words[k]` long: one kernel launch over a table of chunks."""
+    anchor = torch.zeros(1, dtype=torch.int64, device=device)
+    origin = anchor.data_ptr()
+    counts = [-(-n // ROW_WORDS) for n in num_words]
+    total = sum(counts)
+    s0 = torch.zeros(len(ptrs), dtype=torch.int64, device=device)
+    s1 = torch.zeros(len(ptrs), dtype=torch.int64, device=device)
+    if total == 0:
+        return s0, s1
+    offsets = (torch.tensor(ptrs, dtype=torch.int64) - origin) // 8
+    sizes = torch.tensor(num_words, dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(ptrs)), torch.tensor(counts))
+    first = torch.cumsum(torch.tensor([0, *counts[:-1]]), 0)
+    base = (torch.arange(total) - first[owner]) * ROW_WORDS
+    table = torch.stack([offsets[owner] + base, base, torch.clamp(sizes[owner] - base, max=ROW_WORDS)], dim=1)
+    out = torch.empty(total, 2, dtype=torch.int64, device=device)
+    _chunk_sums[(total,)](table.to(device), anchor, out, BLOCK=BLOCK, num_warps=8)
+    owner = owner.to(device)
+    return s0.index_add_(0, owner, out[:, 0]), s1.index_add_(0, owner, out[:, 1])
+
+
+class Pending:
+    """Digests computed on their devices, not yet read back (so no host synchronisation until `hexes`)."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[list[int], torch.Tensor]] = []
+        self.count = 0
+
+    def add(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Digest `tensors` (any devices) after those added before."""
+        base, self.count = self.count, self.count + len(tensors)
+        for device in {t.device for t in tensors}:
+            idx = [i for i, t in enumerate(tensors) if t.device == device]
+            self._parts.append(([base + i for i in idx], digests([tensors[i] for i in idx])))
+
+    def hexes(self) -> list[str]:
+        """Every digest so far, in the order added, as 16-digit hex strings."""
+        out = [""] * self.count
+        for idx, values in self._parts:
+            for i, v in zip(idx, values.cpu().tolist()):
+                out[i] = f"{v & ((1 << 64) - 1):016x}"
+        return out

@@ -1,0 +1,1 @@
+"""Integrations: refit inside other systems (vLLM), above the topology they drive."""

@@ -1,0 +1,36 @@
+"""vLLM: a refit Engine in every vLLM worker (`engine`, through vLLM's weight-transfer API in `backend`
+or a worker extension in `worker`), its compiled copy plan (`plan`, `recording`), and the trainer-side
+driver (`driver`). Names are imported lazily: only `backend` needs vLLM installed."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "VllmRefit": "driver",
+    "HttpEngine": "driver",
+    "VllmEngine": "engine",
+    "VllmOptions": "engine",
+    "checkpoint_shapes": "engine",
+    "layout": "engine",
+    "BACKEND": "engine",
+    "MODES": "engine",
+    "RefitWorkerExtension": "worker",
+    "expected_fingerprints": "worker",
+    "worker_engine": "worker",
+    "worker_held": "worker",
+    "worker_parameters": "worker",
+    "worker_seconds": "worker",
+    "RefitWeightTransferEngine": "backend",
+    "RefitInitInfo": "backend",
+    "RefitUpdateInfo": "backend",
+    "register": "backend",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

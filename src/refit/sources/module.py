@@ -1,0 +1,60 @@
+"""ModuleSource: a plain PyTorch module or state dict as the source, read live every refit."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from refit.layout.packing import LayoutGuard, layout_key
+from refit.layout.state_layout import StateLayout
+from refit.sources.base import Source, WireDtypes
+
+
+class ModuleSource(WireDtypes, Source):
+    """A plain module or state dict, read live: every refit re-reads the module's parameters and buffers,
+    so tensors replaced since the last refit (a reassigned buffer, `module.to()`, `load_state_dict(assign=True)`)
+    are sent from what the module holds now. A mapping is re-read too (pass the module, not a
+    `state_dict()` copy, to see replacements)."""
+
+    signature_covers_layout = True
+
+    def __init__(
+        self,
+        weights: nn.Module | Mapping[str, torch.Tensor],
+        *,
+        wire_dtype: torch.dtype | None = None,
+        overrides: Mapping[str, torch.dtype] | None = None,
+    ) -> None:
+        """`wire_dtype` casts every floating tensor (e.g. fp32 master weights sent as bf16);
+        `overrides` sets the wire dtype of single tensors (e.g. keep a router bias in fp32)."""
+        self._layout = StateLayout(weights) if isinstance(weights, nn.Module) else None
+        self._mapping = weights
+        self._last: tuple[tuple, LayoutGuard, Hashable] | None = None
+        self._tensors: dict[str, torch.Tensor] = self._read()
+        self._init_wire(wire_dtype, overrides)
+
+    def _read(self) -> dict[str, torch.Tensor]:
+        return self._layout.read() if self._layout is not None else dict(self._mapping)  # type: ignore[arg-type]
+
+    def signature(self) -> Hashable:
+        """Re-reads the live tensors (called at the start of every refit). Changes when any tensor is
+        replaced, moved, reshaped, restrided or recast, or a name appears or vanishes; the Sender then
+        compares full specs (a new epoch only if a spec or an alias changed)."""
+        self._tensors = self._read()
+        overrides = tuple(sorted(self._overrides.items(), key=str)) if self._overrides else ()
+        names, values = tuple(self._tensors), list(self._tensors.values())
+        last = self._last
+        if last is not None and last[0] == (names, overrides) and last[1].holds(values):
+            return last[2]  # the very same object: nothing it covers moved
+        signature = names, layout_key(values), overrides
+        self._last = ((names, overrides), LayoutGuard(values), signature)
+        return signature
+
+    @property
+    def lookup_only(self) -> bool:
+        return type(self).tensors is ModuleSource.tensors  # an override may do more than look up (or raise)
+
+    def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
+        return [self._tensors[n] for n in names]

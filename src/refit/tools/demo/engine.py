@@ -1,0 +1,64 @@
+"""The demo's engine process: a transformers model behind a Receiver, reporting after every refit.
+
+Started as `python -m refit.tools.demo.engine '<json args>'`; reports are JSON lines on stdout marked '@@refit'.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from refit.checks.hashes import fingerprints
+from refit.engines.module import ModuleEngine
+from refit.errors import PeerError, RefitError
+from refit.log import configure, get_logger
+from refit.settings import Settings
+from refit.tools.demo.model import build_model, greedy, model_config
+from refit.topology.receiver import Receiver
+
+MARK = "@@refit "
+log = get_logger("demo engine")
+
+
+def emit(obj: dict) -> None:
+    print(MARK + json.dumps(obj), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    args = json.loads(argv[1])
+    configure(args.get("verbosity", 0))
+    model = build_model(model_config(**args["model"]), seed=12345)  # random: the first refit installs the weights
+    engine = ModuleEngine(model)
+    log.info("engine model built; connecting to %s:%s", args["rendezvous"]["host"], args["rendezvous"]["port"])
+    settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 120.0))
+    with Receiver(engine, args["rendezvous"], settings=settings) as receiver:
+        while True:
+            try:
+                stats = receiver.receive()
+            except RefitError as e:
+                emit({"event": "error", "message": str(e), "state": engine.weights.state.value})
+                if isinstance(e, PeerError):
+                    return 3
+                continue
+            if stats is None:
+                return 0
+            assert receiver.manifest is not None
+            wire = {n: p.spec.dtype for p in receiver.manifest.entries for n in p.spec.names}  # aliases too (tied)
+            engine.ensure_current()
+            emit(
+                {
+                    "event": "refit",
+                    "version": engine.weights.version,
+                    "state": engine.weights.state.value,
+                    "stats": stats.to_json(),
+                    "fingerprints": fingerprints(model.state_dict().items(), wire, held=True),
+                    "generated": greedy(model, args["prompts"]),
+                }
+            )
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    raise SystemExit(main(sys.argv))

@@ -1,0 +1,445 @@
+"""The demo's trainer: real optimizer steps on a small LM, a refit after each, every refit checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+import refit
+from refit.checks.hashes import differences, fingerprints
+from refit.errors import RefitError
+from refit.log import configure, get_logger
+from refit.settings import Settings
+from refit.sources.module import ModuleSource
+from refit.tools.console import console_on
+from refit.tools.demo.engine import MARK
+from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
+from refit.topology.sender import Sender
+from refit.topology.stats import RefitStats
+
+log = get_logger("demo")
+
+KEEP_FP32 = "model.norm.weight"
+"""The tensor whose wire dtype switches from bf16 to fp32 partway (the seed's e_score_correction_bias case)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    transport: str = "shm"
+    """Transport to refit over."""
+    engine: str = "module"
+    """'module' (a transformers model in its own process) or 'vllm' (vLLM from dummy weights)."""
+    trainer: str = "plain"
+    """'plain' (one process), 'fsdp' (FSDP2 over `ranks` processes, gloo) or 'megatron' (a megatron-core
+    GPTModel over tp x pp processes, gloo)."""
+    ranks: int = 2
+    """Trainer processes for 'fsdp' ('megatron' runs tp x pp)."""
+    tp: int = 2
+    """Tensor-parallel size of the 'megatron' trainer."""
+    pp: int = 1
+    """Pipeline-parallel size of the 'megatron' trainer."""
+    steps: int = 4
+    """Optimizer steps, each followed by a refit."""
+    dtype_change_at: int = 2
+    """Step after which KEEP_FP32 goes on the wire in fp32 (a new epoch); -1 for never."""
+    bucket_bytes: int = 8 << 20
+    """Bucket capacity; small enough that the demo model needs several buckets."""
+    layers: int = 8
+    """Decoder layers of the demo model."""
+    hidden: int = 512
+    """Hidden size of the demo model (a multiple of 64)."""
+    timeout_s: float = 120.0
+    verbosity: int = 0
+    """The CLI's -v count (-1 for -q); the engine process logs at the same level."""
+    json_path: str = ""
+    """Where `run` writes its refits as JSON ('' for nowhere)."""
+    to_stderr: bool = False
+    """Human output to stderr (stdout carries JSON)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps ({self.steps}) must be >= 1")
+        if self.trainer not in ("plain", "fsdp", "megatron") or self.ranks < 1:
+            raise ValueError(
+                f"trainer must be 'plain', 'fsdp' or 'megatron' with ranks >= 1, got {self.trainer!r}, {self.ranks}"
+            )
+        if self.tp < 1 or self.pp < 1 or self.pp > self.layers:
+            raise ValueError(f"tp ({self.tp}) and pp ({self.pp}) must be >= 1, pp at most the layers ({self.layers})")
+        kv_heads = max(1, self.hidden // 256)
+        if self.trainer == "megatron" and (kv_heads % self.tp or self.layers % self.pp):
+            raise ValueError(
+                f"--tp {self.tp} must divide the KV heads ({kv_heads} at hidden {self.hidden}) and --pp {self.pp} "
+                f"the layers ({self.layers}); e.g. --tp 2 --pp 2 at the defaults"
+            )
+        if self.engine not in ("module", "vllm"):
+            raise ValueError(f"engine must be 'module' or 'vllm', got {self.engine!r}")
+        if self.trainer == "fsdp" and self.engine != "module":
+            raise ValueError("--trainer fsdp runs with --engine module; drop --engine vllm or --trainer fsdp")
+        if self.layers < 1 or self.hidden < 64 or self.hidden % 64 or (self.hidden // 64) % max(1, self.hidden // 256):
+            raise ValueError(
+                f"layers ({self.layers}) must be >= 1 and hidden ({self.hidden}) a multiple of 64 whose "
+                "head count (hidden/64) divides by its KV heads (hidden/256), e.g. 128, 256, 512, 1024"
+            )
+
+
+@dataclass(slots=True)
+class Row:
+    engine: dict
+    params_ok: bool
+    generate_ok: bool
+    problems: list[str] = field(default_factory=list)
+
+
+class EngineProcess:
+    """The engine as a child process that speaks JSON lines (no pickle crosses the boundary)."""
+
+    def __init__(self, sender: Sender, args: dict) -> None:
+        self.sender = sender
+        env = dict(os.environ)
+        pkg_root = os.path.dirname(os.path.dirname(refit.__file__))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "refit.tools.demo.engine", json.dumps(args)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    def refit(self, version: int) -> RefitStats:
+        return self.sender.refit(version)
+
+    def report(self, weights: dict[str, torch.Tensor]) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+        raise RefitError(f"engine process exited with code {self.proc.wait()} before reporting")
+
+    def close(self) -> int:
+        self.sender.close()
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return -9
+
+
+class VllmSide:
+    """A vLLM engine (default multiprocess mode) that starts from dummy weights, refitted via backend 'refit'."""
+
+    def __init__(self, sender: Sender, model: torch.nn.Module, tok, prompts: list[list[int]], workdir: str) -> None:
+        from vllm import LLM
+
+        from refit.integrations.vllm import VllmRefit
+        from refit.tools.demo.model import save
+
+        path = save(model, tok, os.path.join(workdir, "model"))
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # In-process, vLLM would call new_group on this trainer's world group, which the other
+            # trainer ranks never join (they wait in the source's collectives): a deadlock.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        self.llm = LLM(
+            model=path,
+            load_format="dummy",
+            enforce_eager=True,
+            dtype="float32",
+            kv_cache_memory_bytes=64 << 20,
+            max_model_len=512,
+            weight_transfer_config={"backend": "refit"},
+            worker_extension_cls="refit.integrations.vllm.RefitWorkerExtension",
+        )
+        self.driver = VllmRefit(self.llm, sender)
+        self.sender, self.prompts = sender, prompts
+        self._seconds: dict[str, float] = {}
+
+    def refit(self, version: int) -> RefitStats:
+        stats = self.driver.refit(version)
+        # The driver adds the workers' own engine time as "load"; without it the column reads n/a.
+        self._seconds = {"load": stats.seconds["load"]} if "load" in stats.seconds else {}
+        return stats
+
+    def report(self, weights: dict[str, torch.Tensor]) -> dict:
+        """Fingerprints of the parameters vLLM keeps in checkpoint layout (expected: the trainer's live
+        `weights` in their wire dtypes), and its greedy output."""
+        from vllm import SamplingParams
+
+        from refit.integrations.vllm import expected_fingerprints
+
+        assert self.sender.manifest is not None
+        sent = {p.name: weights[p.name].detach().to(p.spec.dtype) for p in self.sender.manifest.entries}
+        outs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in self.prompts],
+            SamplingParams(temperature=0, max_tokens=12),
+            use_tqdm=False,
+        )
+        return {
+            "event": "refit",
+            "stats": {"seconds": self._seconds},
+            "fingerprints": self.llm.collective_rpc("refit_fingerprints")[0],
+            "expected": expected_fingerprints(sent, self.llm.collective_rpc("refit_layout")[0]),
+            "generated": [list(o.outputs[0].token_ids) for o in outs],
+        }
+
+    def close(self) -> int:
+        self.driver.close()
+        self.llm.llm_engine.engine_core.shutdown()
+        return 0
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    return float(loss.detach())
+
+
+class PlainTrainer:
+    """The trainer for the default demo: one process, an unsharded model."""
+
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor) -> None:
+        self.model, self.ids = model, ids
+        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        self.source = ModuleSource(model, wire_dtype=torch.bfloat16)
+
+    def step(self) -> float:
+        return train_step(self.model, self.opt, self.ids)
+
+    def refit(self, engine: EngineProcess | VllmSide, version: int) -> RefitStats:
+        return engine.refit(version)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.state_dict())
+
+
+def _check(
+    weights: dict[str, torch.Tensor], reference: torch.nn.Module, sender: Sender, prompts: list, report: dict
+) -> Row:
+    """Compare the engine's report with what the trainer sent and with the trainer's own generation."""
+    assert sender.manifest is not None
+    wire = {n: p.spec.dtype for p in sender.manifest.entries for n in p.spec.names}
+    sent = report.get("expected") or fingerprints(weights.items(), wire)
+    with torch.no_grad():
+        for name, t in reference.state_dict(keep_vars=True).items():
+            t.copy_(weights[name].to(wire[name]))
+    expected = greedy(reference, prompts)
+    diffs = differences(sent, report["fingerprints"])
+    problems = [f"{len(diffs)} parameter(s) differ from what was sent: {diffs[:5]}"] if diffs else []
+    gen_ok = report["generated"] == expected
+    if not gen_ok:
+        problems.append(f"generation differs: engine {report['generated']} vs trainer {expected}")
+    return Row(report, not diffs, gen_ok, problems)
+
+
+def demo_model(cfg: DemoConfig) -> tuple[dict, torch.nn.Module, object, torch.Tensor, list[list[int]]]:
+    """The demo's model size, trainer model, tokenizer, training ids and prompts (same on every rank)."""
+    tok = build_tokenizer()
+    mcfg = {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.hidden * 3}
+    ids = torch.tensor([tok(TEXT)["input_ids"][:256]])
+    return mcfg, build_model(model_config(**mcfg), seed=0), tok, ids, [tok(p)["input_ids"] for p in PROMPTS]
+
+
+def run(cfg: DemoConfig, console: Console, trainer=None) -> bool:
+    """Run the demo over one transport; True when every refit verified. `trainer` defaults to a
+    PlainTrainer; the sharded demo passes rank 0's FSDP trainer."""
+    configure(cfg.verbosity)
+    console = _console(console, cfg)
+    with console.status("building the demo model and tokenizer"):
+        mcfg, model, tok, ids, prompts = demo_model(cfg)
+        trainer = trainer or PlainTrainer(model, ids)
+        reference = build_model(model_config(**mcfg), seed=0)
+    source = trainer.source
+    model = getattr(trainer, "hf_model", trainer.model)  # what vLLM's checkpoint is saved from
+    nparams = getattr(trainer, "num_params", None) or sum(p.numel() for p in model.parameters())
+    console.print(
+        f"[bold]refit demo[/] over [cyan]{cfg.transport}[/] into a [cyan]{cfg.engine}[/] engine: Llama-style "
+        f"LM, {nparams / 1e6:.1f}M params, fp32 master weights sent as bf16, {cfg.steps} steps"
+        f"{_sharding(cfg)}"
+    )
+    sender = Sender(
+        source,
+        transport=cfg.transport,
+        settings=Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s),
+        verify="fingerprint",  # every refit ends with the engine's digests checked against the trainer's live tensors
+    )
+    with tempfile.TemporaryDirectory() as workdir:
+        engine = _start_engine(cfg, console, sender, model, tok, prompts, mcfg, workdir)
+        try:
+            ok, rows = _loop(cfg, console, trainer, engine, reference, prompts)
+        finally:
+            engine.close()
+    mem = sender.predicted_memory() if sender.manifest else {}
+    _show(cfg, console, rows, mem, ok)
+    if cfg.json_path:
+        result = {"transport": cfg.transport, "engine": cfg.engine, "trainer": cfg.trainer, "params": nparams}
+        with open(cfg.json_path, "w") as f:
+            json.dump({**result, "ok": ok, "refits": rows, "predicted_memory": mem}, f)
+    return ok
+
+
+def _sharding(cfg: DemoConfig) -> str:
+    if cfg.trainer == "fsdp":
+        return f", trainer sharded with FSDP2 over {cfg.ranks} ranks"
+    if cfg.trainer == "megatron":
+        return f", trainer a megatron-core GPTModel with TP={cfg.tp} x PP={cfg.pp} (sent under HF names)"
+    return ""
+
+
+def _console(console: Console, cfg: DemoConfig) -> Console:
+    """Human output never wraps in a pipe or a file, and goes to stderr when stdout carries JSON."""
+    stream = sys.stderr if cfg.to_stderr else console.file
+    if stream is console.file and console.is_terminal:
+        return console
+    return console_on(stream)
+
+
+def _start_engine(
+    cfg: DemoConfig,
+    console: Console,
+    sender: Sender,
+    model: torch.nn.Module,
+    tok,
+    prompts: list,
+    mcfg: dict,
+    workdir: str,
+) -> EngineProcess | VllmSide:
+    if cfg.engine == "vllm":
+        t0 = time.perf_counter()
+        with console.status("starting vLLM from dummy weights (a minute or two on CPU; -v shows its logs)"):
+            engine: EngineProcess | VllmSide = VllmSide(sender, model, tok, prompts, workdir)
+        log.info("vLLM started in %.1f s", time.perf_counter() - t0)
+        return engine
+    engine = EngineProcess(
+        sender,
+        {
+            "rendezvous": sender.rendezvous(),
+            "model": mcfg,
+            "prompts": prompts,
+            "bucket_bytes": cfg.bucket_bytes,
+            "timeout_s": cfg.timeout_s,
+            "verbosity": cfg.verbosity,
+        },
+    )
+    log.info("engine process %d started", engine.proc.pid)
+    return engine
+
+
+def _loop(
+    cfg: DemoConfig,
+    console: Console,
+    trainer,
+    engine: EngineProcess | VllmSide,
+    reference: torch.nn.Module,
+    prompts: list,
+) -> tuple[bool, list[dict]]:
+    """Train, refit and check `cfg.steps` times: whether all verified, and one row per refit."""
+    ok, rows = True, []
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("", total=cfg.steps)
+        for step in range(1, cfg.steps + 1):
+            progress.update(task, description=f"step {step}: training")
+            loss = trainer.step()
+            if step == cfg.dtype_change_at + 1:
+                trainer.source.set_wire_dtype(KEEP_FP32, torch.float32)
+            wait = " (waiting for the engine to connect)" if step == 1 else ""
+            progress.update(task, description=f"step {step}: refitting{wait}")
+            stats = trainer.refit(engine, step)
+            progress.update(task, description=f"step {step}: checking the engine's weights and generation")
+            weights = trainer.full_weights()
+            report = engine.report(weights)
+            if report.get("event") != "refit":
+                raise RefitError(f"engine reported: {report.get('message', report)}")
+            row = _check(weights, reference, engine.sender, prompts, report)
+            ok &= not row.problems
+            rows.append(_row(stats, row, loss))
+            log.info(
+                "step %d: loss %.3f, refit %.1f ms, verified %s", step, loss, stats.total_s * 1e3, not row.problems
+            )
+            for p in row.problems:
+                console.print(f"[red]step {step}: {escape(p)}[/]")
+            progress.advance(task)
+    return ok, rows
+
+
+def _show(cfg: DemoConfig, console: Console, rows: list[dict], mem: dict, ok: bool) -> None:
+    console.print(_table(cfg.transport, rows))
+    console.print(LEGEND)
+    if cfg.engine == "vllm" and cfg.verbosity > 0:
+        console.print(ROTARY_NOTE)
+    console.print(
+        f"predicted peak extra memory: sender {mem.get('sender', 0) / 2**20:.1f} MiB, "
+        f"receiver {mem.get('receiver', 0) / 2**20:.1f} MiB"
+    )
+    console.print("[green]all refits verified[/]" if ok else "[red]verification FAILED[/]")
+
+
+LEGEND = (
+    "times in ms. The stages overlap (bucket i+1 is packed while bucket i is sent and loaded), so pack + send "
+    "+ wait + load exceed total. load: the engine's own time. epoch*: a handshake began a new epoch. "
+    "params: every engine tensor bitwise what was sent; gen: the engine's greedy output equals the trainer's."
+)
+ROTARY_NOTE = (
+    "If vLLM logged 'RotaryEmbedding: Failed to load weights' above, that is expected: its layerwise reload "
+    "(which refit uses only where a module falls back to vLLM's loader) finds no checkpoint tensor for the rotary "
+    "cos/sin cache, which is computed from the config, and puts vLLM's own cache back."
+)
+
+
+def _table(transport: str, rows: list[dict]) -> Table:
+    t = Table(title=f"refits over {transport}")
+    for col in ("ver", "epoch", "loss", "MB", "bkts", "pack", "send", "wait", "load", "total", "GB/s", "params", "gen"):
+        t.add_column(col, justify="right")
+    mark = lambda ok: "[green]✓[/]" if ok else "[red]✗[/]"  # noqa: E731
+    ms = lambda r, k: "n/a" if r["seconds"].get(k) is None else f"{r['seconds'][k] * 1e3:.1f}"  # noqa: E731
+    for r in rows:
+        t.add_row(
+            str(r["version"]),
+            f"{r['epoch']}{'*' if r['handshake'] else ''}",
+            f"{r['loss']:.3f}",
+            f"{r['nbytes'] / 1e6:.1f}",
+            str(r["num_buckets"]),
+            *(ms(r, k) for k in ("pack", "send", "wait", "load", "total")),
+            f"{r['gbps']:.2f}",
+            mark(r["params_ok"]),
+            mark(r["generate_ok"]),
+        )
+    return t
+
+
+def _row(s: RefitStats, row: Row, loss: float) -> dict:
+    """One refit as the table and the JSON show it: the sender's stages plus the engine's own load time."""
+    seconds = {k: s.seconds.get(k, 0.0) for k in ("pack", "send", "wait", "commit", "total")}
+    seconds["load"] = row.engine["stats"]["seconds"].get("load")
+    return {
+        "version": s.version,
+        "epoch": s.epoch,
+        "handshake": s.handshake,
+        "loss": loss,
+        "nbytes": s.nbytes,
+        "num_buckets": s.num_buckets,
+        "seconds": seconds,
+        "gbps": s.gbps,
+        "params_ok": row.params_ok,
+        "generate_ok": row.generate_ok,
+        "problems": row.problems,
+    }

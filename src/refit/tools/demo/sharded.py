@@ -1,0 +1,120 @@
+"""`refit demo --trainer fsdp|megatron`: the demo's trainer sharded over several processes (gloo, CPU):
+FSDP2 over `ranks` processes, or a megatron-core GPTModel over tp x pp (refit.tools.demo.megatron).
+
+Rank 0 runs the usual demo loop (Sender, engine process, checks); the other ranks train in lockstep
+and take part in each bucket's gathers. Ranks are separate processes started with JSON arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+import refit
+from refit.sources.fsdp import FsdpSource, full_tensor
+from refit.tools.demo.run import KEEP_FP32, DemoConfig, demo_model, run, train_step
+from refit.topology.stats import RefitStats
+
+
+class FsdpTrainer:
+    """The demo model, each decoder layer and the root sharded with fully_shard over all ranks."""
+
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model, self.ids = model, ids
+        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        self.source = FsdpSource(model, wire_dtype=torch.bfloat16)
+
+    def step(self) -> float:
+        return train_step(self.model, self.opt, self.ids)
+
+    def refit(self, engine, version: int) -> RefitStats:
+        with self.source.leading():
+            return engine.refit(version)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every rank must call this (it gathers); used for the checks, not for the refit."""
+        with torch.no_grad():
+            return {n: full_tensor(t) for n, t in self.model.state_dict(keep_vars=True).items()}
+
+
+def _follow(cfg: DemoConfig, trainer) -> None:  # type: ignore[no-untyped-def]
+    for step in range(1, cfg.steps + 1):
+        trainer.step()
+        if step == cfg.dtype_change_at + 1:
+            trainer.source.set_wire_dtype(KEEP_FP32, torch.float32)
+        trainer.source.follow()
+        trainer.full_weights()
+
+
+def rank_main(cfg: DemoConfig) -> int:
+    from rich.console import Console
+
+    dist.init_process_group("gloo")
+    try:
+        _, model, _, ids, _ = demo_model(cfg)
+        if cfg.trainer == "megatron":
+            from refit.tools.demo.megatron import MegatronTrainer
+
+            trainer = MegatronTrainer(model, ids, tp=cfg.tp, pp=cfg.pp)
+        else:
+            trainer = FsdpTrainer(model, ids)
+        if dist.get_rank() == 0:
+            return 0 if run(cfg, Console(width=None if sys.stdout.isatty() else 120), trainer) else 1
+        _follow(cfg, trainer)
+        return 0
+    finally:
+        _leave()
+
+
+def _leave() -> None:
+    """Leave the trainer group together: rank 0 hosts its store, so no rank may find it gone mid-teardown."""
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # a peer already gone at exit is not a failure of the refits
+        pass
+
+
+def launch(cfg: DemoConfig) -> bool:
+    """Start the trainer processes (`cfg.ranks`, or tp x pp for megatron); rank 0 prints the demo. True when
+    every rank succeeded."""
+    world = cfg.tp * cfg.pp if cfg.trainer == "megatron" else cfg.ranks
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pkg_root = os.path.dirname(os.path.dirname(refit.__file__))
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")])),
+        }
+        out = None if rank == 0 else subprocess.DEVNULL
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "refit.tools.demo.sharded", json.dumps(asdict(cfg))], env=env, stdout=out
+            )
+        )
+    return [p.wait() for p in procs] == [0] * world
+
+
+if __name__ == "__main__":
+    raise SystemExit(rank_main(DemoConfig(**json.loads(sys.argv[1]))))

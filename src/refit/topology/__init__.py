@@ -1,0 +1,1 @@
+"""Topology: who talks to whom (the Sender and Receiver sessions, per-rank colocated refits) and the verification step they run."""

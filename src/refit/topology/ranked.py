@@ -1,0 +1,200 @@
+"""RankedRefit: per-rank colocated refit. Every trainer rank runs its own Sender, feeding the engine
+worker on its own device; a version commits only when every worker committed.
+
+Trainer side, on every rank (each call is collective over the trainer's group):
+
+    sender = Sender(FsdpSource(model) or ModuleSource(model), transport="cuda-ipc")
+    ranked = RankedRefit(sender)
+    infos = ranked.rendezvous()     # every rank's rendezvous in rank order, each naming its GPU's UUID
+    ranked.refit(version)
+
+Engine side, worker i: `Receiver(engine, pick(infos, device, index=i))`: the rendezvous of the
+trainer rank on the worker's own GPU (by UUID, whatever each process's CUDA_VISIBLE_DEVICES).
+
+The commit is two-phase across the ranks. Each Sender streams its buckets and its receiver commits
+locally, answering DONE; the ranks then agree in one all-reduce whether every worker committed, and
+each Sender tells its receivers the verdict, which they wait for before returning. A failure on any
+worker (or any rank's Sender) leaves every worker 'failed'; a retry of the same version restores them.
+A rank whose refit broke off still takes part in the remaining gathers and in the vote, so the other
+ranks never hang on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from refit.dtypes import dtype_name
+from refit.errors import RefitError
+from refit.layout.manifest import Manifest
+from refit.layout.planner import plan
+from refit.log import get_logger
+from refit.sources.fsdp import FsdpSource
+from refit.topology.stats import RefitStats
+from refit.transports import device as devices
+
+NO_LIMIT = 1 << 62
+
+
+def pick(rendezvous: Sequence[dict] | dict, device: torch.device, *, index: int) -> dict:
+    """Worker `index`'s rendezvous out of every trainer rank's: the one on this worker's GPU (by UUID),
+    or, for CPU workers, the one at `index`. A single dict is returned as is (one Sender for all)."""
+    if isinstance(rendezvous, dict):
+        return rendezvous
+    uuids = [r.get("device_uuid") for r in rendezvous]
+    if device.type == "cuda" and any(uuids):
+        own = devices.uuid(device)
+        for r in rendezvous:
+            if r.get("device_uuid") == own:
+                return r
+        raise ValueError(
+            f"no trainer rank is on this worker's GPU ({own}); trainer ranks are on {uuids}. "
+            "Per-rank colocated refit needs every engine worker on a trainer rank's GPU"
+        )
+    if not 0 <= index < len(rendezvous):
+        raise ValueError(f"worker index {index} is out of range for {len(rendezvous)} trainer ranks")
+    return rendezvous[index]
+
+
+class RankedRefit:
+    """Drives one trainer rank's Sender in a per-rank refit; call every method on every rank."""
+
+    def __init__(self, sender, *, group: dist.ProcessGroup | None = None) -> None:
+        self.sender = sender
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend(group) == "nccl"
+            else torch.device("cpu")
+        )
+        self._agreed = False
+        self._voted = False
+        self._infos: list[dict] | None = None
+        self.gather_into_buckets = True
+        """Gather along the buckets, straight into the bucket buffers, when every rank has one layout."""
+        self._cached: tuple = ((), None, 0)
+        self.log = get_logger("sender", self.rank)
+        sender.verdict = self._vote
+
+    @property
+    def num_receivers(self) -> int:
+        """Engine workers fed in all (one per trainer rank), as drivers such as VllmRefit check."""
+        return self.world
+
+    @property
+    def settings(self):  # type: ignore[no-untyped-def]
+        return self.sender.settings
+
+    def rendezvous(self) -> list[dict]:
+        """Every rank's rendezvous, in rank order, each with its trainer rank and device UUID.
+        Collective the first time; later calls (on any rank) return the same list."""
+        if self._infos is None:
+            own = {
+                **self.sender.rendezvous(),
+                "trainer_rank": self.rank,
+                "device_uuid": devices.uuid(self.sender.device),
+            }
+            self._infos = self._all_gather_json(own)
+        return self._infos
+
+    def connect(self) -> None:
+        """Accept this rank's worker(s) and agree on the gather budget (collective; the first refit does it too)."""
+        self._agree()
+
+    def refit(self, version: int) -> RefitStats:
+        """Refit every worker to `version`; returns this rank's stats once every worker committed."""
+        source = self.sender.source
+        gathers = isinstance(source, FsdpSource)
+        error: Exception | None = None
+        stats = None
+        self._voted = False
+        try:
+            self._agree()
+        except RefitError as e:
+            error = e
+        if gathers:
+            source.begin(layout=self._layout(), sender=self.sender)
+        try:
+            if error is None:
+                stats = self.sender.refit(version)
+        except Exception as e:  # noqa: BLE001 - whatever broke this rank's refit, the other ranks wait for its vote
+            error = e
+        finally:
+            if gathers:
+                source.end(drain=True)
+        if not self._voted:  # this rank's refit broke off before its Sender's vote: vote for it
+            self._vote(f"{type(error).__name__}: {error}" if error is not None else "")
+        if error is not None:
+            raise error
+        assert stats is not None
+        return stats
+
+    def _agree(self) -> None:
+        """Once: connect, and agree on the gather budget (the smallest bucket capacity of any rank)."""
+        if self._agreed:
+            return
+        self._agreed = True
+        error, capacity = None, NO_LIMIT
+        try:
+            self.sender.connect()
+            capacity = self.sender.capacity
+        except RefitError as e:
+            error = e
+        t = torch.tensor([capacity], dtype=torch.int64, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        source = self.sender.source
+        if isinstance(source, FsdpSource) and source.gather_bytes is None:
+            source.gather_bytes = int(t.item()) if int(t.item()) < NO_LIMIT else None
+        if error is not None:
+            raise error
+
+    def _layout(self) -> Manifest | None:
+        """This refit's bucket layout when every rank has the same one (same specs and capacity), else None.
+        Collective (one all-reduce); the layout is planned again only when the source's signature moves."""
+        source, capacity = self.sender.source, self.sender.capacity
+        key = (source.signature(), capacity)
+        if key != self._cached[0]:
+            specs = source.specs()
+            layout = plan(specs, capacity=capacity) if capacity and self.gather_into_buckets else None
+            text = json.dumps(
+                [capacity, sorted([s.name, list(s.shape), dtype_name(s.dtype), list(s.aliases)] for s in specs)]
+            )
+            digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+            self._cached = (key, layout, digest if layout is not None else -1)
+        _, layout, digest = self._cached
+        t = torch.tensor([digest, -digest], dtype=torch.int64, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return layout if digest >= 0 and int(t[0].item()) == -int(t[1].item()) == digest else None
+
+    def _vote(self, own: str) -> str:
+        """Phase two: '' when every rank's workers committed, else every failing rank's reason."""
+        self._voted = True
+        flag = torch.tensor([int(bool(own))], dtype=torch.int64, device=self._device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if not int(flag.item()):
+            return ""
+        reasons = self._all_gather_json(own)
+        return "; ".join(f"trainer rank {r}: {m}" for r, m in enumerate(reasons) if m)
+
+    def _all_gather_json(self, obj: object) -> list:
+        """JSON from every rank, in rank order (no pickle crosses the process boundary)."""
+        data = json.dumps(obj).encode()
+        n = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
+        sizes = [torch.zeros_like(n) for _ in range(self.world)]
+        dist.all_gather(sizes, n, group=self.group)
+        width = max(int(s.item()) for s in sizes)
+        buf = torch.zeros(width, dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = buf.to(self._device)
+        outs = [torch.empty_like(buf) for _ in range(self.world)]
+        dist.all_gather(outs, buf, group=self.group)
+        return [json.loads(bytes(o[: int(s.item())].cpu().tolist())) for o, s in zip(outs, sizes)]
+
+    def close(self) -> None:
+        self.sender.close()

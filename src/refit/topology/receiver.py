@@ -1,0 +1,381 @@
+"""Receiver: the engine side of the protocol (validate the manifest, take buckets in, commit a version)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import torch
+
+from refit import transports
+from refit.checks.checksum import checksum
+from refit.checks.validation import validate
+from refit.engines.base import Engine
+from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
+from refit.layout.budget import bucket_capacity, free_bytes
+from refit.layout.manifest import Manifest
+from refit.layout.packing import Unpacker, copy_share
+from refit.log import get_logger
+from refit.protocol.wire import Channel, Header, Kind, parse_json
+from refit.settings import Settings
+from refit.topology.stats import RefitStats
+from refit.topology.verification import compare, engine_regions
+from refit.transports.base import Pending, Transport
+
+log = get_logger("receiver")
+
+
+class Receiver:
+    """Runs in the engine's process; `receive()` handles one refit (and any handshake before it)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        rendezvous: dict,
+        *,
+        settings: Settings | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """`rendezvous` is what `Sender.rendezvous()` returned (host, port, token, transport)."""
+        self.engine = engine
+        self.settings = settings or Settings()
+        self.rendezvous = rendezvous
+        name = rendezvous.get("transport")
+        if not isinstance(name, str):
+            raise ValueError("rendezvous must name a transport")
+        self._transport_cls = transports.get(name)
+        self.device = device or transports.default_device(name)
+        self.channel: Channel | None = None
+        self.transport: Transport | None = None
+        self.rank = 0
+        self.manifest: Manifest | None = None
+        self._unpacker: Unpacker | None = None
+        self._sources: list[tuple[str, torch.Tensor]] = []
+        self._broken = ""
+        self._idle_timeout_s = self.settings.timeout_s
+
+    def connect(self) -> None:
+        """Connect to the sender, present the token and join the transport. On failure the sender is
+        told why and the socket is closed."""
+        if self.channel is not None:
+            return
+        host, port = self.rendezvous.get("host"), self.rendezvous.get("port")
+        try:
+            sock = socket.create_connection((host, port), timeout=self.settings.timeout_s)
+        except OSError as e:
+            raise PeerError(f"cannot connect to the sender at {host}:{port}: {e}; is it running?") from None
+        ch = Channel(sock, peer=f"sender ({host}:{port})", timeout_s=self.settings.timeout_s)
+        try:
+            self._join(ch)
+        except BaseException as e:
+            if not isinstance(e, PeerError) or "failed:" not in str(e):  # the sender already knows when it refused us
+                try:
+                    ch.send(Header(Kind.ERROR), {"message": f"receiver could not join: {e}"})
+                except PeerError:
+                    pass
+            ch.close()
+            raise
+        self.channel = ch
+        ch.send(Header(Kind.READY))
+        log.info("joined as receiver %d over %s", self.rank, self._transport_cls.name)
+
+    def _join(self, ch: Channel) -> None:
+        limit = bucket_capacity(
+            bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio, free=free_bytes(self.device)
+        )
+        ch.send(Header(Kind.HELLO), {"token": self.rendezvous.get("token", ""), "capacity": limit})
+        ch.set_timeout(self.settings.connect_timeout_s)  # the sender admits every receiver first; they start slowly
+        welcome = parse_json(
+            ch.expect(Kind.WELCOME, "rendezvous (waiting for every receiver to connect)")[1], "WELCOME"
+        )
+        ch.set_timeout(self.settings.timeout_s)
+        rank, capacity, info = welcome.get("rank"), welcome.get("capacity"), welcome.get("info")
+        beat = welcome.get("heartbeat_s")
+        if isinstance(beat, (int, float)) and not isinstance(beat, bool) and 0 < beat < 3600:
+            # Never call a live sender dead for beating slower than this side's own timeout allows.
+            self._idle_timeout_s = max(self.settings.timeout_s, 3 * float(beat))
+        name = welcome.get("transport")
+        if isinstance(name, str) and name != self.rendezvous.get("transport"):  # the sender fell back
+            self._transport_cls = transports.get(name)
+            self.device = transports.default_device(name)
+        if not (
+            isinstance(rank, int) and isinstance(capacity, int) and 0 < capacity <= limit and isinstance(info, dict)
+        ):
+            raise IntegrityError(f"WELCOME is malformed or asks for more than this side's limit ({limit} bytes)")
+        self.transport = self._transport_cls.join(info, rank=rank, device=self.device, settings=self.settings)
+        self.rank = rank
+
+    def receive(self) -> RefitStats | None:
+        """Handle messages until one refit is committed (returns its stats) or the sender closes (None).
+
+        Raises HandshakeError or RefitError for a refused manifest or a failed refit (the session goes
+        on: the sender may retry), PeerError when the sender is gone or broke the protocol (it is over).
+        """
+        if self._broken:
+            raise PeerError(f"this session broke earlier ({self._broken}); connect a new Receiver")
+        try:
+            return self._receive()
+        except PeerError as e:
+            self._broken = str(e)
+            raise
+
+    def _receive(self) -> RefitStats | None:
+        self.connect()
+        assert self.channel is not None
+        while True:
+            header, payload = self.channel.recv(
+                "waiting for the next refit (no heartbeat from the sender: "
+                "is its process alive and its host reachable?)",
+                idle=True,
+                timeout_s=self._idle_timeout_s,
+            )
+            if header.kind == Kind.MANIFEST:
+                self._handshake(header, payload)
+            elif header.kind == Kind.SOURCES:
+                self._open_sources(payload)
+            elif header.kind == Kind.BEGIN:
+                return self._refit(header)
+            elif header.kind == Kind.CLOSE:
+                return None
+            else:
+                raise PeerError(f"sender sent {header.kind.name} between refits")
+
+    def serve(self) -> int:
+        """Receive refits until the sender closes; returns how many were committed."""
+        n = 0
+        while self.receive() is not None:
+            n += 1
+        return n
+
+    def _handshake(self, header: Header, payload: bytes) -> None:
+        assert self.channel is not None and self.transport is not None
+        self.manifest, self._unpacker, self._sources = None, None, []
+        try:
+            manifest = Manifest.from_json(payload)
+        except ValueError as e:
+            self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank} rejected the manifest: {e}"})
+            raise IntegrityError(f"sender's manifest is malformed: {e}") from None
+        if manifest.capacity != len(self.transport.buffers[0]):
+            msg = f"manifest capacity {manifest.capacity} differs from the agreed {len(self.transport.buffers[0])}"
+            self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {msg}"})
+            raise IntegrityError(msg)
+        report = validate(
+            manifest.specs,
+            self.engine.specs(),
+            exact_shapes=self.engine.exact_shapes,
+            optional=self.engine.optional_names,
+        )
+        regions = engine_regions(manifest, self.engine) if header.status == 1 and report.ok else {}
+        self.channel.send(Header(Kind.REPORT), {**report.to_json(), "regions": regions})
+        if not report.ok:
+            raise HandshakeError(report.message())
+        log.info(
+            "handshake: epoch %d, digest %s, %d tensors, %d bucket(s)",
+            manifest.epoch,
+            manifest.digest.hex()[:12],
+            len(manifest.entries),
+            manifest.num_buckets,
+        )
+        self.manifest = manifest
+        self._unpacker = Unpacker(manifest, self.transport.buffers, device=self.device)
+
+    def _open_sources(self, payload: bytes) -> None:
+        """Zero-copy mode: map the sender's tensors once per epoch."""
+        from refit.transports.cuda_ipc import open_tensor
+
+        assert self.channel is not None and self.manifest is not None
+        try:
+            handles = parse_json(payload, "SOURCES").get("tensors")
+            if not isinstance(handles, list) or len(handles) != len(self.manifest.entries):
+                raise IntegrityError("SOURCES does not list one handle per manifest tensor")
+            with torch.cuda.device(self.device):
+                views = [open_tensor(h) for h in handles]
+            for p, v in zip(self.manifest.entries, views):
+                if tuple(v.shape) != p.spec.shape or v.dtype != p.spec.dtype:
+                    raise IntegrityError(f"shared tensor {p.name} does not match its manifest entry")
+        except RefitError as e:
+            self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {e}"})
+            raise
+        self._sources = [(p.name, v) for p, v in zip(self.manifest.entries, views)]
+        self.channel.send(Header(Kind.READY))
+
+    def _copy_sources(self, stats: RefitStats) -> RefitError | None:
+        """Zero-copy refit: one device copy from the sender's tensors into the engine."""
+        if not self._sources:
+            return IntegrityError("zero-copy refit before the sender shared its tensors (no SOURCES this epoch)")
+        t = time.perf_counter()
+        try:
+            self.engine.load(self._sources)
+        except Exception as e:
+            return RefitError(f"engine failed to load the shared tensors: {type(e).__name__}: {e}")
+        stats.add("load", time.perf_counter() - t)
+        return None
+
+    def _refit(self, begin: Header) -> RefitStats:
+        m, ch = self.manifest, self.channel
+        assert ch is not None
+        if m is None or begin.epoch != m.epoch or begin.digest != m.digest:
+            msg = "refit started for a manifest this receiver has not validated (epoch or digest differs)"
+            ch.send(Header(Kind.ERROR), {"message": msg})
+            raise IntegrityError(msg)
+        t0, version = time.perf_counter(), begin.version
+        stats = RefitStats(version=version, epoch=m.epoch, num_buckets=m.num_buckets, nbytes=m.nbytes)
+        ctrl0 = ch.bytes_sent + ch.bytes_received
+        self.engine.begin(version)
+        done: dict = {}
+        try:
+            with copy_share(self._transport_cls.name):
+                failure = self._copy_sources(stats) if begin.status & 1 else self._stream(m, begin, stats)
+            header, payload = ch.recv(f"commit of version {version}")
+            if header.kind == Kind.VERIFY:
+                failure = failure or self._verify(m, payload, stats, done)
+                header, payload = ch.recv(f"commit of version {version}")
+            if header.kind != Kind.COMMIT:
+                raise PeerError(
+                    f"{ch.peer} sent {header.kind.name} during commit of version {version}, expected COMMIT"
+                )
+        except RefitError as e:
+            self.engine.fail(version, str(e))
+            raise
+        t = time.perf_counter()
+        failure = failure or self._finalize(version)
+        if failure is not None:
+            self.engine.fail(version, str(failure))
+            log.error("refit of version %d failed: %s", version, failure)
+            ch.send(Header(Kind.DONE, status=1, version=version), {"message": f"receiver {self.rank}: {failure}"})
+            raise failure
+        ch.send(Header(Kind.DONE, version=version), done or None)
+        log.info("committed version %d (%d bytes, %d bucket(s))", version, m.nbytes, m.num_buckets)
+        if begin.status & 2:  # per-rank refit: committed only once every worker did (refit.topology.ranked)
+            self._await_verdict(version)
+        stats.add("commit", time.perf_counter() - t)
+        stats.control_bytes = ch.bytes_sent + ch.bytes_received - ctrl0
+        stats.seconds["total"] = time.perf_counter() - t0
+        return stats
+
+    def _await_verdict(self, version: int) -> None:
+        assert self.channel is not None
+        header, payload = self.channel.expect(Kind.COMMIT, f"every worker's commit of version {version}")
+        if header.status:
+            reason = str(parse_json(payload, "COMMIT").get("message", "")) or "another worker failed"
+            self.engine.fail(version, f"another worker failed: {reason}")
+            raise RefitError(f"version {version} committed here but failed on another worker: {reason}")
+
+    def _verify(self, m: Manifest, payload: bytes, stats: RefitStats, done: dict) -> RefitError | None:
+        """Fingerprint mode: compare what the engine now holds with the digests of the trainer's live tensors."""
+        assert self.transport is not None
+        t = time.perf_counter()
+        try:
+            self.transport.flush()
+            bad, unreadable = compare(m, self.engine, parse_json(payload, "VERIFY").get("digests"))
+        except RefitError as e:
+            return e
+        except Exception as e:
+            return RefitError(f"engine could not be read back for the fingerprint check: {type(e).__name__}: {e}")
+        finally:
+            stats.add("verify", time.perf_counter() - t)
+        stats.unverified = done["unverified"] = unreadable
+        if bad:
+            shown = ", ".join(bad[:20]) + (f", ... and {len(bad) - 20} more" if len(bad) > 20 else "")
+            return IntegrityError(
+                f"fingerprint check failed: the engine does not hold what the trainer holds for "
+                f"{len(bad)} tensor(s): {shown}"
+            )
+        return None
+
+    def _finalize(self, version: int) -> RefitError | None:
+        """Wait for every load, then commit; an engine that fails here still answers the sender."""
+        assert self.transport is not None
+        try:
+            self.transport.flush()
+            self.engine.commit(version)
+        except Exception as e:
+            return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
+        return None
+
+    def _stream(self, m: Manifest, begin: Header, stats: RefitStats) -> RefitError | None:
+        """Take every bucket; after a failure keep draining (so the sender never hangs) but load nothing."""
+        assert self.channel is not None and self.transport is not None
+        failure: RefitError | None = None
+        pending: tuple[int, Pending, Header] | None = None
+        for b in range(m.num_buckets):
+            t = time.perf_counter()
+            header, _ = self.channel.expect(Kind.BUCKET, f"refit {begin.version}, bucket {b}")
+            failure = failure or _check_header(header, m, begin, b)
+            handle = self.transport.recv(b % len(self.transport.buffers), m.bucket_nbytes[b])
+            stats.add("recv", time.perf_counter() - t)
+            if pending is not None:
+                failure = self._finish(*pending, stats, failure)
+                pending = None
+            if handle.ready or len(self.transport.buffers) == 1:
+                failure = self._finish(b, handle, header, stats, failure)
+            else:
+                pending = (b, handle, header)
+        if pending is not None:
+            failure = self._finish(*pending, stats, failure)
+        return failure
+
+    def _finish(
+        self, b: int, handle: Pending, header: Header, stats: RefitStats, failure: RefitError | None
+    ) -> RefitError | None:
+        """Wait for bucket `b`, verify and load it, then acknowledge it (with status 1 after a failure)."""
+        assert self.channel is not None and self.transport is not None and self._unpacker is not None
+        t = time.perf_counter()
+        try:
+            handle.wait(self.settings.timeout_s)
+        except PeerError as e:
+            raise PeerError(f"{e} (during refit {header.version}, bucket {b})") from None
+        stats.add("recv", time.perf_counter() - t)
+        slot = b % len(self.transport.buffers)
+        if failure is None:
+            t = time.perf_counter()
+            try:
+                if header.status:
+                    _verify(self.transport.buffers[slot][: header.nbytes], header, b)
+                stats.add("verify", time.perf_counter() - t)
+                t = time.perf_counter()
+                tensors = self._unpacker.unpack(b, slot)
+                if tensors:
+                    self.engine.load(tensors)
+                stats.add("load", time.perf_counter() - t)
+            except RefitError as e:
+                failure = e
+            except Exception as e:  # the engine's own error, reported to the sender by message
+                failure = RefitError(f"engine failed to load bucket {b}: {type(e).__name__}: {e}")
+        self.transport.release(slot)
+        self.channel.send(Header(Kind.ACK, status=int(failure is not None), slot=slot, index=b, version=header.version))
+        return failure
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_header(h: Header, m: Manifest, begin: Header, b: int) -> IntegrityError | None:
+    if h.epoch != m.epoch or h.digest != m.digest:
+        return IntegrityError(f"bucket {b} header is for another manifest (epoch {h.epoch}, expected {m.epoch})")
+    if h.version != begin.version or h.index != b or h.nbytes != m.bucket_nbytes[b]:
+        return IntegrityError(
+            f"bucket {b} header disagrees with the manifest (version {h.version}, index {h.index}, "
+            f"nbytes {h.nbytes}; expected {begin.version}, {b}, {m.bucket_nbytes[b]})"
+        )
+    return None
+
+
+def _verify(buf: torch.Tensor, header: Header, b: int) -> None:
+    got = checksum(buf)
+    if got != header.checksum:
+        raise IntegrityError(
+            f"bucket {b} is corrupted: checksum {got:#018x}, sender computed {header.checksum:#018x}; "
+            "the bytes changed in transit or the buffer was overwritten"
+        )

@@ -1,0 +1,145 @@
+"""Digests: the end-to-end check that the engine holds what the trainer holds (`verify="fingerprint"`).
+
+The sender digests each live source tensor after the wire cast, in the same pass that packs it (so a
+gathered tensor is read once). Each receiver, after its last load, digests what its engine now
+holds under every name (read back through `Engine.held`, in the wire dtype) and compares. A receiver
+that holds a shard of a tensor (tensor parallelism) names the region at the handshake, and the
+sender digests that region of its live tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from refit.checks.digest import Pending
+from refit.engines.base import Engine, Region
+from refit.errors import PeerError
+from refit.layout.manifest import Manifest
+from refit.sources.base import Source
+
+Target = tuple[str, Region | None]
+
+
+def parse_regions(raw: object, m: Manifest) -> dict[str, Region]:
+    """The shards a receiver holds, as sent in its REPORT, checked against the manifest's shapes."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise PeerError("REPORT 'regions' must be an object of name: [dim, start, stop]")
+    names = set(m.names)
+    out: dict[str, Region] = {}
+    for name, r in raw.items():
+        ok = isinstance(r, list) and len(r) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in r)
+        shape = m.entry(name).spec.shape if ok and name in names else ()
+        if not (ok and 0 <= r[0] < len(shape) and 0 <= r[1] <= r[2] <= shape[r[0]]):
+            raise PeerError(f"REPORT names an impossible region {r!r} of {name!r}")
+        out[name] = (r[0], r[1], r[2])
+    return out
+
+
+class DigestPlan:
+    """The sender's digests: which (name, region) to digest in which bucket, planned once per epoch (it
+    depends on the manifest and the receivers' regions only, never on tensors), and one refit's results
+    (`reset` before each refit)."""
+
+    def __init__(self, m: Manifest, regions: Sequence[dict[str, Region]]) -> None:
+        self.manifest = m
+        self.regions = list(regions)
+        self._pending = Pending()
+        self._keys: list[Target] = []
+        self._by_bucket: dict[int, list[tuple[int, list[Target], torch.dtype]]] = {}
+        for b, segs in enumerate(m.segments):
+            for k, s in enumerate(segs):
+                if m.last_bucket[s.entry] == b:
+                    spec = m.entries[s.entry].spec
+                    targets = list(dict.fromkeys((n, r.get(n)) for n in spec.names for r in self.regions or [{}]))
+                    self._by_bucket.setdefault(b, []).append((k, targets, spec.dtype))
+
+    def reset(self) -> None:
+        """Forget the last refit's digests (the plan itself stays: it holds no tensor)."""
+        self._pending = Pending()
+        self._keys = []
+
+    def take(self, bucket: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Digest the tensors whose last bytes are in `bucket`; `tensors` as packed (one per segment)."""
+        self._digest(
+            [(target, tensors[k], wire) for k, targets, wire in self._by_bucket.get(bucket, []) for target in targets]
+        )
+
+    def take_all(self, source: Source) -> None:
+        """Digest every tensor now (zero-copy mode, where nothing was packed)."""
+        m = self.manifest
+        live = dict(zip((p.name for p in m.entries), source.tensors([p.name for p in m.entries])))
+        targets = [(t, wire) for b in self._by_bucket.values() for _, ts, wire in b for t in ts]
+        self._digest([(target, live[m.entry(target[0]).name], wire) for target, wire in targets])
+
+    def _digest(self, items: list[tuple[Target, torch.Tensor, torch.dtype]]) -> None:
+        """Digest each target's region of its live tensor, cast to the wire dtype (no synchronisation)."""
+        with torch.no_grad():
+            views = [_cut(t, region).to(wire) for (_, region), t, wire in items]
+            self._pending.add(views)
+        self._keys.extend(target for target, _, _ in items)
+
+    def payloads(self) -> list[list[str]]:
+        """Per receiver, the hex digest of every name it loads, in `Manifest.names` order."""
+        done = dict(zip(self._keys, self._pending.hexes()))
+        names = self.manifest.names
+        return [[done[(n, r.get(n))] for n in names] for r in self.regions or [{}]]
+
+
+def _cut(t: torch.Tensor, region: Region | None) -> torch.Tensor:
+    return t if region is None else t.narrow(region[0], region[1], region[2] - region[1])
+
+
+def engine_regions(m: Manifest, engine: Engine) -> dict[str, list[int]]:
+    """The receiver's REPORT part: the regions its engine holds, for names held as shards."""
+    out = {}
+    for name in m.names:
+        held = engine.held(name)
+        if held is not None and held[1] is not None:
+            out[name] = list(held[1])
+    return out
+
+
+def compare(m: Manifest, engine: Engine, digests: object) -> tuple[list[str], int]:
+    """(names whose engine tensor differs from the trainer's, number of names the engine cannot read back)."""
+    names = m.names
+    if not (isinstance(digests, list) and len(digests) == len(names) and all(isinstance(d, str) for d in digests)):
+        raise PeerError(f"VERIFY must list one digest per name ({len(names)})")
+    held, wanted, unreadable = [], [], 0
+    for name, want in zip(names, digests):
+        got = engine.held(name)
+        if got is None:
+            unreadable += 1
+            continue
+        held.append((name, got[0], m.entry(name).spec.dtype))
+        wanted.append(want)
+    pending = Pending()
+    with torch.no_grad():
+        for group in _groups(held):  # casts of a bounded number of bytes alive at once
+            pending.add([t.to(wire) for _, t, wire in group])
+        lossy = {name for name, t, wire in held if t.dtype != wire and not _exact(t, wire)}
+    got_hex = pending.hexes()
+    bad = sorted({name for (name, _, _), g, w in zip(held, got_hex, wanted) if g != w} | lossy)
+    return bad, unreadable
+
+
+def _groups(held: list[tuple[str, torch.Tensor, torch.dtype]], limit: int = 256 << 20) -> Iterator[list]:
+    """Runs of `held` whose casts to the wire dtype take at most about `limit` bytes at once. A tensor already
+    in its wire dtype is digested as it is (no copy), so it counts for nothing: without casts, one run."""
+    group, size = [], 0
+    for item in held:
+        group.append(item)
+        size += item[1].numel() * item[2].itemsize if item[1].dtype != item[2] else 0
+        if size >= limit:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+def _exact(t: torch.Tensor, wire: torch.dtype) -> bool:
+    """The engine's wider tensor holds only values the wire dtype has (else it holds something not sent)."""
+    return torch.equal(t.to(wire).to(t.dtype).view(-1).view(torch.uint8), t.contiguous().view(-1).view(torch.uint8))
