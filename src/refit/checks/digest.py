@@ -67,10 +67,8 @@ def _sums_rows(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     whole = words.numel() - words.numel() % ROW_WORDS
     rows = words[:whole].view(-1, ROW_WORDS)
     pos = _positions(ROW_WORDS, words.device)
-    if words.device.type == "cpu":
-        row_s1 = rows @ pos  # integer matmul wraps like the sums; CUDA has none, so it multiplies below
-    else:
-        row_s1 = (rows * pos).sum(dim=1)
+    # Integer matmul wraps like the sums; CUDA has none, so there it multiplies and sums.
+    row_s1 = rows @ pos if words.device.type == "cpu" else (rows * pos).sum(dim=1)
     row_s0 = rows.sum(dim=1)
     rest = words[whole:]
     bases = _positions(rows.shape[0], words.device) * ROW_WORDS

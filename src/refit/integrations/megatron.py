@@ -1,4 +1,5 @@
-"""megatron_refit: the per-refit call every model-parallel rank of a Megatron trainer makes (the leader refits, the others follow)."""
+"""megatron_refit: the per-refit call every model-parallel rank of a Megatron trainer makes (the leader
+refits, the others follow)."""
 
 from __future__ import annotations
 

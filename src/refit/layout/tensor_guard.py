@@ -69,7 +69,7 @@ def _works() -> bool:
         ts[0].set_(torch.zeros(4, 4))
         ts[1].data = torch.zeros(16)
         return not check(torch.nn.Parameter(ts[0]), ts[1]) and not check(ts[0].as_subclass(_Probe), ts[1])
-    except Exception as e:  # any other torch: fall back, never guess
+    except Exception as e:  # noqa: BLE001 - any other torch: fall back, never guess
         log.info("TensorGuards unusable here (%s: %s); layout checks read metadata through Python", type(e).__name__, e)
         return False
 
@@ -81,5 +81,5 @@ def tensor_guard(tensors: Sequence[torch.Tensor]) -> Check | None:
         return None
     try:
         return _build(tensors)
-    except Exception:
+    except Exception:  # noqa: BLE001 - an unusable guard means the Python fallback, never a wrong answer
         return None

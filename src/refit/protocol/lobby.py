@@ -22,7 +22,7 @@ from refit.protocol.wire import HEADER, MAX_HELLO_BYTES, Channel, Header, Kind
 
 HELLO_TIMEOUT_S = 10.0
 """How long a new connection has to deliver its whole HELLO."""
-WRONG_TOKEN = "wrong token: this sender expects another REFIT_TOKEN; pass the token from Sender.rendezvous()"
+WRONG_TOKEN = "wrong token: this sender expects another REFIT_TOKEN; pass the token from Sender.rendezvous()"  # noqa: S105 - a message
 
 log = get_logger("sender")
 

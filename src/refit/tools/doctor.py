@@ -294,7 +294,7 @@ def nvlink_summary() -> str:
         finally:
             pynvml.nvmlShutdown()
         return f"active links per GPU {per_gpu}" if any(per_gpu) else "no active links (PCIe)"
-    except Exception:  # no NVML binding or no driver access: try the command line
+    except Exception:  # noqa: BLE001, S110 - no NVML binding or no driver access: try the command line
         pass
     if shutil.which("nvidia-smi"):
         try:
@@ -310,7 +310,7 @@ def nvlink_summary() -> str:
 def _link_up(pynvml, handle, link: int) -> bool:  # type: ignore[no-untyped-def]
     try:
         return pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
-    except Exception:  # the link does not exist on this GPU
+    except Exception:  # noqa: BLE001 - the link does not exist on this GPU
         return False
 
 
@@ -400,7 +400,7 @@ def probe_cuda_ipc(device: int = 0, timeout_s: float = PROBE_TIMEOUT_S) -> Check
     torch.cuda.synchronize(device)
     try:
         handle = export(buf)
-    except Exception as e:  # a driver or container that refuses IPC
+    except Exception as e:  # noqa: BLE001 - a driver or container that refuses IPC
         return Check(name=name, status=FAIL, detail=f"exporting a handle failed: {e}", fix=_IPC_FIX)
     code = "from refit.tools.doctor import ipc_child; ipc_child()"
     try:
@@ -454,7 +454,7 @@ def ipc_child() -> None:
         t[128:].fill_(7)
         torch.cuda.synchronize(t.device)
         print(json.dumps({"ok": True}), flush=True)
-    except Exception as e:  # reported to the parent, which names it
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which names it
         print(json.dumps({"error": str(e)}), flush=True)
 
 

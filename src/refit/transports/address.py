@@ -14,7 +14,7 @@ import struct
 
 from refit.settings import Settings
 
-WILDCARDS = frozenset({"", "0.0.0.0", "::", "*"})
+WILDCARDS = frozenset({"", "0.0.0.0", "::", "*"})  # noqa: S104 - the addresses refit never advertises
 _SIOCGIFADDR = 0x8915
 
 

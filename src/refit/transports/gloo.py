@@ -19,7 +19,7 @@ class _Work(Pending):
     def wait(self, timeout_s: float) -> None:
         try:
             self._work.wait(datetime.timedelta(seconds=timeout_s))
-        except Exception as e:  # gloo raises RuntimeError subclasses with its own wording
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses with its own wording
             raise PeerError(f"{self._what} failed: {e}; did a peer exit, or is REFIT_TIMEOUT too short?") from None
 
 
@@ -35,7 +35,7 @@ class GlooTransport(BroadcastTransport):
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._host)]
         try:
             return dist.ProcessGroupGloo(dist.PrefixStore(self._prefix, store), self._rank, self._size, opts)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - torch raises several types here; reported as PeerError with the cause
             raise PeerError(f"gloo group setup (rank {self._rank} of {self._size}) failed: {e}") from None
 
     def _pending(self, work: dist.Work, what: str) -> Pending:

@@ -26,7 +26,7 @@ class _StreamWork(Pending):
     def wait(self, timeout_s: float) -> None:
         try:
             self._work.wait()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - NCCL raises several types here; reported as PeerError with the cause
             raise PeerError(f"{self._what} failed: {e}; did a peer exit?") from None
 
 
@@ -47,7 +47,7 @@ class NcclTransport(BroadcastTransport):
             pg.broadcast([x], self._opts).wait()
             torch.cuda.synchronize(device)
             return pg
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - NCCL raises several types here; reported as PeerError with the cause
             raise PeerError(f"NCCL group setup (rank {self._rank} of {self._size}) failed: {e}") from None
 
     def _pending(self, work: dist.Work, what: str) -> Pending:
@@ -58,8 +58,8 @@ class NcclTransport(BroadcastTransport):
 
     def close(self) -> None:
         if self._pg is not None:
-            try:
+            try:  # noqa: SIM105 - a blind except stays visible to the linter
                 self._pg.shutdown()
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - closing: the group may already be broken
                 pass
         super().close()

@@ -8,6 +8,7 @@ receiver mapped them; files of dead senders are swept at the next offer. No name
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -94,10 +95,8 @@ class ShmTransport(Transport):
 
     def _unlink(self) -> None:
         for path in self._paths:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
         for fd in self._fds:
             os.close(fd)
         self._paths, self._fds = [], []
@@ -125,10 +124,8 @@ def _sweep() -> None:
     for name in os.listdir(root):
         m = _FILE.fullmatch(name)
         if m and not os.path.exists(f"/proc/{m.group(1)}"):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(root, name))
-            except OSError:
-                pass
 
 
 def _pin(buf: torch.Tensor) -> bool:
@@ -137,5 +134,5 @@ def _pin(buf: torch.Tensor) -> bool:
         return False
     try:
         return int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)) == 0
-    except Exception:  # pinning is an optimisation; unpinned memory still works
+    except Exception:  # noqa: BLE001 - pinning is an optimisation; unpinned memory still works
         return False

@@ -22,6 +22,8 @@ class HttpEngine:
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be an http:// or https:// URL of a vllm serve endpoint, not {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
 
@@ -29,14 +31,14 @@ class HttpEngine:
         import urllib.error
         import urllib.request
 
-        req = urllib.request.Request(
+        req = urllib.request.Request(  # noqa: S310 - the scheme is checked in __init__
             f"{self.base_url}/{route}",
             data=json.dumps(body or {}).encode(),
             headers={"Content-Type": "application/json"},
             method="POST",
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310 - scheme checked in __init__
                 resp.read()
         except urllib.error.HTTPError as e:
             raise RefitError(
@@ -100,7 +102,7 @@ class VllmRefit:
         def run() -> None:
             try:
                 result["value"] = trainer_side()
-            except BaseException as e:  # re-raised in the caller's thread
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 result["error"] = e
                 if not isinstance(e, RefitError):
                     # The trainer's own failure (its source raised, say) leaves the workers waiting for the
@@ -112,7 +114,7 @@ class VllmRefit:
         engine_error: Exception | None = None
         try:
             engine_side()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure of vLLM's side is reported together with the trainer's
             engine_error = e
         # Every wait inside the Sender is bounded by its timeout, so this join ends; the bound is a backstop.
         self._thread.join(4 * self.sender.settings.timeout_s + 60)
@@ -166,7 +168,7 @@ class VllmRefit:
             return
         try:
             per_worker = rpc("refit_engine_seconds")
-        except Exception as e:  # no RefitWorkerExtension in this vLLM: the stats stay the Sender's
+        except Exception as e:  # noqa: BLE001 - no RefitWorkerExtension in this vLLM: the stats stay the Sender's
             log.debug("workers' engine time unavailable: %s", e)
             return
         for key in ("copy", "post", "load"):

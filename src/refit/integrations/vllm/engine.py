@@ -34,7 +34,7 @@ def checkpoint_shapes(hf_config: Any) -> dict[str, tuple[int, ...]] | None:
 
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(hf_config)
-    except Exception as e:  # an architecture only vLLM knows
+    except Exception as e:  # noqa: BLE001 - an architecture only vLLM knows
         log.warning(
             "no transformers model for %s (%s): shapes are checked by vLLM's loader while loading",
             type(hf_config).__name__,
@@ -161,7 +161,7 @@ class VllmEngine(Engine):
                 self.plan.abort()  # type: ignore[union-attr]
             else:
                 finalize_layerwise_reload(self.model, self.model_config)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the refit already failed; restoring is best effort, logged
             log.warning("restoring vLLM's modules after a failed refit: %s", e)
 
 

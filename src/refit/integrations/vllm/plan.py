@@ -262,7 +262,10 @@ class LoadPlan:
             if lp.kind is not Kind.DIRECT
         ]
         counts = {k.value: sum(lp.kind is k for lp in self.layers.values()) for k in Kind}
-        head = f"load plan: {counts['direct']} modules direct, {counts['post']} post-processed, {counts['fallback']} via vLLM's loader"
+        head = (
+            f"load plan: {counts['direct']} modules direct, {counts['post']} post-processed, "
+            f"{counts['fallback']} via vLLM's loader"
+        )
         return "\n".join([head, *rows])
 
     def begin(self) -> None:
@@ -348,7 +351,7 @@ class LoadPlan:
             if lp.kind is Kind.FALLBACK:
                 try:
                     finalize_layerwise_reload(lp.layer, self.model_config)
-                except Exception as e:  # already failed; the version reads as failed either way
+                except Exception as e:  # noqa: BLE001 - already failed; the version reads as failed either way
                     log.warning("finalizing %s after a failed refit: %s", lp.module, e)
 
     def held(self, name: str) -> tuple[torch.Tensor, Region | None] | None:

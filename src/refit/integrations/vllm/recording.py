@@ -222,7 +222,7 @@ def record(
                 try:
                     with catcher:
                         load(name, enc)
-                except Exception as e:  # vLLM refuses this name or shape: reported at the handshake
+                except Exception as e:  # noqa: BLE001 - vLLM refuses this name or shape: reported at the handshake
                     out.rejected[name] = f"{type(e).__name__}: {e}"
     finally:
         for module, params in stash.items():

@@ -10,6 +10,7 @@ import argparse
 import itertools
 import json
 import statistics
+from functools import partial
 
 import torch
 
@@ -42,9 +43,9 @@ def run(preset: str, layers: int | None, repeats: int, tunings: list[tuple[int, 
     flat_src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     flat_dst = torch.empty_like(flat_src)
     out = {"preset": preset, "layers": layers, "tensors": len(src), "nbytes": nbytes}
-    out["flat"] = _time(lambda: flat_dst.copy_(flat_src), repeats)
+    out["flat"] = _time(partial(flat_dst.copy_, flat_src), repeats)
     del flat_src, flat_dst
-    out["foreach"] = _time(lambda: torch._foreach_copy_(dst, src), repeats)
+    out["foreach"] = _time(partial(torch._foreach_copy_, dst, src), repeats)
     out["kernel"] = {}
     for chunk, block, warps, programs in tunings:
         plan = BatchedCopy(dst, src, chunk_bytes=chunk, block_bytes=block, num_warps=warps, programs=programs)

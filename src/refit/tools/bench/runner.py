@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 
@@ -256,7 +257,7 @@ def _local_copy(
     src = list(tensors.values())
     dst = [torch.empty_like(t) for t in src]
     if method == "foreach":
-        times = _timed(lambda: torch._foreach_copy_(dst, src), device, cfg)
+        times = _timed(partial(torch._foreach_copy_, dst, src), device, cfg)
     else:
         plan = BatchedCopy(dst, src)
         times = _timed(plan.run, device, cfg)

@@ -33,7 +33,7 @@ def build_tokenizer():
         show_progress=False,
     )
     tok.train_from_iterator([TEXT] * 4, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>")  # noqa: S106
 
 
 def model_config(*, layers: int = 8, hidden: int = 512, ffn: int = 1536, dtype: str = "float32", arch: str = "llama"):
