@@ -37,21 +37,10 @@ def cpu_shims() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_gpt(hf_config, *, tp: int, pp: int, seed: int = 0) -> torch.nn.Module:  # type: ignore[no-untyped-def]
-    """A GPTModel with `hf_config`'s architecture, TP x PP over the default (gloo) group."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+def _transformer_config(c, *, tp: int, pp: int):  # type: ignore[no-untyped-def]
+    """Megatron's TransformerConfig for the architecture of transformers config `c`, on CPU in fp32."""
     from megatron.core.transformer import TransformerConfig
 
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    cpu_shims()
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        model_parallel_cuda_manual_seed(seed)
-    c = hf_config
     experts = getattr(c, "num_experts", None) or 0
     moe = (
         {
@@ -64,7 +53,7 @@ def build_gpt(hf_config, *, tp: int, pp: int, seed: int = 0) -> torch.nn.Module:
         if experts
         else {}
     )
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=c.num_hidden_layers,
         hidden_size=c.hidden_size,
         num_attention_heads=c.num_attention_heads,
@@ -93,6 +82,24 @@ def build_gpt(hf_config, *, tp: int, pp: int, seed: int = 0) -> torch.nn.Module:
         qk_layernorm=c.model_type.startswith("qwen3"),
         **moe,
     )
+
+
+def build_gpt(hf_config, *, tp: int, pp: int, seed: int = 0) -> torch.nn.Module:  # type: ignore[no-untyped-def]
+    """A GPTModel with `hf_config`'s architecture, TP x PP over the default (gloo) group."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    cpu_shims()
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(seed)
+    c = hf_config
+    experts = getattr(c, "num_experts", None) or 0
+    config = _transformer_config(c, tp=tp, pp=pp)
     spec = get_gpt_layer_local_spec(
         num_experts=experts or None, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
     )
