@@ -19,6 +19,7 @@ import operator
 from collections import Counter
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,16 @@ def _dim0_group(t: torch.Tensor) -> dist.ProcessGroup | None:
     if len(sharded) != 1 or placements[sharded[0]] != Shard(0):
         return None
     return t.device_mesh.get_group(sharded[0])
+
+
+class BucketSink(Protocol):
+    """What per-rank gathers need of a Sender (`refit.topology.sender.Sender` is one): its current
+    manifest, and the buffer each bucket of it is packed into (None before its first handshake)."""
+
+    @property
+    def manifest(self) -> Manifest | None: ...
+
+    def bucket_buffer(self, b: int) -> torch.Tensor | None: ...
 
 
 @dataclass(slots=True)
@@ -176,7 +187,7 @@ class FsdpSource(WireDtypes, Source):
         self._planned = key
         self._live, self._next = [], 0
 
-    def begin(self, *, layout: Manifest | None = None, sender=None) -> None:  # type: ignore[no-untyped-def]
+    def begin(self, *, layout: Manifest | None = None, sender: BucketSink | None = None) -> None:
         """Start a pass (every rank, before each refit). With `layout` (per-rank mode, the same bucket
         layout on every rank) gathers follow the buckets instead of the schedule, and whole, evenly
         sharded tensors are gathered straight into `sender`'s bucket buffer."""
@@ -368,7 +379,7 @@ class _BucketGathers:
     once per layout, so a refit of many tensors costs no Python work per tensor for it.
     """
 
-    def __init__(self, source: FsdpSource, layout: Manifest, sender) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, source: FsdpSource, layout: Manifest, sender: BucketSink | None) -> None:
         self.source, self.m, self.sender = source, layout, sender
         if source._bucket_plans[0] is not layout:
             source._bucket_plans = (
@@ -398,11 +409,11 @@ class _BucketGathers:
     def _buffer(self, b: int) -> torch.Tensor | None:
         """The slot buffer bucket `b` is packed into, when the Sender packs exactly this layout."""
         s = self.sender
-        if s is None or s.manifest is None or s.transport is None:
+        if s is None or s.manifest is None:
             return None
         if self._matched[0] is not s.manifest:  # compared once per manifest, not per bucket
             self._matched = (s.manifest, s.manifest.segments == self.m.segments)
-        return s.transport.buffers[b % s.num_slots] if self._matched[1] else None
+        return s.bucket_buffer(b) if self._matched[1] else None
 
     def _plan(self, b: int, buf: torch.Tensor | None) -> _BucketPlan:
         """Bucket `b`'s in-place gathers into `buf` (into scratch when None: a drain, never cached)."""

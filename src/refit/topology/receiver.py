@@ -1,4 +1,5 @@
-"""Receiver: the engine side of the protocol (validate the manifest, take buckets in, commit a version)."""
+"""Receiver: the engine side's session (connect and join, handshake per epoch, commit and the per-rank
+verdict, close). Each refit's buckets go through the epoch's data path, `refit.topology.receive_path`."""
 
 from __future__ import annotations
 
@@ -8,19 +9,18 @@ import time
 import torch
 
 from refit import transports
-from refit.checks.checksum import checksum
 from refit.checks.validation import validate
 from refit.engines.base import Engine
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.layout.budget import bucket_capacity, free_bytes
 from refit.layout.manifest import Manifest
-from refit.layout.packing import Unpacker, copy_share
 from refit.log import get_logger
 from refit.protocol.wire import Channel, Header, Kind, parse_json
 from refit.settings import Settings
+from refit.topology.receive_path import ReceivePath
 from refit.topology.stats import RefitStats
-from refit.topology.verification import compare, engine_regions
-from refit.transports.base import Pending, Transport
+from refit.topology.verification import engine_regions
+from refit.transports.base import Transport
 
 log = get_logger("receiver")
 
@@ -49,8 +49,7 @@ class Receiver:
         self.transport: Transport | None = None
         self.rank = 0
         self.manifest: Manifest | None = None
-        self._unpacker: Unpacker | None = None
-        self._sources: list[tuple[str, torch.Tensor]] = []
+        self._path: ReceivePath | None = None
         self._broken = ""
         self._idle_timeout_s = self.settings.timeout_s
 
@@ -132,7 +131,8 @@ class Receiver:
             if header.kind == Kind.MANIFEST:
                 self._handshake(header, payload)
             elif header.kind == Kind.SOURCES:
-                self._open_sources(payload)
+                assert self._path is not None
+                self._path.open_sources(payload)
             elif header.kind == Kind.BEGIN:
                 return self._refit(header)
             elif header.kind == Kind.CLOSE:
@@ -149,7 +149,7 @@ class Receiver:
 
     def _handshake(self, header: Header, payload: bytes) -> None:
         assert self.channel is not None and self.transport is not None
-        self.manifest, self._unpacker, self._sources = None, None, []
+        self.manifest, self._path = None, None
         try:
             manifest = Manifest.from_json(payload)
         except ValueError as e:
@@ -177,39 +177,15 @@ class Receiver:
             manifest.num_buckets,
         )
         self.manifest = manifest
-        self._unpacker = Unpacker(manifest, self.transport.buffers, device=self.device)
-
-    def _open_sources(self, payload: bytes) -> None:
-        """Zero-copy mode: map the sender's tensors once per epoch."""
-        from refit.transports.cuda_ipc import open_tensor
-
-        assert self.channel is not None and self.manifest is not None
-        try:
-            handles = parse_json(payload, "SOURCES").get("tensors")
-            if not isinstance(handles, list) or len(handles) != len(self.manifest.entries):
-                raise IntegrityError("SOURCES does not list one handle per manifest tensor")
-            with torch.cuda.device(self.device):
-                views = [open_tensor(h) for h in handles]
-            for p, v in zip(self.manifest.entries, views):
-                if tuple(v.shape) != p.spec.shape or v.dtype != p.spec.dtype:
-                    raise IntegrityError(f"shared tensor {p.name} does not match its manifest entry")
-        except RefitError as e:
-            self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {e}"})
-            raise
-        self._sources = [(p.name, v) for p, v in zip(self.manifest.entries, views)]
-        self.channel.send(Header(Kind.READY))
-
-    def _copy_sources(self, stats: RefitStats) -> RefitError | None:
-        """Zero-copy refit: one device copy from the sender's tensors into the engine."""
-        if not self._sources:
-            return IntegrityError("zero-copy refit before the sender shared its tensors (no SOURCES this epoch)")
-        t = time.perf_counter()
-        try:
-            self.engine.load(self._sources)
-        except Exception as e:
-            return RefitError(f"engine failed to load the shared tensors: {type(e).__name__}: {e}")
-        stats.add("load", time.perf_counter() - t)
-        return None
+        self._path = ReceivePath(
+            self.engine,
+            manifest,
+            self.transport,
+            self.channel,
+            settings=self.settings,
+            device=self.device,
+            rank=self.rank,
+        )
 
     def _refit(self, begin: Header) -> RefitStats:
         m, ch = self.manifest, self.channel
@@ -224,11 +200,11 @@ class Receiver:
         self.engine.begin(version)
         done: dict = {}
         try:
-            with copy_share(self._transport_cls.name):
-                failure = self._copy_sources(stats) if begin.status & 1 else self._stream(m, begin, stats)
+            assert self._path is not None
+            failure = self._path.take(begin, stats)
             header, payload = ch.recv(f"commit of version {version}")
             if header.kind == Kind.VERIFY:
-                failure = failure or self._verify(m, payload, stats, done)
+                failure = failure or self._path.check_fingerprints(payload, stats, done)
                 header, payload = ch.recv(f"commit of version {version}")
             if header.kind != Kind.COMMIT:
                 raise PeerError(
@@ -261,28 +237,6 @@ class Receiver:
             self.engine.fail(version, f"another worker failed: {reason}")
             raise RefitError(f"version {version} committed here but failed on another worker: {reason}")
 
-    def _verify(self, m: Manifest, payload: bytes, stats: RefitStats, done: dict) -> RefitError | None:
-        """Fingerprint mode: compare what the engine now holds with the digests of the trainer's live tensors."""
-        assert self.transport is not None
-        t = time.perf_counter()
-        try:
-            self.transport.flush()
-            bad, unreadable = compare(m, self.engine, parse_json(payload, "VERIFY").get("digests"))
-        except RefitError as e:
-            return e
-        except Exception as e:
-            return RefitError(f"engine could not be read back for the fingerprint check: {type(e).__name__}: {e}")
-        finally:
-            stats.add("verify", time.perf_counter() - t)
-        stats.unverified = done["unverified"] = unreadable
-        if bad:
-            shown = ", ".join(bad[:20]) + (f", ... and {len(bad) - 20} more" if len(bad) > 20 else "")
-            return IntegrityError(
-                f"fingerprint check failed: the engine does not hold what the trainer holds for "
-                f"{len(bad)} tensor(s): {shown}"
-            )
-        return None
-
     def _finalize(self, version: int) -> RefitError | None:
         """Wait for every load, then commit; an engine that fails here still answers the sender."""
         assert self.transport is not None
@@ -292,59 +246,6 @@ class Receiver:
         except Exception as e:
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
         return None
-
-    def _stream(self, m: Manifest, begin: Header, stats: RefitStats) -> RefitError | None:
-        """Take every bucket; after a failure keep draining (so the sender never hangs) but load nothing."""
-        assert self.channel is not None and self.transport is not None
-        failure: RefitError | None = None
-        pending: tuple[int, Pending, Header] | None = None
-        for b in range(m.num_buckets):
-            t = time.perf_counter()
-            header, _ = self.channel.expect(Kind.BUCKET, f"refit {begin.version}, bucket {b}")
-            failure = failure or _check_header(header, m, begin, b)
-            handle = self.transport.recv(b % len(self.transport.buffers), m.bucket_nbytes[b])
-            stats.add("recv", time.perf_counter() - t)
-            if pending is not None:
-                failure = self._finish(*pending, stats, failure)
-                pending = None
-            if handle.ready or len(self.transport.buffers) == 1:
-                failure = self._finish(b, handle, header, stats, failure)
-            else:
-                pending = (b, handle, header)
-        if pending is not None:
-            failure = self._finish(*pending, stats, failure)
-        return failure
-
-    def _finish(
-        self, b: int, handle: Pending, header: Header, stats: RefitStats, failure: RefitError | None
-    ) -> RefitError | None:
-        """Wait for bucket `b`, verify and load it, then acknowledge it (with status 1 after a failure)."""
-        assert self.channel is not None and self.transport is not None and self._unpacker is not None
-        t = time.perf_counter()
-        try:
-            handle.wait(self.settings.timeout_s)
-        except PeerError as e:
-            raise PeerError(f"{e} (during refit {header.version}, bucket {b})") from None
-        stats.add("recv", time.perf_counter() - t)
-        slot = b % len(self.transport.buffers)
-        if failure is None:
-            t = time.perf_counter()
-            try:
-                if header.status:
-                    _verify(self.transport.buffers[slot][: header.nbytes], header, b)
-                stats.add("verify", time.perf_counter() - t)
-                t = time.perf_counter()
-                tensors = self._unpacker.unpack(b, slot)
-                if tensors:
-                    self.engine.load(tensors)
-                stats.add("load", time.perf_counter() - t)
-            except RefitError as e:
-                failure = e
-            except Exception as e:  # the engine's own error, reported to the sender by message
-                failure = RefitError(f"engine failed to load bucket {b}: {type(e).__name__}: {e}")
-        self.transport.release(slot)
-        self.channel.send(Header(Kind.ACK, status=int(failure is not None), slot=slot, index=b, version=header.version))
-        return failure
 
     def close(self) -> None:
         if self.channel is not None:
@@ -359,23 +260,3 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_header(h: Header, m: Manifest, begin: Header, b: int) -> IntegrityError | None:
-    if h.epoch != m.epoch or h.digest != m.digest:
-        return IntegrityError(f"bucket {b} header is for another manifest (epoch {h.epoch}, expected {m.epoch})")
-    if h.version != begin.version or h.index != b or h.nbytes != m.bucket_nbytes[b]:
-        return IntegrityError(
-            f"bucket {b} header disagrees with the manifest (version {h.version}, index {h.index}, "
-            f"nbytes {h.nbytes}; expected {begin.version}, {b}, {m.bucket_nbytes[b]})"
-        )
-    return None
-
-
-def _verify(buf: torch.Tensor, header: Header, b: int) -> None:
-    got = checksum(buf)
-    if got != header.checksum:
-        raise IntegrityError(
-            f"bucket {b} is corrupted: checksum {got:#018x}, sender computed {header.checksum:#018x}; "
-            "the bytes changed in transit or the buffer was overwritten"
-        )

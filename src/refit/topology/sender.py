@@ -1,4 +1,5 @@
-"""Sender: the trainer side of the protocol (rendezvous, handshake per epoch, pipelined refits)."""
+"""Sender: the trainer side's session (lobby and admission, transport setup, heartbeats, handshake per
+epoch, commit vote). Each refit's buckets go through the epoch's data path, `refit.topology.send_path`."""
 
 from __future__ import annotations
 
@@ -11,22 +12,21 @@ from collections.abc import Callable, Hashable
 import torch
 
 from refit import transports
-from refit.checks.checksum import checksum
 from refit.checks.validation import Report
 from refit.errors import HandshakeError, PeerError, RefitError
 from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes
 from refit.layout.manifest import Manifest
-from refit.layout.packing import Packer, copy_share
 from refit.layout.planner import forecast, plan
 from refit.log import get_logger
 from refit.protocol.lobby import Lobby
 from refit.protocol.wire import Channel, Header, Kind, parse_json
 from refit.settings import Settings
 from refit.sources.base import Source
+from refit.topology.send_path import SendPath, share_sources
 from refit.topology.stats import RefitStats
 from refit.topology.verification import DigestPlan, parse_regions
 from refit.transports import address
-from refit.transports.base import Pending, Transport
+from refit.transports.base import Transport
 
 log = get_logger("sender")
 VERIFY_MODES = (None, "fingerprint")
@@ -150,8 +150,7 @@ class Sender:
         self._regions: list[dict[str, list[int]]] = []
         self._digests: DigestPlan | None = None
         self._signature: Hashable = None
-        self._packer: Packer | None = None
-        self._bucket_names: list[list[str]] = []
+        self._path: SendPath | None = None
         self._epoch = 0
         self._generation = 0
         self._begun = False
@@ -167,6 +166,14 @@ class Sender:
     @property
     def transport(self) -> Transport | None:
         return self._session.transport
+
+    def bucket_buffer(self, b: int) -> torch.Tensor | None:
+        """The slot buffer bucket `b` of `manifest` will be packed into (None before the first handshake).
+        A gathering source may fill it in place (bytes laid out as `manifest` says) so packing copies nothing."""
+        path = self._path
+        if path is None or path.manifest is not self.manifest or self.transport is None:
+            return None
+        return path.buffer(b)
 
     def rendezvous(self) -> dict:
         """JSON-able info a Receiver needs: address, token and transport."""
@@ -271,12 +278,19 @@ class Sender:
             self.manifest, self._signature = None, None
             raise HandshakeError(" | ".join(failures))
         if self.zero_copy:
-            self._share_sources(manifest)
+            share_sources(self.source, manifest, self.channels)
         self.manifest, self._regions = manifest, regions
         self._digests = DigestPlan(manifest, regions) if self.verify else None
         assert self.transport is not None
-        self._packer = Packer(manifest, self.transport.buffers)
-        self._bucket_names = [[manifest.entries[s.entry].name for s in segs] for segs in manifest.segments]
+        self._path = SendPath(
+            manifest,
+            self.transport,
+            self.channels,
+            settings=self.settings,
+            num_slots=self.num_slots,
+            zero_copy=self.zero_copy,
+            digests=self._digests,
+        )
         log.info(
             "handshake: epoch %d, digest %s, %d tensors, %d bucket(s) of %d bytes",
             manifest.epoch,
@@ -285,27 +299,6 @@ class Sender:
             manifest.num_buckets,
             manifest.capacity,
         )
-
-    def _share_sources(self, manifest: Manifest) -> None:
-        """Export every source tensor's IPC handle once per epoch (zero-copy mode)."""
-        from refit.transports.cuda_ipc import export
-
-        tensors = self.source.tensors([p.name for p in manifest.entries])
-        bad = [
-            p.name
-            for p, t in zip(manifest.entries, tensors)
-            if not (t.is_cuda and t.is_contiguous() and t.dtype == p.spec.dtype)
-        ]
-        if bad:
-            raise ValueError(
-                f"zero_copy needs contiguous CUDA tensors already in their wire dtype; not so: {bad[:5]}. "
-                "Use zero_copy=False (packing casts on the way)."
-            )
-        payload = {"tensors": [export(t) for t in tensors]}
-        for ch in self.channels:
-            ch.send(Header(Kind.SOURCES, epoch=manifest.epoch, digest=manifest.digest), payload)
-        for ch in self.channels:
-            ch.expect(Kind.READY, "opening the source tensors' IPC handles")
 
     def _changed(self) -> bool:
         """The cheap signature moved: does that need a new epoch? Yes if any spec or alias changed, and in
@@ -394,13 +387,8 @@ class Sender:
         for ch in self.channels:
             ch.send(begin)
         self._begun = True
-        digests = self._digests
-        if digests is not None:
-            digests.reset()
-        with copy_share(self.transport_name):
-            errors = [] if self.zero_copy else self._stream(m, version, stats, digests)
-        if digests is not None and not errors:
-            self._send_digests(m, version, stats, digests)
+        assert self._path is not None
+        errors = self._path.send(self.source, version, stats, self._generation, verify_checksum=self.verify_checksum)
         self._commit(m, version, stats, errors)
         stats.control_bytes = self._control_bytes() - ctrl0
         stats.seconds["total"] = time.perf_counter() - t0
@@ -412,69 +400,6 @@ class Sender:
             stats.seconds["total"] * 1e3,
         )
         return stats
-
-    def _stream(self, m: Manifest, version: int, stats: RefitStats, digests: DigestPlan | None) -> list[str]:
-        """Pack and send every bucket, `num_slots` in flight; returns receivers' per-bucket errors."""
-        assert self.transport is not None and self._packer is not None
-        slots = self.num_slots
-        inflight: list[Pending | None] = [None] * slots
-        errors: list[str] = []
-        for b in range(m.num_buckets):
-            slot = b % slots
-            if b >= slots:
-                self._retire(b - slots, inflight[slot], version, stats, errors)
-            t = time.perf_counter()
-            self._pack(b, slot, digests)
-            nbytes = m.bucket_nbytes[b]
-            crc = checksum(self.transport.buffers[slot][:nbytes]) if self.verify_checksum else 0
-            self.transport.before_send(slot)
-            stats.add("pack", time.perf_counter() - t)
-            t = time.perf_counter()
-            header = Header(
-                Kind.BUCKET,
-                slot=slot,
-                epoch=m.epoch,
-                index=b,
-                version=version,
-                digest=m.digest,
-                nbytes=nbytes,
-                checksum=crc,
-                status=int(self.verify_checksum),
-            )
-            for ch in self.channels:
-                ch.send(header)
-            inflight[slot] = self.transport.send(slot, nbytes)
-            stats.add("send", time.perf_counter() - t)
-            log.debug("bucket %d of %d (%d bytes) sent from slot %d", b, m.num_buckets, nbytes, slot)
-        for b in range(max(0, m.num_buckets - slots), m.num_buckets):
-            self._retire(b, inflight[b % slots], version, stats, errors)
-        return errors
-
-    def _pack(self, b: int, slot: int, digests: DigestPlan | None) -> None:
-        """Fill `slot` with bucket `b`: replay its cached plan when this generation vouches for it (without
-        even looking the tensors up), else look them up and pack (planning anew where their layout moved)."""
-        assert self._packer is not None
-        stable = self.source.stable_tensors
-        if stable and digests is None and self.source.lookup_only and self._packer.replay(b, slot, self._generation):
-            return
-        tensors = self.source.tensors(self._bucket_names[b])
-        self._packer.pack(b, slot, tensors, cache=stable, generation=self._generation)
-        if digests is not None:
-            digests.take(b, tensors)
-
-    def _retire(self, b: int, pending: Pending | None, version: int, stats: RefitStats, errors: list[str]) -> None:
-        """Wait until bucket `b` is off the wire and every receiver has consumed it."""
-        t = time.perf_counter()
-        stage = f"refit {version}, bucket {b}"
-        if pending is not None:
-            pending.wait(self.settings.timeout_s)
-        for ch in self.channels:
-            header, _ = ch.expect(Kind.ACK, stage)
-            if header.index != b:
-                raise PeerError(f"{ch.peer} acknowledged bucket {header.index} during {stage}")
-            if header.status:
-                errors.append(f"{ch.peer} failed at bucket {b}")
-        stats.add("wait", time.perf_counter() - t)
 
     def _commit(self, m: Manifest, version: int, stats: RefitStats, errors: list[str]) -> None:
         t = time.perf_counter()
@@ -518,15 +443,6 @@ class Sender:
             if verdict
             else ""
         )
-
-    def _send_digests(self, m: Manifest, version: int, stats: RefitStats, digests: DigestPlan) -> None:
-        """Fingerprint mode: each receiver gets the digests of the live tensors it loaded (its own shards)."""
-        t = time.perf_counter()
-        if self.zero_copy:
-            digests.take_all(self.source)
-        for ch, payload in zip(self.channels, digests.payloads()):
-            ch.send(Header(Kind.VERIFY, epoch=m.epoch, version=version, digest=m.digest), {"digests": payload})
-        stats.add("verify", time.perf_counter() - t)
 
     def _control_bytes(self) -> int:
         return sum(ch.bytes_sent + ch.bytes_received for ch in self.channels)

@@ -1,0 +1,187 @@
+"""Receive path: the engine side's data path for one epoch (one manifest).
+
+Takes every bucket in order, checks its header against the manifest (and its checksum when the sender
+sent one), unpacks it and loads it into the engine, then acknowledges it; with two slots, bucket i is
+loaded while bucket i+1 arrives. After a failure it keeps draining (so the sender never hangs) but loads
+nothing. In zero-copy mode it maps the sender's tensors once per epoch and copies straight from them.
+The fingerprint check (`verify="fingerprint"`) compares what the engine now holds with the sender's digests.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from refit.checks.checksum import checksum
+from refit.engines.base import Engine
+from refit.errors import IntegrityError, PeerError, RefitError
+from refit.layout.manifest import Manifest
+from refit.layout.packing import Unpacker, copy_share
+from refit.protocol.wire import Channel, Header, Kind, parse_json
+from refit.settings import Settings
+from refit.topology.stats import RefitStats
+from refit.topology.verification import compare
+from refit.transports.base import Pending, Transport
+
+
+class ReceivePath:
+    """Loads one epoch's buckets (or the shared source tensors) from a Transport into an Engine."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        manifest: Manifest,
+        transport: Transport,
+        channel: Channel,
+        *,
+        settings: Settings,
+        device: torch.device,
+        rank: int,
+    ) -> None:
+        self.engine = engine
+        self.manifest = manifest
+        self.transport = transport
+        self.channel = channel
+        self.settings = settings
+        self.rank = rank
+        self.device = device
+        self.unpacker = Unpacker(manifest, transport.buffers, device=device)
+        self.sources: list[tuple[str, torch.Tensor]] = []
+        """Zero-copy mode: the sender's tensors, mapped once per epoch (`open_sources`)."""
+
+    def take(self, begin: Header, stats: RefitStats) -> RefitError | None:
+        """One refit's weights into the engine: the buckets, or (zero-copy) the shared tensors."""
+        with copy_share(self.transport.name):
+            return self._copy_sources(stats) if begin.status & 1 else self._stream(begin, stats)
+
+    def open_sources(self, payload: bytes) -> None:
+        """Zero-copy mode: map the sender's tensors once per epoch."""
+        from refit.transports.cuda_ipc import open_tensor
+
+        m = self.manifest
+        try:
+            handles = parse_json(payload, "SOURCES").get("tensors")
+            if not isinstance(handles, list) or len(handles) != len(m.entries):
+                raise IntegrityError("SOURCES does not list one handle per manifest tensor")
+            with torch.cuda.device(self.device):
+                views = [open_tensor(h) for h in handles]
+            for p, v in zip(m.entries, views):
+                if tuple(v.shape) != p.spec.shape or v.dtype != p.spec.dtype:
+                    raise IntegrityError(f"shared tensor {p.name} does not match its manifest entry")
+        except RefitError as e:
+            self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {e}"})
+            raise
+        self.sources = [(p.name, v) for p, v in zip(m.entries, views)]
+        self.channel.send(Header(Kind.READY))
+
+    def _copy_sources(self, stats: RefitStats) -> RefitError | None:
+        """Zero-copy refit: one device copy from the sender's tensors into the engine."""
+        if not self.sources:
+            return IntegrityError("zero-copy refit before the sender shared its tensors (no SOURCES this epoch)")
+        t = time.perf_counter()
+        try:
+            self.engine.load(self.sources)
+        except Exception as e:
+            return RefitError(f"engine failed to load the shared tensors: {type(e).__name__}: {e}")
+        stats.add("load", time.perf_counter() - t)
+        return None
+
+    def _stream(self, begin: Header, stats: RefitStats) -> RefitError | None:
+        """Take every bucket; after a failure keep draining (so the sender never hangs) but load nothing."""
+        m, transport = self.manifest, self.transport
+        failure: RefitError | None = None
+        pending: tuple[int, Pending, Header] | None = None
+        for b in range(m.num_buckets):
+            t = time.perf_counter()
+            header, _ = self.channel.expect(Kind.BUCKET, f"refit {begin.version}, bucket {b}")
+            failure = failure or _check_header(header, m, begin, b)
+            handle = transport.recv(b % len(transport.buffers), m.bucket_nbytes[b])
+            stats.add("recv", time.perf_counter() - t)
+            if pending is not None:
+                failure = self._finish(*pending, stats, failure)
+                pending = None
+            if handle.ready or len(transport.buffers) == 1:
+                failure = self._finish(b, handle, header, stats, failure)
+            else:
+                pending = (b, handle, header)
+        if pending is not None:
+            failure = self._finish(*pending, stats, failure)
+        return failure
+
+    def _finish(
+        self, b: int, handle: Pending, header: Header, stats: RefitStats, failure: RefitError | None
+    ) -> RefitError | None:
+        """Wait for bucket `b`, verify and load it, then acknowledge it (with status 1 after a failure)."""
+        t = time.perf_counter()
+        try:
+            handle.wait(self.settings.timeout_s)
+        except PeerError as e:
+            raise PeerError(f"{e} (during refit {header.version}, bucket {b})") from None
+        stats.add("recv", time.perf_counter() - t)
+        slot = b % len(self.transport.buffers)
+        if failure is None:
+            failure = self._load(b, slot, header, stats)
+        self.transport.release(slot)
+        self.channel.send(Header(Kind.ACK, status=int(failure is not None), slot=slot, index=b, version=header.version))
+        return failure
+
+    def _load(self, b: int, slot: int, header: Header, stats: RefitStats) -> RefitError | None:
+        """Check bucket `b`'s checksum (when sent), unpack it from `slot` and load it into the engine."""
+        t = time.perf_counter()
+        try:
+            if header.status:
+                _verify(self.transport.buffers[slot][: header.nbytes], header, b)
+            stats.add("verify", time.perf_counter() - t)
+            t = time.perf_counter()
+            tensors = self.unpacker.unpack(b, slot)
+            if tensors:
+                self.engine.load(tensors)
+            stats.add("load", time.perf_counter() - t)
+        except RefitError as e:
+            return e
+        except Exception as e:  # the engine's own error, reported to the sender by message
+            return RefitError(f"engine failed to load bucket {b}: {type(e).__name__}: {e}")
+        return None
+
+    def check_fingerprints(self, payload: bytes, stats: RefitStats, done: dict) -> RefitError | None:
+        """Fingerprint mode: compare what the engine now holds with the digests of the trainer's live tensors."""
+        m = self.manifest
+        t = time.perf_counter()
+        try:
+            self.transport.flush()
+            bad, unreadable = compare(m, self.engine, parse_json(payload, "VERIFY").get("digests"))
+        except RefitError as e:
+            return e
+        except Exception as e:
+            return RefitError(f"engine could not be read back for the fingerprint check: {type(e).__name__}: {e}")
+        finally:
+            stats.add("verify", time.perf_counter() - t)
+        stats.unverified = done["unverified"] = unreadable
+        if bad:
+            shown = ", ".join(bad[:20]) + (f", ... and {len(bad) - 20} more" if len(bad) > 20 else "")
+            return IntegrityError(
+                f"fingerprint check failed: the engine does not hold what the trainer holds for "
+                f"{len(bad)} tensor(s): {shown}"
+            )
+        return None
+
+
+def _check_header(h: Header, m: Manifest, begin: Header, b: int) -> IntegrityError | None:
+    if h.epoch != m.epoch or h.digest != m.digest:
+        return IntegrityError(f"bucket {b} header is for another manifest (epoch {h.epoch}, expected {m.epoch})")
+    if h.version != begin.version or h.index != b or h.nbytes != m.bucket_nbytes[b]:
+        return IntegrityError(
+            f"bucket {b} header disagrees with the manifest (version {h.version}, index {h.index}, "
+            f"nbytes {h.nbytes}; expected {begin.version}, {b}, {m.bucket_nbytes[b]})"
+        )
+    return None
+
+
+def _verify(buf: torch.Tensor, header: Header, b: int) -> None:
+    got = checksum(buf)
+    if got != header.checksum:
+        raise IntegrityError(
+            f"bucket {b} is corrupted: checksum {got:#018x}, sender computed {header.checksum:#018x}; "
+            "the bytes changed in transit or the buffer was overwritten"
+        )

@@ -1,0 +1,170 @@
+"""Send path: the trainer side's data path for one epoch (one manifest).
+
+Buckets go out in order, `num_slots` in flight: bucket i+1 is packed while bucket i is on the wire, and a
+slot is reused only once every receiver acknowledged the bucket it held (retired). Packing replays the
+cached copy plan of a bucket when the session's generation vouches for its tensors' layout. In
+zero-copy mode nothing is packed: the source tensors' IPC handles are shared once per epoch
+(`share_sources`) and receivers copy from them. Verification (`DigestPlan`, owned by the session) is a
+step this path calls: it digests each tensor as it is packed, and sends the digests after the last bucket.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from refit.checks.checksum import checksum
+from refit.errors import PeerError
+from refit.layout.manifest import Manifest
+from refit.layout.packing import Packer, copy_share
+from refit.log import get_logger
+from refit.protocol.wire import Channel, Header, Kind
+from refit.settings import Settings
+from refit.sources.base import Source
+from refit.topology.stats import RefitStats
+from refit.topology.verification import DigestPlan
+from refit.transports.base import Pending, Transport
+
+log = get_logger("sender")
+
+
+class SendPath:
+    """Streams one epoch's buckets through a Transport to every receiver's channel. The source and the
+    checksum switch come with each refit (`send`): a Sender's may change between refits without a new epoch."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        transport: Transport,
+        channels: list[Channel],
+        *,
+        settings: Settings,
+        num_slots: int,
+        zero_copy: bool,
+        digests: DigestPlan | None,
+    ) -> None:
+        self.manifest = manifest
+        self.transport = transport
+        self.channels = channels
+        self.settings = settings
+        self.num_slots = num_slots
+        self.zero_copy = zero_copy
+        self.digests = digests
+        self.packer = Packer(manifest, transport.buffers)
+        self.bucket_names = [[manifest.entries[s.entry].name for s in segs] for segs in manifest.segments]
+
+    def buffer(self, b: int) -> torch.Tensor:
+        """The slot buffer bucket `b` is packed into."""
+        return self.transport.buffers[b % self.num_slots]
+
+    def send(
+        self, source: Source, version: int, stats: RefitStats, generation: int, *, verify_checksum: bool
+    ) -> list[str]:
+        """`source`'s tensors as `version`: every bucket (none in zero-copy mode; each with its checksum when
+        `verify_checksum`), then the digests; returns receivers' per-bucket errors."""
+        digests = self.digests
+        if digests is not None:
+            digests.reset()
+        with copy_share(self.transport.name):
+            errors = [] if self.zero_copy else self._stream(source, version, stats, generation, verify_checksum)
+        if digests is not None and not errors:
+            self._send_digests(source, version, stats, digests)
+        return errors
+
+    def _stream(
+        self, source: Source, version: int, stats: RefitStats, generation: int, verify_checksum: bool
+    ) -> list[str]:
+        """Pack and send every bucket, `num_slots` in flight."""
+        m, slots = self.manifest, self.num_slots
+        inflight: list[Pending | None] = [None] * slots
+        errors: list[str] = []
+        for b in range(m.num_buckets):
+            slot = b % slots
+            if b >= slots:
+                self._retire(b - slots, inflight[slot], version, stats, errors)
+            t = time.perf_counter()
+            self._pack(source, b, slot, generation)
+            nbytes = m.bucket_nbytes[b]
+            crc = checksum(self.transport.buffers[slot][:nbytes]) if verify_checksum else 0
+            self.transport.before_send(slot)
+            stats.add("pack", time.perf_counter() - t)
+            t = time.perf_counter()
+            header = Header(
+                Kind.BUCKET,
+                slot=slot,
+                epoch=m.epoch,
+                index=b,
+                version=version,
+                digest=m.digest,
+                nbytes=nbytes,
+                checksum=crc,
+                status=int(verify_checksum),
+            )
+            for ch in self.channels:
+                ch.send(header)
+            inflight[slot] = self.transport.send(slot, nbytes)
+            stats.add("send", time.perf_counter() - t)
+            log.debug("bucket %d of %d (%d bytes) sent from slot %d", b, m.num_buckets, nbytes, slot)
+        for b in range(max(0, m.num_buckets - slots), m.num_buckets):
+            self._retire(b, inflight[b % slots], version, stats, errors)
+        return errors
+
+    def _pack(self, source: Source, b: int, slot: int, generation: int) -> None:
+        """Fill `slot` with bucket `b`: replay its cached plan when `generation` vouches for it (without
+        even looking the tensors up), else look them up and pack (planning anew where their layout moved)."""
+        digests = self.digests
+        stable = source.stable_tensors
+        if stable and digests is None and source.lookup_only and self.packer.replay(b, slot, generation):
+            return
+        tensors = source.tensors(self.bucket_names[b])
+        self.packer.pack(b, slot, tensors, cache=stable, generation=generation)
+        if digests is not None:
+            digests.take(b, tensors)
+
+    def _retire(self, b: int, pending: Pending | None, version: int, stats: RefitStats, errors: list[str]) -> None:
+        """Wait until bucket `b` is off the wire and every receiver has consumed it."""
+        t = time.perf_counter()
+        stage = f"refit {version}, bucket {b}"
+        if pending is not None:
+            pending.wait(self.settings.timeout_s)
+        for ch in self.channels:
+            header, _ = ch.expect(Kind.ACK, stage)
+            if header.index != b:
+                raise PeerError(f"{ch.peer} acknowledged bucket {header.index} during {stage}")
+            if header.status:
+                errors.append(f"{ch.peer} failed at bucket {b}")
+        stats.add("wait", time.perf_counter() - t)
+
+    def _send_digests(self, source: Source, version: int, stats: RefitStats, digests: DigestPlan) -> None:
+        """Fingerprint mode: each receiver gets the digests of the live tensors it loaded (its own shards)."""
+        t = time.perf_counter()
+        m = self.manifest
+        if self.zero_copy:
+            digests.take_all(source)
+        for ch, payload in zip(self.channels, digests.payloads()):
+            ch.send(Header(Kind.VERIFY, epoch=m.epoch, version=version, digest=m.digest), {"digests": payload})
+        stats.add("verify", time.perf_counter() - t)
+
+
+def share_sources(source: Source, manifest: Manifest, channels: list[Channel]) -> None:
+    """Zero-copy mode: export every source tensor's IPC handle once per epoch, and wait until every
+    receiver opened them."""
+    from refit.transports.cuda_ipc import export
+
+    tensors = source.tensors([p.name for p in manifest.entries])
+    bad = [
+        p.name
+        for p, t in zip(manifest.entries, tensors)
+        if not (t.is_cuda and t.is_contiguous() and t.dtype == p.spec.dtype)
+    ]
+    if bad:
+        raise ValueError(
+            f"zero_copy needs contiguous CUDA tensors already in their wire dtype; not so: {bad[:5]}. "
+            "Use zero_copy=False (packing casts on the way)."
+        )
+    payload = {"tensors": [export(t) for t in tensors]}
+    for ch in channels:
+        ch.send(Header(Kind.SOURCES, epoch=manifest.epoch, digest=manifest.digest), payload)
+    for ch in channels:
+        ch.expect(Kind.READY, "opening the source tensors' IPC handles")
