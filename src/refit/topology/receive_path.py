@@ -82,7 +82,7 @@ class ReceivePath:
         t = time.perf_counter()
         try:
             self.engine.load(self.sources)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any engine error fails the refit, reported to the sender
             return RefitError(f"engine failed to load the shared tensors: {type(e).__name__}: {e}")
         stats.add("load", time.perf_counter() - t)
         return None
@@ -140,7 +140,7 @@ class ReceivePath:
             stats.add("load", time.perf_counter() - t)
         except RefitError as e:
             return e
-        except Exception as e:  # the engine's own error, reported to the sender by message
+        except Exception as e:  # noqa: BLE001 - the engine's own error, reported to the sender by message
             return RefitError(f"engine failed to load bucket {b}: {type(e).__name__}: {e}")
         return None
 
@@ -153,7 +153,7 @@ class ReceivePath:
             bad, unreadable = compare(m, self.engine, parse_json(payload, "VERIFY").get("digests"))
         except RefitError as e:
             return e
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any read-back error fails the check, reported to the sender
             return RefitError(f"engine could not be read back for the fingerprint check: {type(e).__name__}: {e}")
         finally:
             stats.add("verify", time.perf_counter() - t)

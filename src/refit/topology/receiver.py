@@ -3,6 +3,7 @@ verdict, close). Each refit's buckets go through the epoch's data path, `refit.t
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -68,10 +69,8 @@ class Receiver:
             self._join(ch)
         except BaseException as e:
             if not isinstance(e, PeerError) or "failed:" not in str(e):  # the sender already knows when it refused us
-                try:
+                with contextlib.suppress(PeerError):
                     ch.send(Header(Kind.ERROR), {"message": f"receiver could not join: {e}"})
-                except PeerError:
-                    pass
             ch.close()
             raise
         self.channel = ch
@@ -243,7 +242,7 @@ class Receiver:
         try:
             self.transport.flush()
             self.engine.commit(version)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
         return None
 

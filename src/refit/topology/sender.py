@@ -3,6 +3,7 @@ epoch, commit vote). Each refit's buckets go through the epoch's data path, `ref
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
@@ -82,10 +83,8 @@ class _Session:
             self.pulse = None
         self.lobby.close()
         for ch in self.channels:
-            try:
+            with contextlib.suppress(PeerError):
                 ch.send(Header(Kind.CLOSE))
-            except PeerError:
-                pass
             ch.close()
         self.channels.clear()
         if self.transport is not None:
@@ -342,10 +341,8 @@ class Sender:
         self._broken = f"the trainer failed during refit {version}: {type(error).__name__}: {error}"
         log.error("aborting refit %d: %s", version, self._broken)
         for ch in self.channels:
-            try:
+            with contextlib.suppress(PeerError):
                 ch.send(Header(Kind.ERROR), {"message": self._broken})
-            except PeerError:
-                pass
 
     def _refit(self, version: int) -> RefitStats:
         t_connect = time.perf_counter()
