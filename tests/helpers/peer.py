@@ -1,6 +1,6 @@
 """A test engine process: a state-dict engine behind a Receiver, reporting JSON lines on stdout.
 
-Run as `python tests/peer.py '<json>'`; used by the protocol tests so that every test crosses a real
+Run as `python tests/helpers/peer.py '<json>'`; used by the protocol tests so that every test crosses a real
 process boundary without pickle.
 """
 

@@ -1,4 +1,4 @@
-"""An engine worker for per-rank refit tests: picks its trainer rank's rendezvous, then runs as tests/peer.py.
+"""An engine worker for per-rank refit tests: picks its trainer rank's rendezvous, then runs as tests/helpers/peer.py.
 
 Its JSON argument is peer.py's, except that "rendezvous" is every trainer rank's (a list) and
 "index" is this worker's position; a CUDA worker picks by its GPU's UUID, a CPU worker by index.

@@ -3,7 +3,7 @@ version 2 ("die", the default), stops itself between refits ("hang": SIGSTOP, as
 vanished host looks), exits between refits ("exit"), or dies right after its transport was set up,
 before any receiver is ready ("die_at_setup").
 
-Run as `python tests/sender_peer.py '<json>'`; prints the rendezvous as one '@@sender' JSON line.
+Run as `python tests/helpers/sender_peer.py '<json>'`; prints the rendezvous as one '@@sender' JSON line.
 """
 
 from __future__ import annotations

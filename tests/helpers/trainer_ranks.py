@@ -1,4 +1,4 @@
-"""Starts the ranks of tests/fsdp_trainer.py and reads rank 0's JSON lines."""
+"""Starts the ranks of tests/helpers/fsdp_trainer.py and reads rank 0's JSON lines."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from refit.checks.hashes import fingerprints
 from refit.dtypes import dtype_name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_fsdp2_trainer_refits_bitwise_gathering_each_tensor_once_within_budget(transport: str) -> None:
     """Also: a parameter replaced before the second refit (a new DTensor) is read, not the one wrapped first."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import sent_fingerprints, session
+from sessions import sent_fingerprints, session
 
 from refit.dtypes import dtype_name
 

@@ -13,13 +13,13 @@ import sys
 
 import pytest
 import torch
+from locations import helper, pythonpath
 from trainer_ranks import free_port, line
 
 from refit.sources.megatron_layout import GptLayout, merge
 from refit.tools.cli import main
 from refit.tools.demo.model import model_config
 
-HERE = os.path.dirname(__file__)
 MODEL = {"layers": 2, "hidden": 512, "ffn": 1024}
 """8 query heads in 2 groups of 64-dim heads: TP=2 splits the groups; PP=2 gives each stage a layer."""
 BUCKET = 1 << 20
@@ -80,8 +80,8 @@ def _start(args: dict, world: int) -> list[subprocess.Popen]:
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join([HERE, *sys.path])}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "megatron_trainer.py"), json.dumps(args)],
+               "MASTER_PORT": str(port), "PYTHONPATH": pythonpath()}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, helper("megatron_trainer.py"), json.dumps(args)],
                                       env=env, text=True, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL))  # fmt: skip
     return procs
 
@@ -105,6 +105,7 @@ class Engine:
         raise AssertionError(f"engine exited with {self.proc.wait()} before reporting")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp", "transport", "arch"), [(2, 2, "gloo", "llama"), (2, 1, "shm", "qwen2")])
 def test_megatron_trainer_refits_bitwise_under_hf_names_gathering_per_bucket(
     tp: int, pp: int, transport: str, arch: str
@@ -138,6 +139,7 @@ def test_megatron_trainer_refits_bitwise_under_hf_names_gathering_per_bucket(
         assert engine.proc.wait(timeout=120) == 0
 
 
+@pytest.mark.slow
 def test_megatron_moe_refits_bitwise_under_per_expert_checkpoint_names() -> None:
     """Qwen3-MoE over PP=2: the router as mlp.gate, each expert's fc1/fc2 as gate/up/down, q/k norms; the
     engine holds the checkpoint names transformers saves and vLLM loads (a state-dict engine: transformers
@@ -171,6 +173,7 @@ def test_megatron_moe_refits_bitwise_under_per_expert_checkpoint_names() -> None
         peer.wait(timeout=120)
 
 
+@pytest.mark.slow
 def test_a_failed_handshake_releases_every_rank_and_the_next_refit_fails_the_same_way() -> None:
     """The engine is Qwen2 (biases, tied lm_head), the trainer Llama: both sides get the sorted report;
     the followers, mid-refit on the leader's broadcast, are released each time and every rank exits."""
@@ -203,6 +206,7 @@ def test_demo_megatron_options_fail_with_the_fix(argv: list[str], message: str, 
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_demo_megatron_tp2_into_vllm_verifies_every_refit(capfd: pytest.CaptureFixture,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """vLLM runs in rank 0 of the trainer, in its default multiprocess mode (test_vllm.py switches that off
@@ -232,11 +236,12 @@ except ValueError as e:
 """
 
 
+@pytest.mark.slow
 def test_a_single_rank_source_outside_megatron_refit_is_refused_not_served_stale() -> None:
     """megatron_refit re-reads the live parameters before each refit; a bare Sender.refit would serve the
     ones read at the last pass, so it is refused even when the model-parallel group has one rank."""
     pytest.importorskip("megatron.core")
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "PYTHONPATH": os.pathsep.join([HERE, *sys.path])}  # fmt: skip
+           "PYTHONPATH": pythonpath()}  # fmt: skip
     r = subprocess.run([sys.executable, "-c", _ALONE], env=env, capture_output=True, text=True)
     assert "refused:" in r.stdout and "megatron_refit" in r.stdout, r.stderr[-2000:]

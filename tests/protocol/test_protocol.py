@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import live_fingerprints, session
+from sessions import live_fingerprints, session
 
 from refit import HandshakeError
 

@@ -16,21 +16,21 @@ import weakref
 
 import pytest
 import torch
-from conftest import live_fingerprints, session
+from locations import helper, pythonpath
 from peer import make_tensors
+from sessions import live_fingerprints, session
 
 from refit import ModuleEngine, ModuleSource, PeerError, Receiver, Sender, Settings
 from refit.protocol.wire import HEADER, Channel, Header, Kind
 
 SPECS = [["a", [64, 16], "float32"], ["b", [10], "float32"]]
-HERE = os.path.dirname(__file__)
 
 
 def _sender_process(mode: str, timeout_s: float) -> tuple[subprocess.Popen, dict]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, *sys.path])}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     args = {"specs": SPECS, "transport": "shm", "bucket_bytes": 4096, "mode": mode, "timeout_s": timeout_s}
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "sender_peer.py"), json.dumps(args)],
+        [sys.executable, helper("sender_peer.py"), json.dumps(args)],
         stdout=subprocess.PIPE,
         text=True,
         env=env,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import live_fingerprints, session
+from sessions import live_fingerprints, session
 from torch import nn
 
 from refit import HandshakeError, ModuleSource, RefitError

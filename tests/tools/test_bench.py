@@ -38,6 +38,7 @@ def test_deepseek_v3_preset_has_mla_fp8_weights_with_block_scales_and_truncates_
     assert len(four) == 1621 and not any(s.name.startswith("model.layers.4.") for s in four)
 
 
+@pytest.mark.slow
 def test_quick_bench_reports_every_method_and_refit_beats_per_tensor_metadata(tmp_path, capsys) -> None:
     out = tmp_path / "bench.json"
     assert main(["bench", "--quick", "--json", str(out)]) == 0

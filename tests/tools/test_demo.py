@@ -12,6 +12,7 @@ SMALL = "--layers 2 --hidden 128 --bucket-bytes 262144".split()
 """A 0.7M-parameter model in 256 KiB buckets: several buckets, seconds per refit on 2 cores."""
 
 
+@pytest.mark.slow
 def test_demo_verifies_every_refit_including_a_dtype_change(capsys: pytest.CaptureFixture) -> None:
     code = main(["demo", "--transport", "shm", "--steps", "3", "--dtype-change-at", "1", *SMALL])
     out = capsys.readouterr().out
@@ -23,6 +24,7 @@ def test_demo_verifies_every_refit_including_a_dtype_change(capsys: pytest.Captu
     assert len(rows) == 3 and all(row.count("✓") == 2 for row in rows)  # captured output: one line per refit
 
 
+@pytest.mark.slow
 def test_demo_json_carries_every_refit_with_the_engines_load_time(capsys: pytest.CaptureFixture) -> None:
     code = main(["demo", "--transport", "gloo", "--steps", "2", "--dtype-change-at", "1", "--json", *SMALL])
     captured = capsys.readouterr()
@@ -34,6 +36,7 @@ def test_demo_json_carries_every_refit_with_the_engines_load_time(capsys: pytest
         assert r["params_ok"] and r["generate_ok"] and r["seconds"]["load"] > 0 and r["seconds"]["total"] > 0
 
 
+@pytest.mark.slow
 def test_demo_with_an_fsdp2_trainer_over_two_ranks(capfd: pytest.CaptureFixture) -> None:
     code = main(
         [

@@ -7,8 +7,14 @@ import os
 import subprocess
 import sys
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 import pytest
 import torch
+from locations import ROOT, SRC
 
 from refit.settings import Settings
 from refit.tools import doctor
@@ -16,7 +22,6 @@ from refit.tools.cli import main
 from refit.tools.doctor import FAIL, OK, WARN, Check, Report, diagnose, verdict
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
-SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
 
 def _refit(*args: str) -> subprocess.CompletedProcess:
@@ -109,7 +114,9 @@ def test_vllm_and_its_refit_backend_are_reported(monkeypatch: pytest.MonkeyPatch
     if doctor.installed("vllm"):
         assert check.status in (OK, WARN) and "vLLM" in check.detail
         if check.status == OK:
-            assert "backend 'refit' registered (refit.integrations.vllm:register)" in check.detail
+            with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+                plugin = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]["refit"]
+            assert f"backend 'refit' registered ({plugin})" in check.detail
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
     missing = doctor.check_vllm()
     assert missing.status == "info" and "not installed" in missing.detail and "vllm" in missing.fix

