@@ -12,7 +12,7 @@ import torch
 from refit.integrations.vllm.recording import record
 from refit.layout.packing import CopyPlan
 
-H, I, E, TP, RANK = 16, 8, 4, 2, 1
+H, I, E, TP, RANK = 16, 8, 4, 2, 1  # noqa: E741  (hidden, intermediate, experts: the config names)
 SHAPES = {"q": (H, H), "k": (H // 2, H), "v": (H // 2, H), "o": (H, H), "gate_up": (E, 2 * I, H), "norm": (H,)}
 
 
