@@ -63,6 +63,10 @@ class Engine(ABC):
         """
         return None
 
+    def release_buffers(self) -> None:
+        """Drop every view this engine keeps into the receive buffers (cached copy plans and the like),
+        so the buffers can be freed; called by Receiver.close(). The next load plans afresh."""
+
     @property
     def weights(self) -> WeightsVersion:
         return self._weights

@@ -62,6 +62,9 @@ class ModuleEngine(Engine):
         self._used = set()
         super().begin(version)
 
+    def release_buffers(self) -> None:
+        self._plans, self._used = {}, set()
+
     def tensor(self, name: str) -> torch.Tensor:
         """The engine's tensor for a sender name."""
         return self._targets[name]

@@ -20,6 +20,8 @@ class RefitStats:
     """Control-channel bytes sent and received for the refit itself (handshake excluded)."""
     unverified: int = 0
     """Fingerprint mode: names an engine could not read back, so not compared (0 when every name was)."""
+    unverified_names: list[str] = field(default_factory=list)
+    """Fingerprint mode: those names (sorted), so a caller can tell which tensors went unchecked."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Time per stage: sender pack/send/wait/commit, receiver recv/verify/load/commit; 'total' is wall time."""
 

@@ -115,6 +115,10 @@ class VllmEngine(Engine):
     def held(self, name: str) -> tuple[torch.Tensor, Region | None] | None:
         return None if self.plan is None else self.plan.held(name)  # vLLM's reload keeps the same live tensors
 
+    def release_buffers(self) -> None:
+        if self.plan is not None:
+            self.plan.release_buffers()
+
     def begin(self, version: int) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 

@@ -283,6 +283,10 @@ class LoadPlan:
             if lp.kind is Kind.FALLBACK:
                 initialize_layerwise_reload(lp.layer)
 
+    def release_buffers(self) -> None:
+        """Forget every bound bucket (their copy plans hold views into the receive buffers)."""
+        self._bound, self._used = {}, set()
+
     def is_bound(self, tensors: list[tuple[str, torch.Tensor]]) -> bool:
         """Whether this very list (one bucket of the current manifest) already has its copies planned."""
         hit = self._bound.get(id(tensors))
