@@ -189,3 +189,53 @@ def test_an_unclosed_sender_is_released_when_dropped() -> None:
     assert not [th for th in threading.enumerate() if th.name in ("refit-heartbeat", "refit-lobby")]
     with pytest.raises(OSError):
         socket.create_connection(address, timeout=5)
+
+
+def test_a_per_rank_commit_stays_updating_until_the_verdict_and_fails_without_one() -> None:
+    from refit import RefitError, State
+
+    sender = Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", settings=Settings(timeout_s=30))
+    engine = ModuleEngine(make_tensors(SPECS, seed=2))
+    receiver = Receiver(engine, sender.rendezvous())
+    seen: list = []
+
+    def lost_verdict(own: str) -> str:  # the other trainer rank died after DONE: no verdict ever comes
+        seen.append(engine.weights.state)
+        raise RuntimeError("trainer rank 1 was killed")
+
+    sender.verdict = lost_verdict
+    errors: list[BaseException] = []
+    t = threading.Thread(target=lambda: _catch(receiver.receive, errors))
+    t.start()
+    with pytest.raises(RuntimeError, match="killed"):
+        sender.refit(1)
+    t.join()
+    sender.close()
+    receiver.close()
+    assert seen == [State.UPDATING]  # DONE was sent, but not every worker committed yet
+    assert isinstance(errors[0], PeerError) and engine.weights.state == State.FAILED
+    with pytest.raises(RefitError):
+        engine.ensure_current()
+
+
+def test_a_transport_failure_at_commit_reads_as_the_peer_not_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from refit import State
+    from refit.transports.shm import ShmTransport
+
+    def broken_flush(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(ShmTransport, "flush", broken_flush)
+    sender = Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", settings=Settings(timeout_s=30))
+    engine = ModuleEngine(make_tensors(SPECS, seed=2))
+    receiver = Receiver(engine, sender.rendezvous())
+    errors: list[BaseException] = []
+    t = threading.Thread(target=lambda: _catch(receiver.receive, errors))
+    t.start()
+    with pytest.raises(PeerError, match="transfer failed before commit of version 1: CUDA error"):
+        sender.refit(1)
+    t.join()
+    sender.close()
+    receiver.close()
+    assert type(errors[0]) is PeerError and "engine failed" not in str(errors[0])
+    assert engine.weights.state == State.FAILED

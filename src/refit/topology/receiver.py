@@ -213,35 +213,55 @@ class Receiver:
             self.engine.fail(version, str(e))
             raise
         t = time.perf_counter()
-        failure = failure or self._finalize(version)
+        self._flush(version)
+        ranked = bool(begin.status & 2)  # per-rank refit: committed only once every worker did (refit.topology.ranked)
+        failure = failure or self._finalize(version, ranked)
         if failure is not None:
             self.engine.fail(version, str(failure))
             log.error("refit of version %d failed: %s", version, failure)
             ch.send(Header(Kind.DONE, status=1, version=version), {"message": f"receiver {self.rank}: {failure}"})
             raise failure
         ch.send(Header(Kind.DONE, version=version), done or None)
-        log.info("committed version %d (%d bytes, %d bucket(s))", version, m.nbytes, m.num_buckets)
-        if begin.status & 2:  # per-rank refit: committed only once every worker did (refit.topology.ranked)
+        if ranked:
             self._await_verdict(version)
+        log.info("committed version %d (%d bytes, %d bucket(s))", version, m.nbytes, m.num_buckets)
         stats.add("commit", time.perf_counter() - t)
         stats.control_bytes = ch.bytes_sent + ch.bytes_received - ctrl0
         stats.seconds["total"] = time.perf_counter() - t0
         return stats
 
     def _await_verdict(self, version: int) -> None:
+        """The engine stays 'updating' until every worker committed; any error or silence here fails it."""
         assert self.channel is not None
-        header, payload = self.channel.expect(Kind.COMMIT, f"every worker's commit of version {version}")
-        if header.status:
-            reason = str(parse_json(payload, "COMMIT").get("message", "")) or "another worker failed"
-            self.engine.fail(version, f"another worker failed: {reason}")
-            raise RefitError(f"version {version} committed here but failed on another worker: {reason}")
+        try:
+            header, payload = self.channel.expect(Kind.COMMIT, f"every worker's commit of version {version}")
+            if header.status:
+                reason = str(parse_json(payload, "COMMIT").get("message", "")) or "another worker failed"
+                raise RefitError(f"version {version} committed here but failed on another worker: {reason}")
+        except BaseException as e:
+            self.engine.fail(version, f"not every worker committed version {version}: {e}")
+            raise
+        Engine.commit(self.engine, version)  # the base class's state change only: the engine's own commit ran
 
-    def _finalize(self, version: int) -> RefitError | None:
-        """Wait for every load, then commit; an engine that fails here still answers the sender."""
-        assert self.transport is not None
+    def _flush(self, version: int) -> None:
+        """Wait for every transfer; a transport failure is the peer's (PeerError), never the engine's."""
+        assert self.transport is not None and self.channel is not None
         try:
             self.transport.flush()
+        except Exception as e:  # noqa: BLE001 - CUDA/NCCL raise RuntimeError subclasses; all end the session
+            msg = f"receiver {self.rank}: {self.transport.name} transfer failed before commit of version {version}: {e}"
+            self.engine.fail(version, msg)
+            with contextlib.suppress(PeerError):
+                self.channel.send(Header(Kind.ERROR), {"message": msg})
+            raise PeerError(msg) from None
+
+    def _finalize(self, version: int, ranked: bool) -> RefitError | None:
+        """Commit the engine; one that fails here still answers the sender. In a per-rank refit the
+        engine goes back to 'updating' (base-class state only, none of its own begin work) until the verdict."""
+        try:
             self.engine.commit(version)
+            if ranked:
+                Engine.begin(self.engine, version)
         except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
         return None
