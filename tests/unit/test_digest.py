@@ -1,5 +1,6 @@
-"""The fingerprint digest: equal to its definition on every path (CPU rows, small batches, the Triton
-kernel, CUDA), and changed by any change or move of a word."""
+"""The fingerprint digest: equal to its definition (docs/PROTOCOL.md, step 4 of the Refit) on every path
+(CPU rows, small batches, the Triton kernel, CUDA), changed by any change or move of a word and by every
+single flipped bit, and additive over disjoint ranges at their global word offsets."""
 
 from __future__ import annotations
 
@@ -10,16 +11,28 @@ import sys
 import pytest
 import torch
 
-from refit.checks.digest import ROW_WORDS, M, Pending
+from refit.checks.digest import ROW_WORDS, Pending, digests
+
+SPEC_M = 0x9E3779B97F4A7C15
+MASK = (1 << 64) - 1
+
+
+def _weight(p: int) -> int:
+    """The spec's weight of the word at global position p: 2 * M * p + 1 (mod 2^64), odd for every p."""
+    return (2 * SPEC_M * p + 1) & MASK
+
+
+def _reference_value(t: torch.Tensor, offset: int = 0) -> int:
+    """The spec, word by word in plain Python integers (no shared code with the kernels): the sum of each
+    little-endian word (zero-padded) times its weight at its global position, plus the byte length."""
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data += bytes(-len(data) % 8)
+    words = [int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data), 8)]
+    return (sum(w * _weight(offset + p) for p, w in enumerate(words)) + t.numel() * t.element_size()) & MASK
 
 
 def _reference(t: torch.Tensor) -> str:
-    """The definition, in plain Python integers."""
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().clone()
-    n = raw.numel()
-    words = torch.cat([raw, raw.new_zeros(-n % 8)]).view(torch.int64).tolist()
-    value = (M * sum(i * w for i, w in enumerate(words)) + sum(words) + n) % (1 << 64)
-    return f"{value:016x}"
+    return f"{_reference_value(t):016x}"
 
 
 def _tensors() -> list[torch.Tensor]:
@@ -66,7 +79,16 @@ import test_digest as t
 from refit.checks import digest
 assert digest.available(torch.device("cpu")), "Triton's interpreter is not active"
 tensors = [x for x in t._tensors() if x.numel() < 100_000]  # the interpreter runs each program in Python
-print("OK" if t._hexes(tensors) == [t._reference(x) for x in tensors] else "MISMATCH")
+ok = t._hexes(tensors) == [t._reference(x) for x in tensors]
+base = torch.randint(-(2**62), 2**62, (2 * t.ROW_WORDS + 3,), generator=torch.Generator().manual_seed(3))
+variants = [base.clone() for _ in range(64)]
+for bit, v in enumerate(variants):  # every bit, each in a word of another residue class
+    t._flip(v, (bit * 1031) % base.numel(), bit)
+ok = ok and t._hexes(variants) == [t._reference(v) for v in variants]
+pieces, offsets = t._ranges(base.view(torch.uint8)[:-1], [5, t.ROW_WORDS + 1])
+values = digest.digests(pieces, offsets)
+ok = ok and [int(v) & t.MASK for v in values] == [t._reference_value(p, o) for p, o in zip(pieces, offsets)]
+print("OK" if ok else "MISMATCH")
 """
 
 
@@ -107,4 +129,175 @@ def test_many_small_whole_word_tensors_take_the_flat_path_and_equal_the_definiti
     assert _hexes(tensors) == [_reference(t) for t in tensors]
     from refit.checks import digest
 
-    assert digest._digests_flat(tensors, torch.device("cpu")) is not None  # the path under test
+    assert digest._sums_flat(tensors, torch.device("cpu")) is not None  # the path under test
+
+
+# -- single-bit flips: every weight is odd, so every flipped bit of every word changes the digest ----------
+
+ROW_PATH_WORDS = 2 * ROW_WORDS + 40
+"""A tensor this long, digested alone on CPU, takes the row path (whole rows and a remainder)."""
+
+
+def _old_weight_zeros(p: int) -> int:
+    """Trailing zero bits of the old weight M * p + 1: the top bits of word p it dropped."""
+    w = (SPEC_M * p + 1) & MASK
+    return 64 if w == 0 else (w & -w).bit_length() - 1
+
+
+def _probe_positions(n: int) -> list[int]:
+    """Word positions of every residue class that matters: the first 16, the row and block (2048) boundaries,
+    36035 (the old weight dropped its top 16 bits), the worst positions of the old weight, the last word."""
+    worst = sorted(range(n), key=_old_weight_zeros)[-4:]
+    edges = [2047, 2048, ROW_WORDS - 1, ROW_WORDS, ROW_WORDS + 1, 2 * ROW_WORDS - 1, 2 * ROW_WORDS, n - 1]
+    return sorted({*range(16), *edges, 36035, *worst})
+
+
+def _flip(words: torch.Tensor, p: int, bit: int) -> None:
+    """Flip bit `bit` of int64 word `p`, in place (flipping it twice restores it)."""
+    words[p] ^= -(1 << 63) if bit == 63 else 1 << bit
+
+
+def _delta(old: int, new: int, p: int) -> int:
+    """How a word's change from `old` to `new` (signed int64) at position p moves the digest, per the spec."""
+    return ((new - old) * _weight(p)) & MASK
+
+
+def _assert_every_flip_detected(words: torch.Tensor, positions: list[int], bits: range = range(64)) -> None:
+    """Flip each bit of each word in turn (in place, restored after): each changes the digest, by exactly
+    the spec's delta."""
+    base = int(digests([words])[0])
+    for p in positions:
+        for bit in bits:
+            old = int(words[p])
+            _flip(words, p, bit)
+            new = int(words[p])
+            got = int(digests([words])[0])
+            _flip(words, p, bit)
+            assert got != base, f"flipping bit {bit} of word {p} left the digest unchanged"
+            assert (got - base) & MASK == _delta(old, new, p), f"bit {bit} of word {p}: not the spec's change"
+
+
+def _row_path_words(device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(-(2**62), 2**62, (ROW_PATH_WORDS,), generator=g).to(device)
+
+
+def test_the_weights_are_odd_at_every_position_the_old_ones_were_even() -> None:
+    assert max(_old_weight_zeros(p) for p in range(ROW_PATH_WORDS)) >= 16  # the old weight: up to 16 bits lost
+    assert all(_weight(p) % 2 == 1 for p in range(ROW_PATH_WORDS))
+
+
+def test_every_bit_of_words_at_every_weight_residue_changes_the_digest_on_the_row_path() -> None:
+    words = _row_path_words()
+    assert words.numel() > ROW_WORDS and int(digests([words])[0]) & MASK == _reference_value(words)
+    _assert_every_flip_detected(words, _probe_positions(words.numel()))
+
+
+def test_every_bit_of_the_first_words_changes_the_digest_on_the_small_and_partial_word_paths() -> None:
+    """Small whole-word tensors (the flat path, many at once) and one with a partial last word (general path)."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(-(2**62), 2**62, (16,), generator=g)
+    variants = []
+    for p in range(16):
+        for bit in range(64):
+            v = base.clone()
+            _flip(v, p, bit)
+            variants.append(v)
+    hexes = _hexes([base, *variants])
+    assert hexes == [_reference(t) for t in [base, *variants]]
+    assert hexes[0] not in set(hexes[1:])  # (two flips may move it alike: bit 63 of any word adds 2^63)
+    odd = torch.randn(37, generator=g).to(torch.bfloat16)  # 74 bytes: 9 words and 2 bytes
+    flipped = [odd.clone() for _ in range(16)]
+    for k, t in enumerate(flipped):
+        t.view(torch.int16)[k * 2 + 1] ^= -(1 << 15)  # sign bit of element 2k+1: bit 31 or 63 of word k // 2
+    hexes = _hexes([odd, *flipped])
+    assert hexes == [_reference(t) for t in [odd, *flipped]] and hexes[0] not in set(hexes[1:])
+
+
+def test_flipping_the_sign_of_bf16_element_7_changes_the_digest() -> None:
+    """Element 7 is the top half of word 1: its sign is bit 63 of an odd word, which the old weight dropped."""
+    t = torch.randn(4096, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    negated = t.clone()
+    negated[7] = -negated[7]
+    assert _hexes([t])[0] != _hexes([negated])[0]
+    assert _hexes([t, negated]) == [_reference(t), _reference(negated)]
+
+
+def _assert_random_flips_detected(words: torch.Tensor, count: int = 2000) -> None:
+    g = torch.Generator().manual_seed(11)
+    positions = torch.randint(0, words.numel(), (count,), generator=g).tolist()
+    bits = torch.randint(0, 64, (count,), generator=g).tolist()
+    base = int(digests([words])[0])
+    missed = []
+    for p, bit in zip(positions, bits):
+        old = int(words[p])
+        _flip(words, p, bit)
+        new = int(words[p])
+        got = int(digests([words])[0])
+        _flip(words, p, bit)
+        if got == base or (got - base) & MASK != _delta(old, new, p):
+            missed.append((p, bit))
+    assert not missed, f"{len(missed)} of {count} single-bit flips not detected as the spec says: {missed[:5]}"
+
+
+def test_2000_random_single_bit_flips_on_a_large_tensor_are_all_detected() -> None:
+    words = torch.randint(-(2**62), 2**62, (8 * ROW_WORDS + 5,), generator=torch.Generator().manual_seed(2))
+    _assert_random_flips_detected(words)
+
+
+# -- ranges at global offsets add up ------------------------------------------------------------------------
+
+
+def _ranges(whole: torch.Tensor, cuts: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+    """`whole` (uint8) cut at the word boundaries `cuts` (in words): the pieces and their word offsets."""
+    edges = [0, *cuts, -(-whole.numel() // 8)]
+    pieces = [whole[8 * a : min(8 * b, whole.numel())] for a, b in zip(edges, edges[1:])]
+    return pieces, edges[:-1]
+
+
+def test_digests_of_disjoint_ranges_at_their_global_offsets_add_up_to_the_whole() -> None:
+    g = torch.Generator().manual_seed(4)
+    whole = torch.randint(0, 256, (8 * (2 * ROW_WORDS + 37) + 5,), generator=g, dtype=torch.uint8)
+    pieces, offsets = _ranges(whole, [3, ROW_WORDS - 1, ROW_WORDS + 100, 2 * ROW_WORDS + 30])
+    parts = digests(pieces, offsets)
+    assert [int(v) & MASK for v in parts] == [_reference_value(p, o) for p, o in zip(pieces, offsets)]
+    assert int(parts.sum()) & MASK == _reference_value(whole) == int(digests([whole])[0]) & MASK
+    alone = [int(digests([p], [o])[0]) & MASK for p, o in zip(pieces, offsets)]  # each alone: its own path
+    assert alone == [int(v) & MASK for v in parts]
+    pending = Pending()
+    pending.add(pieces, offsets)
+    assert pending.hexes() == [f"{_reference_value(p, o):016x}" for p, o in zip(pieces, offsets)]
+
+
+def test_offsets_that_do_not_match_the_tensors_are_refused() -> None:
+    with pytest.raises(ValueError, match="one word offset per tensor"):
+        digests([torch.zeros(4), torch.zeros(4)], [0])
+
+
+# -- CUDA: the same, through the compiled kernel and the torch paths ----------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_every_bit_of_words_at_every_weight_residue_changes_the_digest() -> None:
+    """The kernel's address table (a regular tensor) and the copied-bytes path (a tensor with a partial word)."""
+    words = _row_path_words("cuda")
+    assert int(digests([words])[0]) & MASK == _reference_value(words)
+    _assert_every_flip_detected(words, _probe_positions(words.numel()))
+    odd = torch.randn(37, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    flipped = [odd.clone() for _ in range(16)]
+    for k, t in enumerate(flipped):
+        t.view(torch.int16)[k * 2 + 1] ^= -(1 << 15)
+    assert _hexes([t.cuda() for t in [odd, *flipped]]) == [_reference(t) for t in [odd, *flipped]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_2000_random_single_bit_flips_and_ranges_are_detected_and_add_up() -> None:
+    words = torch.randint(-(2**62), 2**62, (8 * ROW_WORDS + 5,), generator=torch.Generator().manual_seed(2))
+    _assert_random_flips_detected(words.cuda())
+    whole = words.view(torch.uint8)[:-3]
+    pieces, offsets = _ranges(whole, [3, ROW_WORDS - 1, 5 * ROW_WORDS + 1])
+    parts = digests([p.cuda() for p in pieces], offsets)
+    assert [int(v) & MASK for v in parts] == [_reference_value(p, o) for p, o in zip(pieces, offsets)]
+    assert int(parts.sum()) & MASK == _reference_value(whole)

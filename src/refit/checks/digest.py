@@ -1,16 +1,21 @@
 """Digest: a 64-bit, position-weighted sum of a tensor's bytes, equal on every device, for many tensors at once.
 
-Read the bytes as little-endian int64 words w_0 .. w_{k-1} (the last one zero-padded). Then
+Read the bytes as little-endian int64 words w_0 .. w_{k-1} (the last one zero-padded). Word p, at global
+word position p, is weighted by the odd number W(p) = 2 * M * p + 1, and
 
-    digest = M * sum(i * w_i) + sum(w_i) + nbytes      (mod 2^64, M = 0x9E3779B97F4A7C15)
+    digest = sum(w_p * W(p)) + nbytes = 2M * sum(p * w_p) + sum(w_p) + nbytes   (mod 2^64, M = 0x9E3779B97F4A7C15)
 
-Integer sums wrap identically in any order and on any device, so a trainer's GPU and an engine's CPU
-agree bit for bit. A changed word changes the digest, and so does a word moved to another position
-(a transposed, shifted or stale layout). It is a check against mistakes, not against an adversary.
+Every weight is odd, so each word's term is a bijection of the word: any change of one word (any single
+flipped bit) changes the digest. A word moved to another position changes it too (a transposed, shifted
+or stale layout). The digest of a range of words starting at word `offset` of a tensor uses the global
+positions offset + i, so the digests of disjoint ranges add up (mod 2^64) to the tensor's. Integer sums
+wrap identically in any order and on any device, so a trainer's GPU and an engine's CPU agree bit for
+bit. It is a check against mistakes, not against an adversary.
 
 On CUDA with Triton, all tensors of one call are cut into chunks listed in one table and summed by
 one kernel launch (one reading pass, no temporaries). Elsewhere each tensor's words are summed as
-rows of a matrix times the vector of positions: one reading pass too.
+rows of a matrix times the vector of positions: one reading pass too. Every path computes the same
+two sums, sum(w_p) and sum(p * w_p); the weights are applied once, at the end.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from refit.layout.copy_kernel import available, triton
 
 M = 0x9E3779B97F4A7C15 - (1 << 64)
 """The odd multiplier, as a signed int64."""
+STEP = 2 * M + (1 << 64)
+"""2M (mod 2^64), as a signed int64: the weights W(p) = STEP * p + 1 step by it and are all odd."""
 ROW_WORDS = 1 << 15
 """Words per row (CPU) and per chunk (kernel): 256 KiB."""
 BLOCK = 2048
@@ -93,24 +100,43 @@ def _sums_segments(flat: torch.Tensor, sizes: torch.Tensor, device: torch.device
     return s0, s1
 
 
-def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The digest of each tensor, as a 1-D int64 tensor on their (common) device; no host synchronisation."""
+def digests(tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None = None) -> torch.Tensor:
+    """The digest of each tensor, as a 1-D int64 tensor on their (common) device; no host synchronisation.
+
+    `offsets[k]`: the global word position of tensor k's first word, when it is a range of a larger run of
+    words (default 0); digests of disjoint ranges then add up to the digest of the whole. A range must start
+    at a whole word of the whole, and only the last range may end in a partial word."""
     if not tensors:
         return torch.zeros(0, dtype=torch.int64)
+    if offsets is not None and len(offsets) != len(tensors):
+        raise ValueError(f"{len(offsets)} offsets for {len(tensors)} tensors: give one word offset per tensor")
     device = tensors[0].device
+    s0, s1 = _sums(tensors, device)
+    if offsets is not None and any(offsets):
+        s1 = s1 + torch.tensor(offsets, dtype=torch.int64, device=device) * s0
+    nbytes = torch.tensor(list(map(_NBYTES, tensors)), dtype=torch.int64, device=device)
+    return s1 * STEP + s0 + nbytes
+
+
+def _sums(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum w_p, sum p * w_p) of each tensor's words, positions counted from its first word."""
     if not available(device):
-        flat = _digests_flat(tensors, device)
-        return flat if flat is not None else _digests_general(tensors, device)
+        flat = _sums_flat(tensors, device)
+        return flat if flat is not None else _sums_general(tensors, device)
     regular = _regular(tensors)
     if all(regular):
-        return _digests_words(tensors, device)
+        return _sums_words(tensors, device)
     if not any(regular):
-        return _digests_general(tensors, device)
-    out = torch.empty(len(tensors), dtype=torch.int64, device=device)
-    for flag, digest_some in ((True, _digests_words), (False, _digests_general)):
+        return _sums_general(tensors, device)
+    s0 = torch.empty(len(tensors), dtype=torch.int64, device=device)
+    s1 = torch.empty(len(tensors), dtype=torch.int64, device=device)
+    for flag, sums_some in ((True, _sums_words), (False, _sums_general)):
         idx = [i for i, r in enumerate(regular) if r == flag]
-        out.index_copy_(0, torch.tensor(idx, device=device), digest_some([tensors[i] for i in idx], device))
-    return out
+        where = torch.tensor(idx, device=device)
+        a, b = sums_some([tensors[i] for i in idx], device)
+        s0.index_copy_(0, where, a)
+        s1.index_copy_(0, where, b)
+    return s0, s1
 
 
 def _regular(tensors: Sequence[torch.Tensor]) -> list[bool]:
@@ -129,15 +155,14 @@ def _regular(tensors: Sequence[torch.Tensor]) -> list[bool]:
     ]
 
 
-def _digests_words(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The kernel's digests of regular tensors (`_regular`), its table made from their addresses and sizes
+def _sums_words(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's sums of regular tensors (`_regular`), its table made from their addresses and sizes
     alone: no per-tensor views or copies."""
-    nbytes = list(map(_NBYTES, tensors))
-    s0, s1 = _sums_table(list(map(torch.Tensor.data_ptr, tensors)), [n // 8 for n in nbytes], device)
-    return s1 * M + s0 + torch.tensor(nbytes, dtype=torch.int64, device=device)
+    num_words = [n // 8 for n in map(_NBYTES, tensors)]
+    return _sums_table(list(map(torch.Tensor.data_ptr, tensors)), num_words, device)
 
 
-def _digests_general(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+def _sums_general(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Any tensors: each read as its bytes (copied where not contiguous or aligned), the partial last word
     zero-padded."""
     raws = [_bytes(t) for t in tensors]
@@ -153,11 +178,10 @@ def _digests_general(tensors: Sequence[torch.Tensor], device: torch.device) -> t
             tail = word.view(torch.int64)[0]
             s0[i] += tail
             s1[i] += tail * words[i].numel()
-    nbytes = torch.tensor([r.numel() for r in raws], dtype=torch.int64, device=device)
-    return s1 * M + s0 + nbytes
+    return s0, s1
 
 
-def _digests_flat(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+def _sums_flat(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Many small tensors of whole words: each dtype's tensors flattened by one C call into one run of words
     (in each tensor's logical order, as `_bytes` reads it), then two segmented sums; no per-tensor views.
     None where a tensor has a partial word or is large (the general path takes those)."""
@@ -178,7 +202,7 @@ def _digests_flat(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
         where = torch.tensor(idx, dtype=torch.int64, device=device)
         s0.index_copy_(0, where, a)
         s1.index_copy_(0, where, b)
-    return s1 * M + s0 + torch.tensor(nbytes, dtype=torch.int64, device=device)
+    return s0, s1
 
 
 def _sums_each(words: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,12 +249,15 @@ class Pending:
         self._parts: list[tuple[list[int], torch.Tensor]] = []
         self.count = 0
 
-    def add(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Digest `tensors` (any devices) after those added before."""
+    def add(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None = None) -> None:
+        """Digest `tensors` (any devices) after those added before; `offsets` as for `digests`."""
+        if offsets is not None and len(offsets) != len(tensors):
+            raise ValueError(f"{len(offsets)} offsets for {len(tensors)} tensors: give one word offset per tensor")
         base, self.count = self.count, self.count + len(tensors)
         for device in {t.device for t in tensors}:
             idx = [i for i, t in enumerate(tensors) if t.device == device]
-            self._parts.append(([base + i for i in idx], digests([tensors[i] for i in idx])))
+            some = None if offsets is None else [offsets[i] for i in idx]
+            self._parts.append(([base + i for i in idx], digests([tensors[i] for i in idx], some)))
 
     def hexes(self) -> list[str]:
         """Every digest so far, in the order added, as 16-digit hex strings."""
