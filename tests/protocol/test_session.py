@@ -20,7 +20,7 @@ from locations import helper, pythonpath
 from peer import make_tensors
 from sessions import live_fingerprints, session
 
-from refit import ModuleEngine, ModuleSource, PeerError, Receiver, Sender, Settings
+from refit import ModuleEngine, ModuleSource, PeerError, Receiver, RefitError, Sender, Settings
 from refit.protocol.wire import HEADER, Channel, Header, Kind
 
 SPECS = [["a", [64, 16], "float32"], ["b", [10], "float32"]]
@@ -239,3 +239,72 @@ def test_a_transport_failure_at_commit_reads_as_the_peer_not_the_engine(monkeypa
     receiver.close()
     assert type(errors[0]) is PeerError and "engine failed" not in str(errors[0])
     assert engine.weights.state == State.FAILED
+
+
+def _connect_in_threads(sender: Sender, receivers: list[Receiver]) -> None:
+    errors: list[BaseException] = []
+    threads = [threading.Thread(target=lambda r=r: _catch(r.connect, errors)) for r in receivers]
+    for t in threads:
+        t.start()
+    sender.connect()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def _receive_in_threads(receivers: list[Receiver], errors: list[BaseException]) -> list[threading.Thread]:
+    threads = [threading.Thread(target=lambda r=r: _catch(r.receive, errors)) for r in receivers]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _rewrite_done(receiver: Receiver, rewrite) -> None:
+    """Make this receiver's DONE carry what `rewrite` makes of its payload (a buggy or hostile receiver)."""
+    ch = receiver.channel
+    send = ch.send
+    ch.send = lambda header, payload=None: send(header, rewrite(payload) if header.kind == Kind.DONE else payload)
+
+
+@pytest.mark.parametrize("bad", [b"\xff\xfe{}", b"[" * 2000], ids=["bad-utf8", "deep"])
+def test_a_malformed_done_fails_that_refit_only_and_every_other_done_is_still_read(bad: bytes) -> None:
+    settings = Settings(timeout_s=30)
+    sender = Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", num_receivers=2, settings=settings)
+    receivers = [Receiver(ModuleEngine(make_tensors(SPECS, seed=2)), sender.rendezvous()) for _ in range(2)]
+    _connect_in_threads(sender, receivers)
+    _rewrite_done(receivers[0], lambda payload: bad)
+    errors: list[BaseException] = []
+    threads = _receive_in_threads(receivers, errors)
+    with pytest.raises(RefitError, match="DONE is not valid JSON"):
+        sender.refit(1)
+    for t in threads:
+        t.join()
+    receivers[0].channel.send = type(receivers[0].channel).send.__get__(receivers[0].channel)
+    threads = _receive_in_threads(receivers, errors)
+    assert sender.refit(2).version == 2  # the session stayed in step
+    for t in threads:
+        t.join()
+    sender.close()
+    for r in receivers:
+        r.close()
+    assert not errors
+
+
+def test_strict_verification_fails_a_refit_with_unverified_tensors_on_every_receiver() -> None:
+    from refit import RefitError, State
+
+    sender = Sender(
+        ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", settings=Settings(timeout_s=30), verify="strict"
+    )
+    engine = ModuleEngine(make_tensors(SPECS, seed=2))
+    receiver = Receiver(engine, sender.rendezvous())
+    _connect_in_threads(sender, [receiver])
+    _rewrite_done(receiver, lambda payload: {**(payload or {}), "unverified": 1, "unverified_names": ["b"]})
+    errors: list[BaseException] = []
+    (t,) = _receive_in_threads([receiver], errors)
+    with pytest.raises(RefitError, match=r"1 tensor\(s\) could not be read back .*: b; verify='fingerprint' accepts"):
+        sender.refit(1)
+    t.join()
+    sender.close()
+    receiver.close()
+    assert isinstance(errors[0], RefitError) and engine.weights.state == State.FAILED

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,7 +16,7 @@ from refit.layout.manifest import Manifest
 from refit.layout.planner import plan
 from refit.layout.spec import TensorSpec
 from refit.protocol.lobby import _parse_hello
-from refit.protocol.wire import HEADER, MAX_JSON_BYTES, WITH_PAYLOAD, Header, Kind, parse_json
+from refit.protocol.wire import HEADER, MAX_JSON_BYTES, WITH_PAYLOAD, Header, Kind, _message, parse_json
 from refit.topology.verification import parse_regions
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -167,3 +168,15 @@ def test_regions_from_a_report_are_inside_the_tensor_or_a_peer_error(raw) -> Non
 @given(st.dictionaries(st.sampled_from(["missing", "unexpected", "mismatched", "x"]), numbers | st.lists(numbers)))
 def test_reports_parse_without_raising(obj: dict) -> None:
     Report.from_json(obj).message()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"[" * 2000, b'{"a":' * 2000, b"\xff\xfe{}", b'{"a":' * 40 + b"1" + b"}" * 40, b'{"m":"\xc3("}'],
+    ids=["deep-list", "deep-object", "bad-utf8", "over-depth", "bad-utf8-in-string"],
+)
+def test_deep_or_undecodable_json_is_an_integrity_error_in_every_parser(data: bytes) -> None:
+    for parse in (lambda d: parse_json(d, "X"), lambda d: _parse_hello(Header(Kind.HELLO, nbytes=len(d)).pack() + d)):
+        with pytest.raises(IntegrityError):
+            parse(data)
+    assert _message(data) == "(unreadable error message)"

@@ -9,7 +9,6 @@ delays, or is blamed on, the real receivers. Wrong tokens and late arrivals are 
 from __future__ import annotations
 
 import hmac
-import json
 import selectors
 import socket
 import threading
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 
 from refit.errors import IntegrityError, PeerError
 from refit.log import get_logger
-from refit.protocol.wire import HEADER, MAX_HELLO_BYTES, Channel, Header, Kind
+from refit.protocol.wire import HEADER, MAX_HELLO_BYTES, Channel, Header, Kind, parse_json
 
 HELLO_TIMEOUT_S = 10.0
 """How long a new connection has to deliver its whole HELLO."""
@@ -181,13 +180,7 @@ def _hello_header(data: bytes) -> Header:
 
 def _parse_hello(data: bytes) -> dict:
     _hello_header(data[: HEADER.size])
-    try:
-        hello = json.loads(data[HEADER.size :])
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise IntegrityError("HELLO is not valid JSON") from None
-    if not isinstance(hello, dict):
-        raise IntegrityError("HELLO must be a JSON object")
-    return hello
+    return parse_json(data[HEADER.size :], "HELLO", max_bytes=MAX_HELLO_BYTES)
 
 
 def _answer(sock: socket.socket, message: str) -> None:

@@ -22,6 +22,8 @@ MAX_JSON_BYTES = 64 << 20
 """Largest JSON payload accepted; checked before anything is allocated."""
 MAX_HELLO_BYTES = 4096
 """Largest HELLO accepted: all that is read from a peer before its token is verified."""
+MAX_JSON_DEPTH = 32
+"""Deepest nesting accepted in any JSON from a peer (refit's own messages nest at most 6 deep)."""
 
 
 class Kind(IntEnum):
@@ -208,18 +210,40 @@ def _fields(h: Header) -> dict:
 
 def _message(payload: bytes) -> str:
     try:
-        obj = json.loads(payload)
-        return str(obj.get("message", obj)) if isinstance(obj, dict) else str(obj)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        obj = load_json(payload, "ERROR")
+    except IntegrityError:
         return "(unreadable error message)"
+    return str(obj.get("message", obj)) if isinstance(obj, dict) else str(obj)
 
 
-def parse_json(payload: bytes, what: str) -> dict:
-    """A JSON object from a peer, or IntegrityError naming `what`."""
+def load_json(payload: bytes, what: str, *, max_bytes: int = MAX_JSON_BYTES) -> object:
+    """Any JSON value from a peer, bounded in size and nesting; every failure is IntegrityError naming `what`."""
+    if len(payload) > max_bytes:
+        raise IntegrityError(f"{what} of {len(payload)} bytes exceeds the {max_bytes} allowed")
     try:
         obj = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IntegrityError(f"{what} is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise IntegrityError(f"{what} is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+    if _depth(obj) > MAX_JSON_DEPTH:
+        raise IntegrityError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+    return obj
+
+
+def _depth(obj: object) -> int:
+    """Nesting depth of a parsed JSON value, without recursion."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (list, dict)):
+            deepest = max(deepest, d)
+            if d <= MAX_JSON_DEPTH:
+                stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
+
+
+def parse_json(payload: bytes, what: str, *, max_bytes: int = MAX_JSON_BYTES) -> dict:
+    """A JSON object from a peer, or IntegrityError naming `what`."""
+    obj = load_json(payload, what, max_bytes=max_bytes)
     if not isinstance(obj, dict):
         raise IntegrityError(f"{what} must be a JSON object")
     return obj

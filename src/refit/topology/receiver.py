@@ -151,7 +151,7 @@ class Receiver:
         self.manifest, self._path = None, None
         try:
             manifest = Manifest.from_json(payload)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank} rejected the manifest: {e}"})
             raise IntegrityError(f"sender's manifest is malformed: {e}") from None
         if manifest.capacity != len(self.transport.buffers[0]):
@@ -237,7 +237,7 @@ class Receiver:
             header, payload = self.channel.expect(Kind.COMMIT, f"every worker's commit of version {version}")
             if header.status:
                 reason = str(parse_json(payload, "COMMIT").get("message", "")) or "another worker failed"
-                raise RefitError(f"version {version} committed here but failed on another worker: {reason}")
+                raise RefitError(f"version {version} was not committed by every worker: {reason}")
         except BaseException as e:
             self.engine.fail(version, f"not every worker committed version {version}: {e}")
             raise

@@ -14,7 +14,7 @@ import torch
 
 from refit import transports
 from refit.checks.validation import Report
-from refit.errors import HandshakeError, PeerError, RefitError
+from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes
 from refit.layout.manifest import Manifest
 from refit.layout.planner import forecast, plan
@@ -30,7 +30,7 @@ from refit.transports import address
 from refit.transports.base import Transport
 
 log = get_logger("sender")
-VERIFY_MODES = (None, "fingerprint")
+VERIFY_MODES = (None, "fingerprint", "strict")
 HEARTBEAT_MAX_S = 5.0
 """Longest gap between heartbeats to idle receivers (shorter when REFIT_TIMEOUT is short)."""
 UNREAD_LIMIT = 4096
@@ -116,7 +116,9 @@ class Sender:
     ) -> None:
         """`verify="fingerprint"`: after the last bucket, each receiver compares a digest of what its
         engine now holds with a digest of the trainer's live tensors (after the wire cast), and the
-        refit fails, naming the tensors that differ, unless all agree.
+        refit fails, naming the tensors that differ, unless all agree; tensors an engine cannot read
+        back are reported (`RefitStats.unverified_names`) but accepted. `verify="strict"` verifies the
+        same way and fails the refit (committed on no receiver) when any tensor went unverified.
         `zero_copy` (cuda-ipc only): receivers copy straight from the source tensors, whose IPC handles
         are exported once per epoch; the source must hold contiguous device tensors in their wire dtype."""
         if num_receivers < 1:
@@ -377,7 +379,7 @@ class Sender:
             version=version,
             digest=m.digest,
             index=m.num_buckets,
-            status=int(self.zero_copy) | (2 if self.verdict else 0),
+            status=int(self.zero_copy) | (2 if self._two_phase() else 0),
         )
         if self.zero_copy:  # the optimizer's writes must be done before receivers read the tensors
             torch.cuda.current_stream(self.device).synchronize()
@@ -402,10 +404,14 @@ class Sender:
         t = time.perf_counter()
         for ch in self.channels:
             ch.send(Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest))
-        failures, committed = [], []
-        for ch in self.channels:
+        failures, committed, names = [], [], set()
+        for ch in self.channels:  # every DONE is read, whatever it says, so the next refit starts in step
             header, payload = ch.expect(Kind.DONE, f"commit of version {version}")
-            done = parse_json(payload, "DONE") if payload else {}
+            try:
+                done = parse_json(payload, "DONE") if payload else {}
+            except IntegrityError as e:
+                failures.append(f"{ch.peer}: {e}")
+                continue
             if header.status:
                 failures.append(f"{ch.peer}: {done.get('message', 'unknown error')}")
             else:
@@ -413,7 +419,13 @@ class Sender:
             unverified = done.get("unverified")
             if isinstance(unverified, int) and not isinstance(unverified, bool):
                 stats.unverified = max(stats.unverified, unverified)
+            listed = done.get("unverified_names")
+            if isinstance(listed, list):
+                names.update(str(n) for n in listed[:100_000])
         stats.add("commit", time.perf_counter() - t)
+        _set_unverified_names(stats, sorted(names))
+        if self.verify == "strict" and names and not failures and not errors:
+            failures.append(_strict_failure(sorted(names)))
         if failures or errors:
             own = (
                 f"refit of version {version} failed; receivers keep their last committed weights and report "
@@ -421,15 +433,19 @@ class Sender:
             )
         else:
             own = ""
-        if self.verdict is not None:
+        if self._two_phase():
             own = self._decide(m, version, own, committed)
         if own:
             raise RefitError(own)
 
+    def _two_phase(self) -> bool:
+        """Receivers hold their commit open until told the verdict: per-rank refits, and strict
+        verification (whose verdict needs every receiver's list of unverified tensors)."""
+        return self.verdict is not None or self.verify == "strict"
+
     def _decide(self, m: Manifest, version: int, own: str, committed: list[Channel]) -> str:
-        """Per-rank refit: agree with the other trainer ranks, then tell the receivers that committed."""
-        assert self.verdict is not None
-        verdict = self.verdict(own)
+        """Agree with the other trainer ranks (per-rank refit), then tell the receivers that committed."""
+        verdict = self.verdict(own) if self.verdict is not None else own
         for ch in committed:
             ch.send(
                 Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest, status=int(bool(verdict))),
@@ -460,3 +476,17 @@ class Sender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _set_unverified_names(stats: RefitStats, names: list[str]) -> None:
+    """Record the tensors no receiver could read back (RefitStats may not have the field in older installs)."""
+    with contextlib.suppress(AttributeError, TypeError):
+        stats.unverified_names = names  # type: ignore[attr-defined]
+
+
+def _strict_failure(names: list[str]) -> str:
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return (
+        f"verify='strict': {len(names)} tensor(s) could not be read back from the engine to verify: {shown}; "
+        "verify='fingerprint' accepts unverified tensors"
+    )
