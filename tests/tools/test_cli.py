@@ -114,10 +114,10 @@ def test_plan_json_carries_the_numbers(capsys: pytest.CaptureFixture) -> None:
     assert r["sender_bytes"] == 2 << 30 and len(r["digest"]) == 32
 
 
-def test_plan_json_to_a_file(tmp_path, capsys: pytest.CaptureFixture) -> None:
+def test_plan_json_to_a_file_keeps_the_human_output_on_stdout(tmp_path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "plan.json"
     assert main(["plan", "--preset", "tiny", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["model"] == "tiny" and capsys.readouterr().out == ""
+    assert json.loads(out.read_text())["model"] == "tiny" and capsys.readouterr().out.startswith("model: tiny")
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -158,3 +158,102 @@ def test_verbosity_flags_set_the_refit_logger_before_or_after_the_command(
     assert main([*argv, "--preset", "tiny"]) == 0
     assert logging.getLogger("refit").level == level
     assert (os.environ.get("VLLM_LOGGING_LEVEL") == "ERROR") == (level >= logging.WARNING)
+
+
+def test_version_prints_the_package_version() -> None:
+    import refit
+
+    result = _run("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"refit {refit.__version__}"
+
+
+def _no_work(*_a, **_k) -> int:
+    raise AssertionError("the command's work started before its output paths were checked")
+
+
+OUTPUT_DIRS = [
+    ["demo", "--json", "{dir}"],
+    ["plan", "--json", "{dir}"],
+    ["doctor", "--json", "{dir}"],
+    ["bench", "--quick", "--json", "{dir}"],
+    ["bench", "--quick", "--plot", "{dir}"],
+]
+
+
+@pytest.mark.parametrize("argv", OUTPUT_DIRS, ids=[" ".join(a[:-1]) for a in OUTPUT_DIRS])
+def test_an_output_path_that_is_a_directory_is_refused_before_any_work(
+    argv: list[str], tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import refit.tools.cli as cli
+
+    for name in ("_demo", "_bench", "_plan", "_doctor"):
+        monkeypatch.setattr(cli, name, _no_work)
+    assert main([a.format(dir=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a directory" in err[0] and "pass a file path" in err[0], err
+
+
+def test_an_output_directory_gets_one_line_from_the_command() -> None:
+    _one_line_error(_run("plan", "--json", "/"), "--json /", "is a directory")
+
+
+ZERO_SIZES = [
+    ["demo", "--trainer", "fsdp", "--ranks", "0"],
+    ["demo", "--trainer", "megatron", "--tp", "0"],
+    ["demo", "--trainer", "megatron", "--pp", "0"],
+    ["demo", "--trainer", "fsdp", "--ranks", "-1"],
+]
+
+
+@pytest.mark.parametrize("argv", ZERO_SIZES, ids=[" ".join(a) for a in ZERO_SIZES])
+def test_a_zero_or_negative_size_in_demo_is_refused_not_taken_as_unset(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import refit.tools.cli as cli
+
+    monkeypatch.setattr(cli, "_demo", _no_work)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and f"{argv[-2]}" in err[0] and ">= 1" in err[0], err
+
+
+def test_a_zero_size_in_demo_gets_one_line_from_the_command() -> None:
+    _one_line_error(_run("demo", "--trainer", "fsdp", "--ranks", "0"), "--ranks", "must be an integer >= 1")
+
+
+def test_bench_ranks_zero_still_means_the_colocated_mode_is_off() -> None:
+    assert build_parser().parse_args(["bench", "--ranks", "0"]).ranks == 0
+
+
+@pytest.mark.parametrize("argv", [["plan", "--preset", "tiny"], ["doctor", "--no-probe"]])
+def test_quiet_prints_errors_only_on_every_command(argv: list[str]) -> None:
+    result = _run(*argv, "-q")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "" and result.stderr == ""
+
+
+@pytest.mark.parametrize("command", [["plan", "--preset", "tiny"], ["doctor", "--no-probe"]])
+def test_json_alone_goes_to_stdout_and_the_human_output_to_stderr(command: list[str]) -> None:
+    result = _run(*command, "--json")
+    assert result.returncode == 0, result.stderr
+    json.loads(result.stdout)
+    assert result.stderr.strip(), "the human output should go to stderr"
+
+
+@pytest.mark.parametrize("command", [["plan", "--preset", "tiny"], ["doctor", "--no-probe"]])
+def test_json_to_a_file_keeps_the_human_output_on_stdout(command: list[str], tmp_path) -> None:
+    out = tmp_path / "out.json"
+    result = _run(*command, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    json.loads(out.read_text())
+    assert result.stdout.strip() and not result.stdout.lstrip().startswith(("{", "["))  # the human output
+
+
+def test_bench_json_alone_goes_to_stdout_and_its_tables_to_stderr() -> None:
+    result = _run("bench", "--preset", "tiny", "--repeats", "1", "--warmup", "0", "--methods", "floor,refit", "--json")
+    assert result.returncode == 0, result.stderr
+    [report] = json.loads(result.stdout)
+    assert set(report["results"]) == {"floor", "refit"} and "refit" in result.stderr

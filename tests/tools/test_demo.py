@@ -58,3 +58,25 @@ def test_demo_with_an_fsdp2_trainer_over_two_ranks(capfd: pytest.CaptureFixture)
     out = captured.out
     assert code == 0, out + captured.err[-3000:]
     assert "sharded with FSDP2 over 2 ranks" in out and "all refits verified" in out and out.count("✓") == 4
+
+
+@pytest.mark.slow
+def test_demo_quiet_prints_errors_only(capfd: pytest.CaptureFixture) -> None:
+    code = main(["demo", "-q", "--transport", "shm", "--steps", "1", "--dtype-change-at", "-1", *SMALL])
+    captured = capfd.readouterr()
+    assert code == 0, captured.err
+    assert captured.out == "" and captured.err == "", captured.out + captured.err
+
+
+def test_progress_is_off_when_stderr_is_not_a_terminal_or_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from refit.tools.console import progress_console
+
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    assert progress_console().quiet and progress_console(quiet=True).quiet
+    tty = io.StringIO()
+    tty.isatty = lambda: True  # type: ignore[method-assign]
+    monkeypatch.setattr("sys.stderr", tty)
+    assert not progress_console().quiet and progress_console(quiet=True).quiet
+    assert progress_console().file is tty

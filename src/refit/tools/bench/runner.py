@@ -389,8 +389,9 @@ def _devices(cfg: BenchConfig) -> tuple[torch.device, list[str]]:
     return torch.device("cuda:0"), [f"cuda:{1 + r % (n - 1)}" for r in range(cfg.receivers)]
 
 
-def run_bench(cfg: BenchConfig) -> dict:
-    """Measure every method in `cfg.methods` on one link; returns a JSON-able report."""
+def run_bench(cfg: BenchConfig, on_method: Callable[[str], None] | None = None) -> dict:
+    """Measure every method in `cfg.methods` on one link; returns a JSON-able report. `on_method(name)` is
+    called as each method starts (the CLI's progress)."""
     dtype = dtype_from_name(cfg.dtype)
     spec_list = specs(cfg.shape, dtype)
     device, worker_devices = _devices(cfg)
@@ -402,6 +403,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     results: dict[str, Result] = {}
     try:
         for m in cfg.methods:
+            if on_method:
+                on_method(m)
             if m == "floor":
                 results[m] = _floor(workers, source, cfg, device, nbytes)
             elif m in LOCAL:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import refit
@@ -22,7 +21,7 @@ from refit.errors import RefitError
 from refit.log import configure, get_logger
 from refit.settings import Settings
 from refit.sources.module import ModuleSource
-from refit.tools.console import console_on
+from refit.tools.console import console_on, progress, progress_console
 from refit.tools.demo.engine import MARK
 from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
 from refit.topology.sender import Sender
@@ -257,7 +256,7 @@ def run(cfg: DemoConfig, console: Console, trainer=None) -> bool:
     PlainTrainer; the sharded demo passes rank 0's FSDP trainer."""
     configure(cfg.verbosity)
     console = _console(console, cfg)
-    with console.status("building the demo model and tokenizer"):
+    with progress_console(quiet=cfg.verbosity < 0).status("building the demo model and tokenizer"):
         mcfg, model, tok, ids, prompts = demo_model(cfg)
         trainer = trainer or PlainTrainer(model, ids)
         reference = build_model(model_config(**mcfg), seed=0)
@@ -299,11 +298,12 @@ def _sharding(cfg: DemoConfig) -> str:
 
 
 def _console(console: Console, cfg: DemoConfig) -> Console:
-    """Human output never wraps in a pipe or a file, and goes to stderr when stdout carries JSON."""
+    """Human output never wraps in a pipe or a file, goes to stderr when stdout carries JSON, and is
+    silent with -q (errors only)."""
     stream = sys.stderr if cfg.to_stderr else console.file
-    if stream is console.file and console.is_terminal:
+    if stream is console.file and console.is_terminal and console.quiet == (cfg.verbosity < 0):
         return console
-    return console_on(stream)
+    return console_on(stream, quiet=cfg.verbosity < 0)
 
 
 def _start_engine(
@@ -318,7 +318,8 @@ def _start_engine(
 ) -> EngineProcess | VllmSide:
     if cfg.engine == "vllm":
         t0 = time.perf_counter()
-        with console.status("starting vLLM from dummy weights (a minute or two on CPU; -v shows its logs)"):
+        status = progress_console(quiet=cfg.verbosity < 0).status
+        with status("starting vLLM from dummy weights (a minute or two on CPU; -v shows its logs)"):
             engine: EngineProcess | VllmSide = VllmSide(sender, model, tok, prompts, workdir)
         log.info("vLLM started in %.1f s", time.perf_counter() - t0)
         return engine
@@ -347,24 +348,17 @@ def _loop(
 ) -> tuple[bool, list[dict]]:
     """Train, refit and check `cfg.steps` times: whether all verified, and one row per refit."""
     ok, rows = True, []
-    columns = (
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("", total=cfg.steps)
+    with progress(quiet=cfg.verbosity < 0) as bar:
+        task = bar.add_task("", total=cfg.steps)
         for step in range(1, cfg.steps + 1):
-            progress.update(task, description=f"step {step}: training")
+            bar.update(task, description=f"step {step}: training")
             loss = trainer.step()
             if step == cfg.dtype_change_at + 1:
                 trainer.source.set_wire_dtype(KEEP_FP32, torch.float32)
             wait = " (waiting for the engine to connect)" if step == 1 else ""
-            progress.update(task, description=f"step {step}: refitting{wait}")
+            bar.update(task, description=f"step {step}: refitting{wait}")
             stats = trainer.refit(engine, step)
-            progress.update(task, description=f"step {step}: checking the engine's weights and generation")
+            bar.update(task, description=f"step {step}: checking the engine's weights and generation")
             weights = trainer.full_weights()
             report = engine.report(weights)
             if report.get("event") != "refit":
@@ -377,7 +371,7 @@ def _loop(
             )
             for p in row.problems:
                 console.print(f"[red]step {step}: {escape(p)}[/]")
-            progress.advance(task)
+            bar.advance(task)
     return ok, rows
 
 
