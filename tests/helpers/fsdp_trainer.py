@@ -7,7 +7,9 @@ Run with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and one JSON argument:
 - "transport", "bucket_bytes", "steps", "dtype_change_at" (the step whose refit sends 3.bias as fp32);
 - "verify": the Sender's end-to-end check ("fingerprint"), ranked mode;
 - "replace_at": the step before whose refit 1.weight is replaced by a new parameter (new storage, new
-  values, the same sharding), as an optimizer wrapper or a checkpoint load with assign=True does.
+  values, the same sharding), as an optimizer wrapper or a checkpoint load with assign=True does;
+- "specs_to": a folder; with "model": "tiny" (Linear(1, 1) layers, so rank 1's local shards are empty, and
+  2.weight tied to 0.weight), each rank writes its FsdpSource's specs there as specs-<rank>.json and exits.
 Rank 0 prints its rendezvous (ranked: every rank's, a list), then one '@@rank0' JSON line per
 refit: the stats (or the error), the fingerprints of the live full parameters in their wire dtypes,
 the gathers' peak, the predicted figure and how often each tensor was gathered.
@@ -35,6 +37,23 @@ def build(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Embedding(300, 64), torch.nn.Linear(64, 96), torch.nn.Linear(96, 48),
                                torch.nn.Linear(48, 301))  # fmt: skip
+
+
+def _tiny(device: torch.device) -> torch.nn.Module:
+    """Three Linear(1, 1): each weight has 1 row, so rank 1 of 2 holds empty local shards; 2.weight is 0.weight."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(1, 1) for _ in range(3))).to(device)
+    model[2].weight = model[0].weight
+    fully_shard(model, mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
+    return model
+
+
+def _write_specs(args: dict, device: torch.device) -> None:
+    """Every rank's specs of the tiny model, written as `specs_to`/specs-<rank>.json."""
+    source = FsdpSource(_tiny(device), wire_dtype=torch.bfloat16)
+    specs = [[s.name, list(s.shape), str(s.dtype), list(s.aliases)] for s in source.specs()]
+    with open(f"{args['specs_to']}/specs-{dist.get_rank()}.json", "w") as f:
+        json.dump(specs, f)
 
 
 def _model(args: dict, device: torch.device) -> tuple[torch.nn.Module, object]:
@@ -89,6 +108,11 @@ def main() -> int:
     if cuda:
         device = torch.device("cuda", args.get("device_index", [0, 1])[rank])
         torch.cuda.set_device(device)
+    if "specs_to" in args:
+        _write_specs(args, device)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
     model, source = _model(args, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ranked = args.get("mode", "lead") == "ranked"

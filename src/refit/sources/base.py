@@ -96,15 +96,19 @@ class WireDtypes:
 
 
 def _address(t: torch.Tensor) -> int:
+    """Where the (local) data starts: equal for aliases, so a cheap first filter (empty shards all give 0)."""
     return getattr(t, "_local_tensor", t).data_ptr()
 
 
 def alias_key(name: str, t: torch.Tensor, wire: torch.dtype) -> Hashable:
     """Equal for two names only when they are one tensor on the wire: same storage, same view, same wire dtype.
-    Different views of one flat buffer are not aliases; neither are empty tensors."""
+    Different views of one flat buffer are not aliases; neither are empty tensors.
+
+    Keyed by the storage's identity and the view's place in it (offset, strides, shape), never by a data
+    pointer: an empty DTensor shard has a null one, and on every rank the key must find the same aliases."""
     local = getattr(t, "_local_tensor", t)  # a DTensor: its shard's storage identifies it
     if t.numel() == 0:
         return name
-    if local.device.type == "meta":  # no storage address: only the very same tensor object is an alias
-        return (id(t), wire)
-    return (local.device, local.data_ptr(), local.stride(), t.dtype, tuple(t.shape), wire)
+    storage = local.untyped_storage()._cdata  # the storage object itself, also for empty or meta storage
+    view = (local.storage_offset(), local.stride(), tuple(local.shape))
+    return (local.device, storage, view, t.dtype, tuple(t.shape), wire)
