@@ -91,7 +91,7 @@ class VllmRefit:
         self.failure = ""
         """Why the last refit failed partway (vLLM then holds mixed weights); empty when current."""
 
-    def _concurrently(self, trainer_side: Any, engine_side: Any) -> Any:
+    def _concurrently(self, trainer_side: Any, engine_side: Any, on_engine_error: Any = None) -> Any:
         if self._thread is not None and self._thread.is_alive():
             raise RefitError(
                 "the Sender's thread from an earlier call is still running; this driver starts no "
@@ -116,6 +116,8 @@ class VllmRefit:
             engine_side()
         except Exception as e:  # noqa: BLE001 - any failure of vLLM's side is reported together with the trainer's
             engine_error = e
+            if on_engine_error is not None:
+                on_engine_error()
         # Every wait inside the Sender is bounded by its timeout, so this join ends; the bound is a backstop.
         self._thread.join(4 * self.sender.settings.timeout_s + 60)
         if self._thread.is_alive():
@@ -126,6 +128,8 @@ class VllmRefit:
         return _outcome(result, engine_error)
 
     def connect(self) -> None:
+        """Set up vLLM's side and the Sender's session together. When vLLM's side fails, its error is
+        raised at once and the Sender is closed: assign a new Sender (`driver.sender = ...`) to retry."""
         if self._connected:
             return
         info = {
@@ -133,7 +137,13 @@ class VllmRefit:
             "timeout_s": self.sender.settings.timeout_s,
             "options": {**asdict(self.options), "fallback": list(self.options.fallback)},
         }
-        self._concurrently(self.sender.connect, lambda: self.llm.init_weight_transfer_engine({"init_info": info}))
+        # vLLM failing to set up its side means no receiver will ever connect: closing the Sender ends
+        # its wait for them now (not after the connect timeout), and the driver can take a new Sender.
+        self._concurrently(
+            self.sender.connect,
+            lambda: self.llm.init_weight_transfer_engine({"init_info": info}),
+            on_engine_error=self.sender.close,
+        )
         self._connected = True
 
     def refit(self, version: int) -> Any:
@@ -195,7 +205,7 @@ def _outcome(result: dict[str, Any], engine_error: Exception | None) -> Any:
         msg = f"vLLM worker failed: {engine_error}"
         if trainer_error is not None:
             msg += f"; trainer side: {type(trainer_error).__name__}: {trainer_error}"
-        raise RefitError(msg) from (trainer_error or engine_error)
+        raise RefitError(msg) from engine_error  # vLLM's own error; the trainer's is in the message
     if trainer_error is not None:
         raise trainer_error
     return result.get("value")
