@@ -2,7 +2,9 @@
 
 Run with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and one JSON argument: "tp", "pp", "transport",
 "bucket_bytes", "steps", "dtype_change_at" (the step whose refit sends model.norm.weight as fp32),
-"model" (refit.tools.demo.model.model_config keywords), "engine": "peer" (an engine process that connects to the
+"model" (refit.tools.demo.model.model_config keywords), "vocab" and "padded_vocab" (the HF model's vocabulary
+and Megatron's rows for it, padded as `make_vocab_size_divisible_by` x TP pads it; default: the config's,
+unpadded), "engine": "peer" (an engine process that connects to the
 printed rendezvous) or "vllm" (rank 0 runs vLLM from dummy weights, refitted through the 'refit'
 backend). Rank 0 prints its rendezvous (peer), then (PP=1 or "check_logits") how far
 megatron's logits are from the Hugging Face model's with the converted weights, then one '@@rank0'
@@ -12,6 +14,7 @@ names in their wire dtypes, the HF model's greedy output with those weights, and
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import tempfile
@@ -21,8 +24,24 @@ import torch.distributed as dist
 
 from refit import RefitError, Sender, Settings
 from refit.checks.hashes import fingerprints
-from refit.tools.demo.megatron import MegatronTrainer, forward
+from refit.sources.megatron import MegatronSource
+from refit.tools.demo.megatron import MegatronTrainer, build_gpt, forward
 from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
+
+
+class PaddedTrainer(MegatronTrainer):
+    """The demo's trainer with Megatron's vocabulary padded to `padded` rows (the HF model's stays as it is),
+    sent with the checkpoint's vocabulary: `MegatronSource(vocab_size=...)`."""
+
+    def __init__(self, hf_model: torch.nn.Module, ids: torch.Tensor, *, tp: int, pp: int, padded: int) -> None:
+        config = copy.deepcopy(hf_model.config)
+        config.vocab_size = padded
+        self.model = build_gpt(config, tp=tp, pp=pp)
+        self.hf_model, self.ids = hf_model, ids
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+        vocab = hf_model.config.vocab_size
+        self.source = MegatronSource(self.model, vocab_size=vocab, wire_dtype=torch.bfloat16)
+        self.num_params = sum(p.numel() for p in hf_model.parameters())
 
 
 def emit(obj: object) -> None:
@@ -62,8 +81,9 @@ def logits_gap(trainer: MegatronTrainer, ids: torch.Tensor) -> float | None:
         if dist.get_rank() != 0:
             return None
         if logits is None:
-            logits = torch.empty(1, ids.shape[1], trainer.source.layout.vocab_size)
+            logits = torch.empty(1, ids.shape[1], trainer.source.layout.padded_vocab_size)
             dist.recv(logits, stages[-1])
+        logits = logits[..., : trainer.source.layout.vocab_size]  # the padded rows' logits: no token's
         return float((logits - from_checkpoint(trainer, weights)(input_ids=ids).logits).abs().max())
 
 
@@ -93,8 +113,13 @@ def main() -> int:
     tok = build_tokenizer()
     ids = torch.tensor([tok(TEXT)["input_ids"][:128]])
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    hf = build_model(model_config(**args["model"]), seed=0)
-    trainer = MegatronTrainer(hf, ids, tp=args["tp"], pp=args["pp"])
+    config = model_config(**args["model"])
+    config.vocab_size = args.get("vocab", config.vocab_size)
+    hf = build_model(config, seed=0)
+    if "padded_vocab" in args:
+        trainer = PaddedTrainer(hf, ids, tp=args["tp"], pp=args["pp"], padded=args["padded_vocab"])
+    else:
+        trainer = MegatronTrainer(hf, ids, tp=args["tp"], pp=args["pp"])
     sender = vllm = None
     workdir = tempfile.TemporaryDirectory()
     if dist.get_rank() == 0:

@@ -25,11 +25,16 @@ MODEL = {"layers": 2, "hidden": 512, "ffn": 1024}
 BUCKET = 1 << 20
 
 
-def _layout(tp: int) -> GptLayout:
+VOCAB, PADDED = 1000, 1024
+"""The HF vocabulary, and Megatron's rows for it at TP=2 (make_vocab_size_divisible_by=512 x TP)."""
+
+
+def _layout(tp: int, vocab: int | None = None, padded: int = 0) -> GptLayout:
     c = model_config(**MODEL)
+    pad = {"padded_vocab_size": padded} if padded else {}
     return GptLayout(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
                      num_query_groups=c.num_key_value_heads, head_dim=c.head_dim, ffn_hidden_size=c.intermediate_size,
-                     vocab_size=c.vocab_size, tp=tp)  # fmt: skip
+                     vocab_size=vocab or c.vocab_size, tp=tp, **pad)  # fmt: skip
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -59,6 +64,34 @@ def test_layout_names_shapes_and_split_match_the_hf_model(tp: int) -> None:
         for j, want in enumerate(expected):
             got = merge(torch.stack([piece[j].contiguous() for piece in pieces]), dim, tuple(want.shape))
             assert torch.equal(got, want), (key, j)
+
+
+def test_a_padded_vocabulary_is_gathered_padded_and_sent_as_the_checkpoint_vocabulary() -> None:
+    """Megatron's 1024 rows at TP=2 (512 per rank, the last 24 padding) against the checkpoint's 1000."""
+    layout = _layout(2, VOCAB, PADDED)
+    assert layout.slots["embed"].shape == layout.slots["output"].shape == (PADDED, 512)
+    shapes = layout.hf_shapes()
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (VOCAB, 512)
+    assert layout.hf_shapes(padded=True)["lm_head.weight"] == (PADDED, 512)
+    full = torch.randn(PADDED, 512)
+    for key in ("embed", "output"):
+        assert torch.equal(layout.to_hf(key, full)[0], full[:VOCAB])  # the global tensor: trimmed
+        shards = [layout.to_hf(key, shard, ranks=1)[0] for shard in full.chunk(2)]  # shards: kept whole
+        merged = merge(torch.stack(shards), 0, layout.hf_shapes(padded=True)["lm_head.weight"])
+        assert torch.equal(layout.trim(key, merged), full[:VOCAB])
+
+
+@pytest.mark.parametrize(("vocab", "padded", "message"), [
+    (1100, 1024, r"vocab_size \(1100\) must be at least 1 and at most the model's padded vocabulary \(1024 rows\)"),
+    (1000, 1001, r"padded_vocab_size \(1001\) must be divisible by the tensor-parallel size \(2\)"),
+])  # fmt: skip
+def test_a_vocabulary_that_the_padded_rows_cannot_hold_is_refused(vocab: int, padded: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _layout(2, vocab, padded)
+
+
+def test_an_unpadded_odd_checkpoint_vocabulary_needs_only_the_padded_rows_divisible() -> None:
+    assert _layout(2, 1001, 1024).hf_shapes()["lm_head.weight"] == (1001, 512)
 
 
 def test_local_and_transformer_engine_names_fill_the_same_slots_at_the_stage_offset() -> None:
@@ -171,6 +204,49 @@ def test_megatron_moe_refits_bitwise_under_per_expert_checkpoint_names() -> None
     finally:
         assert [p.wait(timeout=120) for p in ranks] == [0, 0]
         peer.wait(timeout=120)
+
+
+@pytest.mark.slow
+def test_a_padded_megatron_vocabulary_refits_bitwise_into_an_hf_shaped_module_engine() -> None:
+    """Vocabulary 1000 padded to 1024 at TP=2: the engine holds the checkpoint's 1000 rows; the handshake
+    passes, the padded rows are cut after the gather, and every refit is bitwise (and fingerprint-verified)."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core: pip install -e '.[megatron]'")
+    from peer import Peer
+
+    ranks = _start({"tp": 2, "pp": 1, "transport": "gloo", "bucket_bytes": BUCKET, "steps": 2, "dtype_change_at": -1,
+                    "model": MODEL, "vocab": VOCAB, "padded_vocab": PADDED}, world=2)  # fmt: skip
+    specs = [[n, list(shape), "float32"] for n, shape in _layout(2, VOCAB).hf_shapes().items()]
+    assert ["model.embed_tokens.weight", [VOCAB, 512], "float32"] in specs
+    peer = Peer({"rendezvous": line(ranks[0]), "specs": specs, "bucket_bytes": BUCKET})
+    try:
+        assert line(ranks[0])["logits_gap"] < 1e-4  # the trimmed weights are Megatron's model, padding aside
+        for version in (1, 2):
+            sent, got = line(ranks[0]), peer.report()
+            assert "error" not in sent, sent["error"]
+            assert got["fingerprints"] == sent["fingerprints"] and got["version"] == version
+            assert set(sent["gathers"].values()) == {version}
+    finally:
+        assert [p.wait(timeout=300) for p in ranks] == [0, 0]
+        peer.wait(timeout=300)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_padded_megatron_vocabulary_refits_into_vllm_and_verifies() -> None:
+    """The same trainer into vLLM (in rank 0, from dummy weights of the 1000-row checkpoint): vLLM's
+    parameters equal the trainer's live weights after each fingerprint-verified refit."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core: pip install -e '.[megatron]'")
+    pytest.importorskip("vllm")
+    ranks = _start({"tp": 2, "pp": 1, "transport": "shm", "bucket_bytes": BUCKET, "steps": 2, "dtype_change_at": -1,
+                    "model": MODEL, "vocab": VOCAB, "padded_vocab": PADDED, "engine": "vllm"}, world=2)  # fmt: skip
+    try:
+        assert line(ranks[0])["logits_gap"] < 1e-4
+        for version in (1, 2):
+            sent = line(ranks[0])
+            assert "error" not in sent, sent["error"]
+            assert sent["version"] == version and sent["vllm_params_ok"], sent
+    finally:
+        assert [p.wait(timeout=600) for p in ranks] == [0, 0]
 
 
 @pytest.mark.slow

@@ -64,15 +64,19 @@ class MegatronSource(WireDtypes, Source):
         wire_dtype: torch.dtype | None = None,
         overrides: Mapping[str, torch.dtype] | None = None,
     ) -> None:
-        """Collective: every model-parallel rank builds it together. `vocab_size`: the rows of the
-        embedding (default: the model's padded vocabulary); `wire_dtype` casts every tensor (e.g. fp32
-        master weights sent as bf16); `overrides` set single checkpoint names' wire dtypes."""
+        """Collective: every model-parallel rank builds it together. `vocab_size`: the checkpoint's
+        vocabulary, the rows of the embedding and lm_head the engine expects (default: the model's rows,
+        which Megatron pads to a multiple of `make_vocab_size_divisible_by` x TP; the padded rows are
+        gathered and cut off, never sent); `wire_dtype` casts every tensor (e.g. fp32 master weights sent
+        as bf16); `overrides` set single checkpoint names' wire dtypes."""
         ps = _parallel_state()
         self.model = unwrap(model)
         config = self.model.config
-        vocab = vocab_size or self.model.vocab_size
+        rows = int(self.model.vocab_size)
         tied = bool(getattr(self.model, "share_embeddings_and_output_weights", False))
-        self.layout = GptLayout.from_megatron(config, vocab_size=vocab, tied_embeddings=tied)
+        self.layout = GptLayout.from_megatron(
+            config, vocab_size=vocab_size or rows, padded_vocab_size=rows, tied_embeddings=tied
+        )
         self.group = ps.get_model_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
@@ -87,6 +91,8 @@ class MegatronSource(WireDtypes, Source):
                 "(megatron-core's default rank order); initialise parallel_state with it"
             )
         self._shapes = self.layout.hf_shapes()
+        self._gathered = self.layout.hf_shapes(padded=True)
+        """Each name's global shape as its TP shards concatenate (the vocabulary padded), before `trim`."""
         self._order = list(self._shapes)
         self._tensors = self._shapes  # type: ignore[assignment]  # WireDtypes checks override names against it
         self._slot_of = {n: s.key for s in self.layout.slots.values() for n in s.hf_names}
@@ -225,7 +231,7 @@ class MegatronSource(WireDtypes, Source):
             if work is not None:
                 work.wait()
             if self.tp_rank == 0:
-                got[n] = merge(out, self._dim[n], self._shapes[n])
+                got[n] = self.layout.trim(self._slot_of[n], merge(out, self._dim[n], self._gathered[n]))
         return got
 
     def _to_leader(self, names: list[str], got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

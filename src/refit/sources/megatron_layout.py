@@ -10,7 +10,10 @@ global shapes on both sides, how tensor-parallel shards concatenate, and the con
   the next linear layer (Transformer Engine spec: `linear_qkv.layer_norm_weight`,
   `linear_fc1.layer_norm_weight`); both name the same slot;
 - MoE (SequentialMLP, no expert parallelism): the router is `mlp.gate`, each local expert's fc1/fc2
-  splits like the dense MLP's into `mlp.experts.E.{gate,up,down}_proj`.
+  splits like the dense MLP's into `mlp.experts.E.{gate,up,down}_proj`;
+- the vocabulary: Megatron pads it (`make_vocab_size_divisible_by` x TP) to `padded_vocab_size` rows of
+  the embedding and output layer, the checkpoint holds `vocab_size`; the padded rows (the last ones) are
+  gathered with the rest and cut off the global tensor, never sent.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ _LAYER_PARAMS = {
     "self_attention.k_layernorm.weight": "k_norm",
     "mlp.router.weight": "router",
 }
+_VOCAB_SLOTS = ("embed", "output")
+"""The slots with one row per vocabulary entry (Megatron pads them)."""
 _MODEL_PARAMS = {
     "embedding.word_embeddings.weight": "embed",
     "decoder.final_layernorm.weight": "final_norm",
@@ -69,7 +74,9 @@ class GptLayout:
     head_dim: int
     ffn_hidden_size: int
     vocab_size: int
-    """Megatron's (possibly padded) vocabulary; the engine must expect the same rows."""
+    """The checkpoint's vocabulary: the rows of the embedding and lm_head the engine expects."""
+    padded_vocab_size: int = 0
+    """Megatron's rows of the embedding and output layer, `vocab_size` padded (0: not padded)."""
     qkv_bias: bool = False
     """Qwen2: q, k and v projections carry biases."""
     tied_embeddings: bool = False
@@ -85,6 +92,13 @@ class GptLayout:
     slots: dict[str, Slot] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not self.padded_vocab_size:
+            self.padded_vocab_size = self.vocab_size
+        if not 0 < self.vocab_size <= self.padded_vocab_size:
+            raise ValueError(
+                f"vocab_size ({self.vocab_size}) must be at least 1 and at most the model's padded vocabulary "
+                f"({self.padded_vocab_size} rows): pass the checkpoint's vocab_size, e.g. the HF config's"
+            )
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_query_groups "
@@ -93,7 +107,7 @@ class GptLayout:
         for what, n in (
             ("num_query_groups", self.num_query_groups),
             ("ffn_hidden_size", self.ffn_hidden_size),
-            ("vocab_size", self.vocab_size),
+            ("padded_vocab_size", self.padded_vocab_size),
             ("num_attention_heads", self.num_attention_heads),
         ):
             if n % self.tp:
@@ -101,8 +115,11 @@ class GptLayout:
         self.slots = {s.key: s for s in self._slots()}
 
     @classmethod
-    def from_megatron(cls, config, *, vocab_size: int, tied_embeddings: bool) -> GptLayout:  # type: ignore[no-untyped-def]
-        """From a megatron-core TransformerConfig (duck-typed: no megatron import here)."""
+    def from_megatron(  # type: ignore[no-untyped-def]
+        cls, config, *, vocab_size: int, tied_embeddings: bool, padded_vocab_size: int = 0
+    ) -> GptLayout:
+        """From a megatron-core TransformerConfig (duck-typed: no megatron import here); `padded_vocab_size`:
+        the model's rows (GPTModel.vocab_size), `vocab_size`: the checkpoint's."""
         experts = getattr(config, "num_moe_experts", None) or 0
         if experts:
             _check_moe(config)
@@ -118,6 +135,7 @@ class GptLayout:
             head_dim=config.kv_channels or config.hidden_size // config.num_attention_heads,
             ffn_hidden_size=config.ffn_hidden_size,
             vocab_size=vocab_size,
+            padded_vocab_size=padded_vocab_size,
             qkv_bias=bool(config.add_qkv_bias),
             tied_embeddings=tied_embeddings,
             tp=config.tensor_model_parallel_size,
@@ -130,11 +148,11 @@ class GptLayout:
         h, d, ng = self.hidden_size, self.head_dim, self.num_query_groups
         qkv_rows = (self.num_attention_heads + 2 * ng) * d
         out = [
-            Slot("embed", (self.vocab_size, h), 0, ("model.embed_tokens.weight",)),
+            Slot("embed", (self.padded_vocab_size, h), 0, ("model.embed_tokens.weight",)),
             Slot("final_norm", (h,), None, ("model.norm.weight",)),
         ]
         if not self.tied_embeddings:
-            out.append(Slot("output", (self.vocab_size, h), 0, ("lm_head.weight",)))
+            out.append(Slot("output", (self.padded_vocab_size, h), 0, ("lm_head.weight",)))
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             attn = tuple(p + f"self_attn.{x}_proj." for x in "qkv")
@@ -167,13 +185,19 @@ class GptLayout:
             ]
         return out
 
-    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every checkpoint name the engine expects and its global shape, in name order."""
+    def hf_shapes(self, *, padded: bool = False) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint name the engine expects and its global shape, in name order; `padded`: the
+        shapes as gathered from Megatron's shards, before `trim` (the vocabulary padded)."""
         shapes = {}
         for s in self.slots.values():
             for name, t in zip(s.hf_names, self._split_shapes(s)):
-                shapes[name] = t
+                shapes[name] = t if padded or s.key not in _VOCAB_SLOTS else (self.vocab_size, *t[1:])
         return dict(sorted(shapes.items()))
+
+    def trim(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """Slot `key`'s global tensor (or its checkpoint tensor) without Megatron's vocabulary padding: the
+        first `vocab_size` rows of the embedding and output layer (a view); other slots as they are."""
+        return t[: self.vocab_size] if key in _VOCAB_SLOTS else t
 
     def aliases(self) -> dict[str, str]:
         """Checkpoint names that are another name's tensor (tied lm_head -> the embedding)."""
@@ -207,7 +231,10 @@ class GptLayout:
 
         `t` is the slot's global tensor (the TP shards concatenated: `ranks` defaults to the TP size)
         or one rank's shard (`ranks=1`): a shard converts to the same rank's shard of each checkpoint
-        tensor, so shards may be converted before they are gathered."""
+        tensor, so shards may be converted before they are gathered. A global embedding or output layer
+        loses its vocabulary padding (`trim`); a shard keeps it (its rows are cut after the gather)."""
+        if key in _VOCAB_SLOTS:
+            return [t if ranks is not None else self.trim(key, t)]
         kind = key.rsplit(".", 1)[-1]
         rest = t.shape[1:]
         if kind in ("qkv", "qkv_bias"):
