@@ -297,3 +297,14 @@ def test_vllm_serve_http_routes_refit_and_serve_the_new_weights(world: dict) -> 
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_an_untied_lm_head_into_a_tied_vllm_model_fails_the_handshake_unless_waived(tmp_path) -> None:  # noqa: ANN001
+    out = subprocess.run([sys.executable, helper("vllm_tied.py"), str(tmp_path / "qwen2")],
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("@@tied ")), None)
+    assert line is not None, out.stderr[-3000:]
+    result = json.loads(line[len("@@tied ") :])
+    assert result["untied"].get("type") == "HandshakeError", result["untied"]  # refused before anything is written
+    assert "lm_head.weight" in result["untied"]["error"] and "tie the trainer" in result["untied"]["error"]
+    assert result["tied"]["ok"] and result["waived"]["ok"], result

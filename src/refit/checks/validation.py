@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -10,6 +11,9 @@ from itertools import compress
 from refit.dtypes import dtype_name, lossless
 from refit.layout.manifest import gc_paused
 from refit.layout.spec import TensorSpec
+from refit.log import get_logger
+
+log = get_logger("validation")
 
 _NAME, _SHAPE, _DTYPE = (operator.attrgetter(f) for f in ("name", "shape", "dtype"))
 
@@ -25,7 +29,10 @@ class Report:
     unexpected: tuple[str, ...] = ()
     """The sender sends these; the engine has no such tensor."""
     mismatched: tuple[tuple[str, str, str], ...] = ()
-    """(name, what the engine holds, what the sender sends) where shape differs or the dtype cannot be held exactly."""
+    """(name, what the engine holds, what the sender sends) where shape differs, the dtype cannot be held
+    exactly, or the engine ties names into one storage that the sender sends as separate tensors."""
+    waived: tuple[str, ...] = ()
+    """Names the user waived (`ignore=`): never loaded, never checked; reported, not failing."""
 
     @property
     def ok(self) -> bool:
@@ -36,6 +43,7 @@ class Report:
             "missing": list(self.missing),
             "unexpected": list(self.unexpected),
             "mismatched": [list(m) for m in self.mismatched],
+            "waived": list(self.waived),
         }
 
     @classmethod
@@ -48,7 +56,7 @@ class Report:
         rows = (
             tuple(tuple(str(x) for x in m)[:3] for m in mism if isinstance(m, list)) if isinstance(mism, list) else ()
         )
-        return cls(names("missing"), names("unexpected"), rows)  # type: ignore[arg-type]
+        return cls(names("missing"), names("unexpected"), rows, names("waived"))  # type: ignore[arg-type]
 
     def message(self) -> str:
         parts = []
@@ -61,7 +69,15 @@ class Report:
             parts.append(f"{len(self.mismatched)} mismatched: {_list(rows)}")
         return (
             "manifest does not match the engine; nothing was loaded. " + "; ".join(parts) + ". "
-            "Fix: send the names the engine uses (or pass name_map), with its shapes and a dtype it can hold exactly."
+            "Fix: send the names the engine uses (or pass name_map), with its shapes and a dtype it can hold exactly"
+            + (self._waiver() if self.unexpected else ".")
+        )
+
+    def _waiver(self) -> str:
+        shown = ", ".join(map(repr, self.unexpected[:3])) + (", ..." if len(self.unexpected) > 3 else "")
+        return (
+            f"; or, to send tensors the engine will not load on purpose, waive them on the engine with "
+            f"ignore=[{shown}] (names or fnmatch patterns)."
         )
 
 
@@ -75,6 +91,14 @@ def _describe(spec: TensorSpec) -> str:
     return f"{list(spec.shape)} {dtype_name(spec.dtype)}"
 
 
+def waived(name: str, patterns: Iterable[str]) -> bool:
+    """Whether `name` is one the user waived: equal to a pattern or matching it (fnmatch-style)."""
+    return any(name == p or (_GLOB & set(p) and fnmatch.fnmatchcase(name, p)) for p in patterns)
+
+
+_GLOB = frozenset("*?[")
+
+
 def validate(
     sent: Iterable[TensorSpec],
     expected: Iterable[TensorSpec],
@@ -83,7 +107,20 @@ def validate(
     optional: frozenset[str] = frozenset(),
 ) -> Report:
     """What differs between the specs a sender sends and the specs an engine holds (column by column: a
-    manifest may list 100k tensors)."""
+    manifest may list 100k tensors).
+
+    `optional`: names or fnmatch patterns the user waived (`ignore=`): left out of every check and
+    reported as waived (logged at WARNING). An expected spec with aliases is a tie in the engine (one
+    storage under several names): sending any of its names is enough, sending two of them as
+    separate tensors (different sources, so the last write would win) is refused."""
+    sent, expected = list(sent), list(expected)
+    groups = _sent_groups(sent)
+    sent = [x for spec in sent for x in spec.expanded()]
+    ties = [spec.names for spec in expected if spec.aliases]
+    expected = [x for spec in expected for x in spec.expanded()]
+    skip = _waived({s.name for s in sent} | {s.name for s in expected}, optional)
+    if skip:
+        sent, expected = [s for s in sent if s.name not in skip], [s for s in expected if s.name not in skip]
     with gc_paused():
         got, want = _by_name(sent), _by_name(expected)
         common = list(filter(want.__contains__, got))  # in the sender's order: memory read in sequence
@@ -93,11 +130,58 @@ def validate(
         if exact_shapes:
             bad.update(compress(common, map(operator.ne, map(_SHAPE, g), map(_SHAPE, w))))
     bad = sorted(bad)
-    mismatched = tuple(
+    mismatched = [
         (n, _describe(want[n]) if exact_shapes else dtype_name(want[n].dtype), _describe(got[n])) for n in bad
-    )
-    missing = tuple(sorted(want.keys() - got.keys() - optional))
-    return Report(missing, tuple(sorted(got.keys() - want.keys() - optional)), mismatched)
+    ]
+    mismatched += _tie_conflicts(ties, groups, got.keys())
+    tied = {n for names in ties for n in names}
+    covered = {n for names in ties if got.keys() & set(names) for n in names}
+    missing = tuple(sorted(want.keys() - got.keys() - covered - (tied - covered - {t[0] for t in ties})))
+    return Report(missing, tuple(sorted(got.keys() - want.keys())), tuple(mismatched), tuple(sorted(skip)))
+
+
+def _waived(names: set[str], patterns: frozenset[str]) -> set[str]:
+    if not patterns:
+        return set()
+    skip = {n for n in names if waived(n, patterns)}
+    if skip:
+        log.warning(
+            "%d tensor name(s) waived by ignore= (neither loaded nor checked): %s", len(skip), _list(sorted(skip))
+        )
+    return skip
+
+
+def _sent_groups(sent: list[TensorSpec]) -> dict[str, int]:
+    """Which sent entry (storage) each sent name comes from. Specs with aliases say it exactly; an
+    alias-free list that came from expanding aliased entries lists each entry's names next to each
+    other with one shape object, so runs of those are taken as one entry."""
+    out: dict[str, int] = {}
+    entry, prev = -1, None
+    for spec in sent:
+        if spec.aliases or prev is None or not (spec.shape is prev.shape and spec.shape and spec.dtype is prev.dtype):
+            entry += 1
+        out.update(dict.fromkeys(spec.names, entry))
+        prev = spec
+    return out
+
+
+def _tie_conflicts(
+    ties: list[tuple[str, ...]], groups: dict[str, int], sent: Iterable[str]
+) -> list[tuple[str, str, str]]:
+    sent = set(sent)
+    rows = []
+    for names in ties:
+        here = [n for n in names if n in sent]
+        if len({groups[n] for n in here}) > 1:
+            rows.append(
+                (
+                    here[-1],
+                    f"one storage with {', '.join(n for n in here if n != here[-1])} (tied in the engine)",
+                    "a separate tensor (the last write would win); fix: tie the trainer's weights, or send one "
+                    f"of them and waive the other with ignore=[{here[-1]!r}]",
+                )
+            )
+    return rows
 
 
 def _by_name(specs: Iterable[TensorSpec]) -> dict[str, TensorSpec]:

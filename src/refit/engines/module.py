@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
+from refit.checks.validation import waived
 from refit.engines.base import Engine
 from refit.layout.packing import CopyPlan, LayoutGuard
 from refit.layout.spec import TensorSpec
@@ -18,13 +19,21 @@ class ModuleEngine(Engine):
 
     The targets are re-read at every handshake and refit, so a parameter or buffer the inference side
     replaced (`module.to()`, a reassigned buffer) receives the bytes, not its stale predecessor; copy
-    plans are dropped whenever any target's storage, dtype, shape or strides changed."""
+    plans are dropped whenever any target's storage, dtype, shape or strides changed. Names that share
+    one storage and view (tied weights) are one spec with aliases: the handshake refuses a sender that
+    sends them as separate tensors."""
 
     def __init__(
-        self, module: nn.Module | Mapping[str, torch.Tensor], *, name_map: Mapping[str, str] | None = None
+        self,
+        module: nn.Module | Mapping[str, torch.Tensor],
+        *,
+        name_map: Mapping[str, str] | None = None,
+        ignore: Iterable[str] = (),
     ) -> None:
-        """`name_map` maps sender names to this module's names where they differ."""
+        """`name_map` maps sender names to this module's names where they differ; `ignore`: sender names
+        (or fnmatch patterns) never loaded nor checked, whether or not the module has them (reported)."""
         super().__init__()
+        self.optional_names = frozenset(ignore)
         self.module = module
         self._layout = StateLayout(module) if isinstance(module, nn.Module) else None
         own = self._own()
@@ -52,7 +61,10 @@ class ModuleEngine(Engine):
 
     def specs(self) -> list[TensorSpec]:
         self._refresh()
-        return [TensorSpec.of(n, t) for n, t in self._targets.items()]
+        ties: dict[tuple, list[str]] = {}
+        for n, t in self._targets.items():
+            ties.setdefault(_view_key(t), []).append(n)
+        return [_spec(names, self._targets[names[0]]) for names in ties.values()]
 
     def begin(self, version: int) -> None:
         self._refresh()
@@ -70,7 +82,7 @@ class ModuleEngine(Engine):
         return self._targets[name]
 
     def held(self, name: str) -> tuple[torch.Tensor, None] | None:
-        t = self._targets.get(name)
+        t = None if waived(name, self.optional_names) else self._targets.get(name)
         return None if t is None else (t, None)
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -78,8 +90,20 @@ class ModuleEngine(Engine):
         so many small tensors cost one batched launch, not one Python step each."""
         hit = self._plans.get(id(tensors))
         if hit is None or hit[0] is not tensors:
-            hit = (tensors, CopyPlan([self._targets[n] for n, _ in tensors], [t for _, t in tensors]))
+            kept = [(n, t) for n, t in tensors if not waived(n, self.optional_names)]
+            hit = (tensors, CopyPlan([self._targets[n] for n, _ in kept], [t for _, t in kept]))
             self._plans[id(tensors)] = hit
         self._used.add(id(tensors))
         with torch.no_grad():
             hit[1].run()
+
+
+def _spec(names: list[str], t: torch.Tensor) -> TensorSpec:
+    return TensorSpec(names[0], tuple(t.shape), t.dtype, tuple(names[1:]))
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    """Equal for two names of one tensor (tied weights); an empty tensor is never tied to anything."""
+    if not t.numel():
+        return (id(t),)
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)

@@ -18,11 +18,14 @@ from refit.engines.base import Engine
 from refit.errors import IntegrityError, PeerError, RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.packing import Unpacker, copy_share
+from refit.log import get_logger
 from refit.protocol.wire import Channel, Header, Kind, parse_json
 from refit.settings import Settings
 from refit.topology.stats import RefitStats
 from refit.topology.verification import compare
 from refit.transports.base import Pending, Transport
+
+log = get_logger("receiver")
 
 
 class ReceivePath:
@@ -47,6 +50,7 @@ class ReceivePath:
         self.rank = rank
         self.device = device
         self.unpacker = Unpacker(manifest, transport.buffers, device=device)
+        self._warned_unverified = False
         self.sources: list[tuple[str, torch.Tensor]] = []
         """Zero-copy mode: the sender's tensors, mapped once per epoch (`open_sources`)."""
 
@@ -83,7 +87,7 @@ class ReceivePath:
         try:
             self.engine.load(self.sources)
         except Exception as e:  # noqa: BLE001 - any engine error fails the refit, reported to the sender
-            return RefitError(f"engine failed to load the shared tensors: {type(e).__name__}: {e}")
+            return _engine_error(f"engine failed to load the shared tensors: {type(e).__name__}: {e}", e)
         stats.add("load", time.perf_counter() - t)
         return None
 
@@ -141,7 +145,7 @@ class ReceivePath:
         except RefitError as e:
             return e
         except Exception as e:  # noqa: BLE001 - the engine's own error, reported to the sender by message
-            return RefitError(f"engine failed to load bucket {b}: {type(e).__name__}: {e}")
+            return _engine_error(f"engine failed to load bucket {b}: {type(e).__name__}: {e}", e)
         return None
 
     def check_fingerprints(self, payload: bytes, stats: RefitStats, done: dict) -> RefitError | None:
@@ -154,10 +158,20 @@ class ReceivePath:
         except RefitError as e:
             return e
         except Exception as e:  # noqa: BLE001 - any read-back error fails the check, reported to the sender
-            return RefitError(f"engine could not be read back for the fingerprint check: {type(e).__name__}: {e}")
+            return _engine_error(f"engine could not be read back for the fingerprint check: {type(e).__name__}: {e}", e)
         finally:
             stats.add("verify", time.perf_counter() - t)
-        stats.unverified = done["unverified"] = unreadable
+        stats.unverified = done["unverified"] = len(unreadable)
+        stats.unverified_names = done["unverified_names"] = sorted(unreadable)
+        if unreadable and not self._warned_unverified:  # once per epoch: every refit of it has the same names
+            self._warned_unverified = True
+            log.warning(
+                "fingerprint check: the engine loads %d tensor(s) it cannot read back as sent, so they are not "
+                "verified (verify='strict' fails such refits): %s",
+                len(unreadable),
+                ", ".join(sorted(unreadable)[:20])
+                + (f", ... and {len(unreadable) - 20} more" if len(unreadable) > 20 else ""),
+            )
         if bad:
             shown = ", ".join(bad[:20]) + (f", ... and {len(bad) - 20} more" if len(bad) > 20 else "")
             return IntegrityError(
@@ -165,6 +179,13 @@ class ReceivePath:
                 f"{len(bad)} tensor(s): {shown}"
             )
         return None
+
+
+def _engine_error(message: str, cause: BaseException) -> RefitError:
+    """The engine's error as the RefitError the sender is told, keeping the original as its cause."""
+    err = RefitError(message)
+    err.__cause__ = cause
+    return err
 
 
 def _check_header(h: Header, m: Manifest, begin: Header, b: int) -> IntegrityError | None:

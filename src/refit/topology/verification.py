@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from refit.checks.digest import Pending
+from refit.checks.validation import waived
 from refit.engines.base import Engine, Region
 from refit.errors import PeerError
 from refit.layout.manifest import Manifest
@@ -103,16 +104,19 @@ def engine_regions(m: Manifest, engine: Engine) -> dict[str, list[int]]:
     return out
 
 
-def compare(m: Manifest, engine: Engine, digests: object) -> tuple[list[str], int]:
-    """(names whose engine tensor differs from the trainer's, number of names the engine cannot read back)."""
+def compare(m: Manifest, engine: Engine, digests: object) -> tuple[list[str], list[str]]:
+    """(names whose engine tensor differs from the trainer's, names the engine loads but cannot read back).
+    Names the user waived (`ignore=`, never loaded) are in neither list: validation reported them."""
     names = m.names
     if not (isinstance(digests, list) and len(digests) == len(names) and all(isinstance(d, str) for d in digests)):
         raise PeerError(f"VERIFY must list one digest per name ({len(names)})")
-    held, wanted, unreadable = [], [], 0
+    held, wanted, unreadable = [], [], []
     for name, want in zip(names, digests):
+        if engine.optional_names and waived(name, engine.optional_names):
+            continue
         got = engine.held(name)
         if got is None:
-            unreadable += 1
+            unreadable.append(name)
             continue
         held.append((name, got[0], m.entry(name).spec.dtype))
         wanted.append(want)

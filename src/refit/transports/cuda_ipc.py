@@ -34,8 +34,8 @@ def blocker(device: torch.device, settings: Settings) -> str:
         return "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, whose memory has no IPC handle"
     try:
         torch.empty(256, dtype=torch.uint8, device=device).untyped_storage()._share_cuda_()
-    except Exception as e:  # noqa: BLE001 - no ptrace rights, a driver without IPC, ...
-        return f"exporting a CUDA IPC handle failed: {e}"
+    except RuntimeError as e:  # torch's CUDA errors (no ptrace rights, a driver without IPC, ...)
+        return f"exporting a CUDA IPC handle failed: {type(e).__name__}: {e}"
     return ""
 
 
@@ -86,7 +86,7 @@ def open_tensor(h: dict) -> torch.Tensor:
             "processes on one host, peer access between their GPUs, ptrace rights between them, and no "
             "expandable_segments in PYTORCH_CUDA_ALLOC_CONF. Set REFIT_CUDA_IPC=0 on the sender to stage "
             "through pinned host memory, or use the 'nccl' transport"
-        ) from None
+        ) from e
     _OPENED += 1
     t = torch.empty(0, dtype=dtype_from_name(h["dtype"]), device=storage.device)
     return t.set_(storage, h["storage_offset"], tuple(h["shape"]), tuple(h["stride"]))

@@ -81,6 +81,7 @@ class VllmRefit:
         self.options = options or VllmOptions()
         self._connected = False
         self._thread: threading.Thread | None = None
+        self._rpc_warned = False
         config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
         workers = config.parallel_config.world_size if config is not None else sender.num_receivers
         if workers != sender.num_receivers:
@@ -135,7 +136,11 @@ class VllmRefit:
         info = {
             "rendezvous": self.sender.rendezvous(),
             "timeout_s": self.sender.settings.timeout_s,
-            "options": {**asdict(self.options), "fallback": list(self.options.fallback)},
+            "options": {
+                **asdict(self.options),
+                "fallback": list(self.options.fallback),
+                "ignore": list(self.options.ignore),
+            },
         }
         # vLLM failing to set up its side means no receiver will ever connect: closing the Sender ends
         # its wait for them now (not after the connect timeout), and the driver can take a new Sender.
@@ -178,8 +183,15 @@ class VllmRefit:
             return
         try:
             per_worker = rpc("refit_engine_seconds")
-        except Exception as e:  # noqa: BLE001 - no RefitWorkerExtension in this vLLM: the stats stay the Sender's
-            log.debug("workers' engine time unavailable: %s", e)
+        except Exception as e:  # noqa: BLE001 - vLLM re-raises a worker's error under its own types; the refit itself succeeded
+            if not self._rpc_warned:
+                self._rpc_warned = True
+                log.warning(
+                    "workers' engine time unavailable (stats keep the Sender's only; is the worker extension "
+                    "refit.integrations.vllm.RefitWorkerExtension set?): %s: %s",
+                    type(e).__name__,
+                    e,
+                )
             return
         for key in ("copy", "post", "load"):
             stats.seconds[key] = max((w.get(key, 0.0) for w in per_worker), default=0.0)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from refit.checks.validation import waived
 from refit.engines.base import Engine, Region
 from refit.layout.spec import TensorSpec
 from refit.log import get_logger
@@ -31,10 +32,13 @@ def checkpoint_shapes(hf_config: Any) -> dict[str, tuple[int, ...]] | None:
     built on the meta device (no memory, no download); None when transformers does not know it."""
     try:
         from transformers import AutoModelForCausalLM
-
+    except ImportError as e:
+        log.warning("transformers is not installed (%s): shapes are checked by vLLM's loader while loading", e)
+        return None
+    try:
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(hf_config)
-    except Exception as e:  # noqa: BLE001 - an architecture only vLLM knows
+    except ValueError as e:  # "Unrecognized configuration class": an architecture only vLLM knows
         log.warning(
             "no transformers model for %s (%s): shapes are checked by vLLM's loader while loading",
             type(hf_config).__name__,
@@ -68,10 +72,16 @@ class VllmOptions:
     (the weights read zero until the first refit)."""
     fallback: tuple[str, ...] = ()
     """Modules to load through vLLM's loader even where the plan could copy (for tests and comparison)."""
+    ignore: tuple[str, ...] = ()
+    """Checkpoint names (or fnmatch patterns) the sender may send that this worker neither loads nor
+    checks (reported at the handshake). Without it, a sent name vLLM would not load fails the handshake."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
+        if isinstance(self.ignore, str) or not all(isinstance(p, str) and p for p in self.ignore):
+            raise ValueError(f"ignore must be a list of tensor names or patterns, not {self.ignore!r}")
+        self.ignore = tuple(self.ignore)
 
 
 class VllmEngine(Engine):
@@ -99,7 +109,11 @@ class VllmEngine(Engine):
         )
         self.mode = self.options.mode if self.plan is not None else "load_weights"
         self.exact_shapes = self.plan is not None
-        self.optional_names = self.plan.ignored if self.plan is not None else frozenset()
+        self.optional_names = frozenset(self.options.ignore)
+        if self.plan is not None:
+            self.plan.skip = self.optional_names
+        self._ties = _ties(model, self.plan) if self.plan is not None else {}
+        """Checkpoint name -> names vLLM stores nowhere because they share its storage (a tied lm_head)."""
         self.seconds: dict[str, float] = {}
         """Last refit: 'copy' (into live or shadow tensors, and fallback loads), 'post' (the backend's processing)."""
         self._logged = False
@@ -110,10 +124,18 @@ class VllmEngine(Engine):
         if self.plan is None:
             params = dict(self.model.named_parameters())
             return [TensorSpec(part, (), params[n].dtype) for n, parts in layout(self.model).items() for part in parts]
-        return [TensorSpec(n, shape, dtype) for n, (shape, dtype) in self.plan.specs.items()]
+        aliases = {a for names in self._ties.values() for a in names}
+        return [
+            TensorSpec(n, shape, dtype, self._ties.get(n, ()))
+            for n, (shape, dtype) in self.plan.specs.items()
+            if n not in self.plan.ignored and n not in aliases
+        ]
 
     def held(self, name: str) -> tuple[torch.Tensor, Region | None] | None:
-        return None if self.plan is None else self.plan.held(name)  # vLLM's reload keeps the same live tensors
+        if self.plan is None or waived(name, self.optional_names):
+            return None
+        primary = next((p for p, names in self._ties.items() if name in names), name)  # a tied alias: its storage
+        return self.plan.held(primary)  # vLLM's reload keeps the same live tensors
 
     def release_buffers(self) -> None:
         if self.plan is not None:
@@ -139,7 +161,7 @@ class VllmEngine(Engine):
                 self._logged = True
                 log.info("%s", self.plan.table())
         else:  # vLLM keeps a module's tensors until it is complete, maybe past this buffer's reuse: copies
-            self.model.load_weights([(n, t.clone()) for n, t in tensors])
+            self.model.load_weights([(n, t.clone()) for n, t in tensors if not waived(n, self.optional_names)])
         self.seconds["copy"] = self.seconds.get("copy", 0.0) + time.perf_counter() - t - post
         self.seconds["post"] = self.seconds.get("post", 0.0) + post
 
@@ -158,15 +180,42 @@ class VllmEngine(Engine):
     def fail(self, version: int, reason: str) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-        super().fail(version, reason)
         self._logged = False
         try:  # put every module back on real storage; values stay mixed until a retry succeeds
             if self.mode == "plan":
                 self.plan.abort()  # type: ignore[union-attr]
             else:
                 finalize_layerwise_reload(self.model, self.model_config)
-        except Exception as e:  # noqa: BLE001 - the refit already failed; restoring is best effort, logged
-            log.warning("restoring vLLM's modules after a failed refit: %s", e)
+        except Exception as e:  # noqa: BLE001 - fail() runs while the refit's own error is handled: raising here would replace it
+            log.error("restoring vLLM's modules after the failed refit of version %d failed", version, exc_info=e)
+            reason = (
+                f"{reason}; restoring vLLM's modules failed too ({type(e).__name__}: {e}): a retry may not "
+                "restore them, restart the engine if it fails"
+            )
+        super().fail(version, reason)
+
+
+def _ties(model: torch.nn.Module, plan: Any) -> dict[str, tuple[str, ...]]:
+    """For each checkpoint name vLLM loads, the other names landing in the same storage: written to the
+    same place of the same live parameter, or ignored because their parameter is that one (vLLM ties
+    lm_head to embed_tokens): one tensor under several names, so sending them apart is refused."""
+    out: dict[str, tuple[str, ...]] = {}
+    by_place: dict[frozenset, list[str]] = {}
+    dest = plan.destinations()
+    for name in plan.specs:
+        if dest.get(name):
+            by_place.setdefault(dest[name], []).append(name)
+    for names in by_place.values():
+        if len(names) > 1 and len({plan.specs[n][0] for n in names}) == 1:
+            out[names[0]] = tuple(names[1:])
+    params = dict(model.named_parameters(remove_duplicate=False))
+    ptr = {n: p.data_ptr() for n, p in params.items() if p.numel() and not p.is_meta}
+    loaded = {ptr[n]: n for n in plan.specs if n in ptr and n not in plan.ignored}
+    for name in sorted(plan.ignored):
+        primary = loaded.get(ptr.get(name, -1))
+        if primary is not None and plan.specs[primary][0] == plan.specs[name][0]:
+            out[primary] = (*out.get(primary, ()), name)
+    return out
 
 
 def make_receiver(
@@ -197,7 +246,7 @@ def engine_device(vllm_device: torch.device, transport: str) -> torch.device:
 def parse_options(raw: Any) -> VllmOptions:
     if not isinstance(raw, dict):
         raise ValueError(f"options must be a dict of VllmOptions fields, not {type(raw).__name__}")
-    return VllmOptions(**{**raw, "fallback": tuple(raw.get("fallback", ()))})
+    return VllmOptions(**{**raw, "fallback": tuple(raw.get("fallback", ())), "ignore": tuple(raw.get("ignore", ()))})
 
 
 def engine_seconds(engine: Any, receiver_seconds: dict[str, float]) -> dict[str, float]:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from refit.checks.validation import waived
 from refit.engines.base import Region
 from refit.integrations.vllm.recording import Placement, Recording, record, templates
 from refit.layout.packing import CopyPlan, layout_key
@@ -231,6 +232,8 @@ class LoadPlan:
             m: frozenset(n for n, ms in self._feeds.items() if m in ms) for ms in self._feeds.values() for m in ms
         }
         self._pending: dict[str, set[str]] = {}
+        self.skip: frozenset[str] = frozenset()
+        """Names or patterns the user waived (`ignore=`): never copied."""
 
     def _target(self, module: str, param: str) -> tuple[torch.Tensor, bool]:
         """Where copies for `module.param` land, and whether that is the live tensor (else a shadow)."""
@@ -283,6 +286,16 @@ class LoadPlan:
             if lp.kind is Kind.FALLBACK:
                 initialize_layerwise_reload(lp.layer)
 
+    def destinations(self) -> dict[str, frozenset]:
+        """For each checkpoint name the plan copies, where in vLLM's live parameters its bytes land
+        (equal for two names written into one storage: a tie vLLM keeps)."""
+        out: dict[str, set] = {}
+        for p in self._placements:
+            live = self.layers[p.module].layer._parameters.get(p.param)
+            where = live.data_ptr() if live is not None and live.numel() else id(self.layers[p.module].layer)
+            out.setdefault(p.name, set()).add((where, p.param, p.dst.size, p.dst.stride, p.dst.offset))
+        return {n: frozenset(d) for n, d in out.items()}
+
     def release_buffers(self) -> None:
         """Forget every bound bucket (their copy plans hold views into the receive buffers)."""
         self._bound, self._used = {}, set()
@@ -300,6 +313,8 @@ class LoadPlan:
             return hit[1]
         dst, src, fallback = [], [], []
         for name, t in tensors:
+            if self.skip and waived(name, self.skip):
+                continue
             if name in self.fallback_names:
                 fallback.append((name, t))
                 continue
@@ -351,12 +366,16 @@ class LoadPlan:
         """A refit broke off: put fallback modules back on real storage (values stay mixed until a retry)."""
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
+        failed: list[tuple[str, Exception]] = []
         for lp in self.layers.values():
             if lp.kind is Kind.FALLBACK:
                 try:
                     finalize_layerwise_reload(lp.layer, self.model_config)
-                except Exception as e:  # noqa: BLE001 - already failed; the version reads as failed either way
-                    log.warning("finalizing %s after a failed refit: %s", lp.module, e)
+                except Exception as e:  # noqa: BLE001 - vLLM's loaders raise anything; every module is tried, then all are reported
+                    failed.append((lp.module, e))
+        if failed:
+            names = ", ".join(f"{m} ({type(e).__name__}: {e})" for m, e in failed)
+            raise RuntimeError(f"vLLM's loader could not finalize {len(failed)} module(s): {names}") from failed[0][1]
 
     def held(self, name: str) -> tuple[torch.Tensor, Region | None] | None:
         """The live view holding checkpoint tensor `name` (or its tensor-parallel slice), if it has one."""

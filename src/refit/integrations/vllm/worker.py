@@ -42,11 +42,11 @@ def worker_held(worker: Any) -> dict[str, list]:
 
     engine = worker_engine(worker)
     out: dict[str, list] = {}
-    for spec in engine.specs() if engine is not None else []:
-        got = engine.held(spec.name)
+    for name in (n for spec in (engine.specs() if engine is not None else []) for n in spec.names):
+        got = engine.held(name)
         if got is not None:
             t, region = got
-            out[spec.name] = [dtype_name(t.dtype), list(region) if region else None, fingerprint(t, t.dtype)]
+            out[name] = [dtype_name(t.dtype), list(region) if region else None, fingerprint(t, t.dtype)]
     return out
 
 
