@@ -1,14 +1,16 @@
-"""Lobby: the sender's listening socket, which admits receivers that present the token and nothing else.
+"""Lobby: the sender's listening socket, which admits receivers that prove they know the token and nothing else.
 
-Every connection is read at once, side by side, without blocking the others: at most a 64-byte
-header plus `MAX_HELLO_BYTES` of HELLO is read before the token is checked, and the whole HELLO must
-arrive within a short deadline. A slow, silent or hostile connection is dropped on its own and never
-delays, or is blamed on, the real receivers. Wrong tokens and late arrivals are answered with ERROR.
+Every connection is read at once, side by side, without blocking the others: HELLO (protocol version
+and nonce) is answered with AUTH (the sender's nonce and proof, refit.protocol.auth), and AUTH's answer
+must carry the receiver's proof. At most a 64-byte header plus `MAX_HELLO_BYTES` is read per step
+before the proof is checked, and both steps must arrive within a short deadline. A slow, silent or
+hostile connection is dropped on its own and never delays, or is blamed on, the real receivers. Wrong
+proofs, other protocol versions and late arrivals are answered with ERROR. The token never crosses the wire.
 """
 
 from __future__ import annotations
 
-import hmac
+import json
 import selectors
 import socket
 import threading
@@ -17,11 +19,17 @@ from dataclasses import dataclass, field
 
 from refit.errors import IntegrityError, PeerError
 from refit.log import get_logger
+from refit.protocol import auth
 from refit.protocol.wire import HEADER, MAX_HELLO_BYTES, Channel, Header, Kind, parse_json
 
 HELLO_TIMEOUT_S = 10.0
 """How long a new connection has to deliver its whole HELLO."""
 WRONG_TOKEN = "wrong token: this sender expects another REFIT_TOKEN; pass the token from Sender.rendezvous()"  # noqa: S105 - a message
+
+
+class _Refused(Exception):
+    """A well-formed step this lobby says no to (another protocol version, a wrong proof): answered with ERROR."""
+
 
 log = get_logger("sender")
 
@@ -32,21 +40,27 @@ class _Pending:
     addr: str
     deadline: float
     data: bytearray = field(default_factory=bytearray)
+    hello: dict | None = None
+    """The HELLO, once read and answered with AUTH; the next message is the receiver's proof."""
+    nonces: tuple[bytes, bytes] = (b"", b"")
+    """(receiver's, sender's) once HELLO was answered."""
 
     def need(self) -> int:
-        """Bytes still missing from the HELLO (header first, then its declared payload, checked against the cap)."""
+        """Bytes still missing from this step's message (header first, then its payload, checked against the cap)."""
         if len(self.data) < HEADER.size:
             return HEADER.size - len(self.data)
-        return HEADER.size + _hello_header(bytes(self.data[: HEADER.size])).nbytes - len(self.data)
+        kind = Kind.HELLO if self.hello is None else Kind.AUTH
+        return HEADER.size + _small_header(bytes(self.data[: HEADER.size]), kind).nbytes - len(self.data)
 
 
 @dataclass(slots=True)
 class Arrival:
-    """A connection that presented a valid HELLO with the right token."""
+    """A connection that proved it knows the token; `key` is its session key."""
 
     sock: socket.socket
     addr: str
     hello: dict
+    key: bytes
 
 
 class Lobby:
@@ -57,7 +71,7 @@ class Lobby:
     ) -> None:
         self._listener = socket.create_server((host, port), backlog=backlog)
         self._listener.setblocking(False)
-        self._token = token.encode()
+        self._token = token
         self.hello_timeout_s = hello_timeout_s
         self.refused = 0
         """Connections refused so far (wrong token, malformed or silent)."""
@@ -130,15 +144,24 @@ class Lobby:
     def _read(self, sel: selectors.BaseSelector, pending: dict[int, _Pending], fd: int) -> Arrival | None:
         p = pending[fd]
         try:
-            need = p.need()
-            chunk = p.sock.recv(need)
+            chunk = p.sock.recv(p.need())
             if not chunk:
                 raise ConnectionResetError("closed")
             p.data += chunk
             if p.need() > 0:
                 return None
-            hello = _parse_hello(bytes(p.data))
+            if p.hello is None:
+                self._challenge(p)
+                return None
+            key = self._check_proof(p)
         except BlockingIOError:
+            return None
+        except _Refused as e:
+            del pending[fd]
+            sel.unregister(p.sock)
+            self.refused += 1
+            log.warning("refused a connection from %s: %s", p.addr, e)
+            _answer(p.sock, str(e))
             return None
         except (OSError, IntegrityError) as e:
             del pending[fd]
@@ -146,13 +169,42 @@ class Lobby:
             return None
         del pending[fd]
         sel.unregister(p.sock)
-        if not hmac.compare_digest(str(hello.get("token", "")).encode(), self._token):
-            self.refused += 1
-            log.warning("refused a connection from %s: wrong token", p.addr)
-            _answer(p.sock, WRONG_TOKEN)
-            return None
         p.sock.setblocking(True)
-        return Arrival(p.sock, p.addr, hello)
+        assert p.hello is not None
+        return Arrival(p.sock, p.addr, p.hello, key)
+
+    def _challenge(self, p: _Pending) -> None:
+        """HELLO read: check its protocol version, answer with this sender's nonce and proof."""
+        hello = _parse_step(bytes(p.data), Kind.HELLO)
+        theirs = hello.get("protocol")
+        if theirs != auth.PROTOCOL_VERSION:
+            named = "1 (it sent no version)" if theirs is None else repr(theirs)[:40]
+            raise _Refused(
+                f"protocol version mismatch: the receiver speaks {named}, this sender speaks "
+                f"{auth.PROTOCOL_VERSION}; install the same refit version on the trainer and engine hosts"
+            )
+        receiver_nonce = auth.parse_nonce(hello.get("nonce"))
+        if receiver_nonce is None:
+            raise IntegrityError("HELLO carries no valid nonce")
+        sender_nonce = auth.nonce()
+        msg = {
+            "protocol": auth.PROTOCOL_VERSION,
+            "nonce": sender_nonce.hex(),
+            "proof": auth.proof(self._token, auth.SENDER, receiver_nonce, sender_nonce),
+        }
+        data = json.dumps(msg).encode()
+        out = Header(Kind.AUTH, nbytes=len(data)).pack() + data
+        if p.sock.send(out) != len(out):  # a fresh socket's buffer takes a few hundred bytes at once
+            raise ConnectionResetError("could not send AUTH")
+        p.hello, p.nonces, p.data = hello, (receiver_nonce, sender_nonce), bytearray()
+
+    def _check_proof(self, p: _Pending) -> bytes:
+        """The receiver's AUTH read: its proof of the token, or _Refused."""
+        answer = _parse_step(bytes(p.data), Kind.AUTH)
+        receiver_nonce, sender_nonce = p.nonces
+        if not auth.verify(self._token, auth.RECEIVER, receiver_nonce, sender_nonce, answer.get("proof")):
+            raise _Refused(WRONG_TOKEN)
+        return auth.session_key(self._token, receiver_nonce, sender_nonce)
 
     def _drop(self, sel: selectors.BaseSelector, p: _Pending, why: str) -> None:
         self.refused += 1
@@ -169,18 +221,26 @@ class Lobby:
         self._listener.close()
 
 
-def _hello_header(data: bytes) -> Header:
+def _small_header(data: bytes, kind: Kind) -> Header:
     header = Header.unpack(data)
-    if header.kind != Kind.HELLO:
-        raise IntegrityError(f"first message is {header.kind.name}, not HELLO")
+    if header.kind == Kind.ERROR and kind == Kind.AUTH:
+        raise IntegrityError("the peer refused this sender's proof (a wrong token on its side?)")
+    if header.kind != kind:
+        raise IntegrityError(f"expected {kind.name} before authentication, got {header.kind.name}")
     if header.nbytes > MAX_HELLO_BYTES:
-        raise IntegrityError(f"HELLO of {header.nbytes} bytes is over the {MAX_HELLO_BYTES} allowed before the token")
+        raise IntegrityError(
+            f"{kind.name} of {header.nbytes} bytes is over the {MAX_HELLO_BYTES} allowed before authentication"
+        )
     return header
 
 
+def _parse_step(data: bytes, kind: Kind) -> dict:
+    _small_header(data[: HEADER.size], kind)
+    return parse_json(data[HEADER.size :], kind.name, max_bytes=MAX_HELLO_BYTES)
+
+
 def _parse_hello(data: bytes) -> dict:
-    _hello_header(data[: HEADER.size])
-    return parse_json(data[HEADER.size :], "HELLO", max_bytes=MAX_HELLO_BYTES)
+    return _parse_step(data, Kind.HELLO)
 
 
 def _answer(sock: socket.socket, message: str) -> None:

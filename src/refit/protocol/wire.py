@@ -21,16 +21,16 @@ assert HEADER.size == 64
 MAX_JSON_BYTES = 64 << 20
 """Largest JSON payload accepted; checked before anything is allocated."""
 MAX_HELLO_BYTES = 4096
-"""Largest HELLO accepted: all that is read from a peer before its token is verified."""
+"""Largest HELLO or AUTH accepted: all that is read from a peer before its proof of the token is verified."""
 MAX_JSON_DEPTH = 32
 """Deepest nesting accepted in any JSON from a peer (refit's own messages nest at most 6 deep)."""
 
 
 class Kind(IntEnum):
-    HELLO = 1  # receiver -> sender: token, rank wish, capacity limit
-    WELCOME = 2  # sender -> receiver: rank, capacity, transport setup
+    HELLO = 1  # receiver -> sender: protocol version, nonce, capacity limit
+    WELCOME = 2  # sender -> receiver: rank, capacity, transport setup (MAC under the session key in `digest`)
     READY = 3  # receiver -> sender: transport joined
-    MANIFEST = 4  # sender -> receiver: manifest JSON (once per epoch)
+    MANIFEST = 4  # sender -> receiver: manifest JSON (once per epoch); `digest`: MAC of its digest, session key
     REPORT = 5  # receiver -> sender: validation report JSON
     BEGIN = 6  # sender -> receiver: a refit of `version` starts
     BUCKET = 7  # sender -> receiver: bucket `index` is in `slot`
@@ -42,6 +42,7 @@ class Kind(IntEnum):
     SOURCES = 13  # sender -> receiver: CUDA IPC handles of the source tensors (zero-copy, once per epoch)
     HEARTBEAT = 14  # sender -> receiver, between refits: the sender is alive
     VERIFY = 15  # sender -> receiver, after the last bucket: fingerprints of the live source tensors
+    AUTH = 16  # both ways, after HELLO: sender's nonce and proof, then the receiver's proof (refit.protocol.auth)
 
 
 WITH_PAYLOAD = {
@@ -54,6 +55,7 @@ WITH_PAYLOAD = {
     Kind.ERROR,
     Kind.SOURCES,
     Kind.VERIFY,
+    Kind.AUTH,
 }
 
 
@@ -113,6 +115,8 @@ class Channel:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.heartbeats = 0
+        self.key = b""
+        """This session's key once both sides proved the token (refit.protocol.auth)."""
         self._send_lock = threading.Lock()
         sock.settimeout(timeout_s)
         if sock.family in (socket.AF_INET, socket.AF_INET6):

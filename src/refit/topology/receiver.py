@@ -16,7 +16,8 @@ from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.layout.budget import bucket_capacity, free_bytes
 from refit.layout.manifest import Manifest
 from refit.log import get_logger
-from refit.protocol.wire import Channel, Header, Kind, parse_json
+from refit.protocol import auth
+from refit.protocol.wire import MAX_HELLO_BYTES, Channel, Header, Kind, parse_json
 from refit.settings import Settings
 from refit.topology.receive_path import ReceivePath
 from refit.topology.stats import RefitStats
@@ -24,6 +25,8 @@ from refit.topology.verification import engine_regions
 from refit.transports.base import Transport
 
 log = get_logger("receiver")
+MAX_WELCOME_BYTES = 1 << 20
+"""Largest WELCOME read (transport setup: a few paths or an address)."""
 
 
 class Receiver:
@@ -81,11 +84,14 @@ class Receiver:
         limit = bucket_capacity(
             bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio, free=free_bytes(self.device)
         )
-        ch.send(Header(Kind.HELLO), {"token": self.rendezvous.get("token", ""), "capacity": limit})
         ch.set_timeout(self.settings.connect_timeout_s)  # the sender admits every receiver first; they start slowly
-        welcome = parse_json(
-            ch.expect(Kind.WELCOME, "rendezvous (waiting for every receiver to connect)")[1], "WELCOME"
-        )
+        self._authenticate(ch, limit)
+        header, raw = ch.recv("rendezvous (waiting for every receiver to connect)", max_payload=MAX_WELCOME_BYTES)
+        if header.kind != Kind.WELCOME:
+            raise PeerError(f"{ch.peer} sent {header.kind.name} during rendezvous, expected WELCOME")
+        if not auth.check_tag(ch.key, b"WELCOME", raw, header.digest):
+            raise IntegrityError(f"{ch.peer}'s WELCOME is not bound to this session (its MAC is wrong); not trusted")
+        welcome = parse_json(raw, "WELCOME")
         ch.set_timeout(self.settings.timeout_s)
         rank, capacity, info = welcome.get("rank"), welcome.get("capacity"), welcome.get("info")
         beat = welcome.get("heartbeat_s")
@@ -100,8 +106,43 @@ class Receiver:
             isinstance(rank, int) and isinstance(capacity, int) and 0 < capacity <= limit and isinstance(info, dict)
         ):
             raise IntegrityError(f"WELCOME is malformed or asks for more than this side's limit ({limit} bytes)")
+        if info.get("capacity", capacity) != capacity:
+            raise IntegrityError(
+                f"WELCOME's transport setup sizes buffers of {info.get('capacity')!r:.40}, not {capacity}"
+            )
         self.transport = self._transport_cls.join(info, rank=rank, device=self.device, settings=self.settings)
         self.rank = rank
+
+    def _authenticate(self, ch: Channel, limit: int) -> None:
+        """Both sides prove the token (refit.protocol.auth); nothing else is read from the sender before its proof."""
+        token = str(self.rendezvous.get("token") or "")
+        mine = auth.nonce()
+        ch.send(Header(Kind.HELLO), {"protocol": auth.PROTOCOL_VERSION, "nonce": mine.hex(), "capacity": limit})
+        try:
+            header, payload = ch.recv("authentication", max_payload=MAX_HELLO_BYTES)
+        except PeerError as e:
+            if "wrong token" not in str(e):
+                raise
+            raise PeerError(
+                f"{e}; a sender that refuses before authenticating runs an older refit (protocol version before "
+                f"{auth.PROTOCOL_VERSION}): install the same refit version on the trainer and engine hosts"
+            ) from None
+        if header.kind != Kind.AUTH:
+            raise PeerError(f"{ch.peer} sent {header.kind.name} during authentication, expected AUTH")
+        msg = parse_json(payload, "AUTH", max_bytes=MAX_HELLO_BYTES)
+        if msg.get("protocol") != auth.PROTOCOL_VERSION:
+            raise PeerError(
+                f"protocol version mismatch: the sender speaks {str(msg.get('protocol'))[:40]}, this receiver speaks "
+                f"{auth.PROTOCOL_VERSION}; install the same refit version on the trainer and engine hosts"
+            )
+        theirs = auth.parse_nonce(msg.get("nonce"))
+        if theirs is None or not auth.verify(token, auth.SENDER, mine, theirs, msg.get("proof")):
+            raise PeerError(
+                f"{ch.peer} did not prove it knows the token: wrong token on this side (pass the token from "
+                "Sender.rendezvous()), or it is not this session's sender; nothing it names was used"
+            )
+        ch.send(Header(Kind.AUTH), {"proof": auth.proof(token, auth.RECEIVER, mine, theirs)})
+        ch.key = auth.session_key(token, mine, theirs)
 
     def receive(self) -> RefitStats | None:
         """Handle messages until one refit is committed (returns its stats) or the sender closes (None).
@@ -154,6 +195,11 @@ class Receiver:
         except (ValueError, RecursionError) as e:
             self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank} rejected the manifest: {e}"})
             raise IntegrityError(f"sender's manifest is malformed: {e}") from None
+        binding = auth.manifest_binding(manifest.epoch, manifest.digest)
+        if not auth.check_tag(self.channel.key, b"MANIFEST", binding, header.digest):
+            msg = "manifest is not bound to this session (its MAC under the session key is wrong)"
+            self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank} rejected the manifest: {msg}"})
+            raise IntegrityError(msg)
         if manifest.capacity != len(self.transport.buffers[0]):
             msg = f"manifest capacity {manifest.capacity} differs from the agreed {len(self.transport.buffers[0])}"
             self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {msg}"})

@@ -4,6 +4,7 @@ epoch, commit vote). Each refit's buckets go through the epoch's data path, `ref
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 import warnings
@@ -19,6 +20,8 @@ from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes
 from refit.layout.manifest import Manifest
 from refit.layout.planner import forecast, plan
 from refit.log import get_logger
+from refit.protocol import auth
+from refit.protocol.auth import manifest_binding
 from refit.protocol.lobby import Lobby
 from refit.protocol.wire import Channel, Header, Kind, parse_json
 from refit.settings import Settings
@@ -214,7 +217,8 @@ class Sender:
                 "info": info,
                 "heartbeat_s": interval,
             }
-            ch.send(Header(Kind.WELCOME), welcome)
+            data = json.dumps(welcome).encode()
+            ch.send(Header(Kind.WELCOME, digest=auth.tag(ch.key, b"WELCOME", data)), data)
         transport.establish()
         for ch in self.channels:
             ch.expect(Kind.READY, "transport setup")
@@ -234,6 +238,7 @@ class Sender:
         limits = []
         for rank, a in enumerate(arrivals, start=1):
             ch = Channel(a.sock, peer=f"receiver {rank} ({a.addr})", timeout_s=self.settings.timeout_s)
+            ch.key = a.key
             self.channels.append(ch)
             limit = a.hello.get("capacity")
             if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
@@ -265,9 +270,9 @@ class Sender:
         self._epoch += 1
         manifest = plan(self.source.specs(), capacity=self.capacity, epoch=self._epoch)
         payload = manifest.to_json()
-        header = Header(Kind.MANIFEST, epoch=manifest.epoch, digest=manifest.digest, status=int(bool(self.verify)))
-        for ch in self.channels:
-            ch.send(header, payload)
+        for ch in self.channels:  # each receiver's copy is bound to its session: digest is a MAC under its key
+            binding = auth.tag(ch.key, b"MANIFEST", manifest_binding(manifest.epoch, manifest.digest))
+            ch.send(Header(Kind.MANIFEST, epoch=manifest.epoch, digest=binding, status=int(bool(self.verify))), payload)
         failures, regions = [], []
         for rank, ch in enumerate(self.channels, start=1):
             obj = parse_json(ch.expect(Kind.REPORT, "handshake")[1], "REPORT")

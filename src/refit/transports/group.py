@@ -74,7 +74,15 @@ class BroadcastTransport(Transport):
     @classmethod
     def join(cls, info: dict, *, rank: int, device: torch.device, settings: Settings) -> Transport:
         host, port, size, capacity, slots = (info.get(k) for k in ("host", "port", "size", "capacity", "slots"))
-        if not (isinstance(host, str) and all(isinstance(v, int) for v in (port, size, capacity, slots))):
+        if not (
+            isinstance(host, str)
+            and 0 < len(host) <= 253
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in (port, size, capacity, slots))
+            and 0 < port < 65536
+            and 1 < size <= 65536
+            and 0 < rank < size
+            and 0 < slots <= 64
+        ):
             raise PeerError(f"{cls.name} setup info is malformed: {info!r:.200}")
         buffers = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(slots)]
         t = cls(buffers, rank=rank, size=size, settings=settings, prefix=str(info.get("prefix")))

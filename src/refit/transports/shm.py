@@ -27,6 +27,7 @@ def _shm_dir() -> str:
 
 _PROC_FD = re.compile(r"/proc/\d+/fd/\d+")
 _FILE = re.compile(r"refit-(\d+)-[0-9a-f]+-\d+")
+_MEMFD = re.compile(r"/memfd:refit-\d+ \(deleted\)")
 
 
 class ShmTransport(Transport):
@@ -70,8 +71,11 @@ class ShmTransport(Transport):
             raise PeerError(f"shm setup info is malformed: {info!r:.200}")
         buffers = []
         for path in paths:
-            if not isinstance(path, str) or not (_PROC_FD.fullmatch(path) or _FILE.fullmatch(os.path.basename(path))):
-                raise PeerError(f"shm setup names an unexpected path {path!r}")
+            if not isinstance(path, str) or not _ours(path):
+                raise PeerError(
+                    f"shm setup names {str(path)[:200]!r}, which is not a buffer this transport creates "
+                    f"(a refit memfd or {_shm_dir()}/refit-...); refusing to map it"
+                )
             try:
                 size = os.stat(path).st_size
             except OSError as e:
@@ -107,6 +111,23 @@ class ShmTransport(Transport):
             torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
         self._pinned = []
         self.buffers = []
+
+
+def _ours(path: str) -> bool:
+    """Whether `path` is a segment `offer` makes: a memfd named refit-<slot> in some process's fd table,
+    or a regular file straight in the shm directory (no '..', no link) named as offer names them."""
+    if _PROC_FD.fullmatch(path):
+        try:
+            return _MEMFD.fullmatch(os.readlink(path)) is not None
+        except OSError:
+            return False
+    root, name = os.path.split(path)
+    return (
+        root == _shm_dir()
+        and _FILE.fullmatch(name) is not None
+        and os.path.realpath(path) == os.path.join(os.path.realpath(root), name)
+        and not os.path.islink(path)
+    )
 
 
 def _create_file(path: str, capacity: int) -> str:

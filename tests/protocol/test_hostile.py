@@ -1,0 +1,207 @@
+"""Hostile peers: a client that knows the sender's port but not the token reads nothing secret, crashes
+nothing, joins nothing and changes nothing; a fake sender is refused by the receiver before anything it
+names (a path, an address, a manifest) is used; shm maps only the segments it creates itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import threading
+
+import pytest
+from peer import make_tensors
+
+from refit import IntegrityError, ModuleEngine, ModuleSource, PeerError, Receiver, Sender, Settings
+from refit.protocol import auth
+from refit.protocol.wire import HEADER, Channel, Header, Kind
+from refit.transports.shm import ShmTransport
+
+SPECS = [["a", [64, 16], "float32"], ["b", [10], "float32"]]
+
+
+def _raw(sock: socket.socket, kind: Kind, payload: bytes) -> None:
+    sock.sendall(Header(kind, nbytes=len(payload)).pack() + payload)
+
+
+def _all_bytes(sock: socket.socket) -> bytes:
+    """Everything the peer sends until it closes."""
+    sock.settimeout(30)
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except ConnectionResetError:  # the peer closed with our bytes unread: it is gone all the same
+        pass
+    return out
+
+
+def _stranger(address: tuple[str, int], first: bytes, *, prove: bool = False) -> bytes:
+    """Connect, send HELLO `first`; with `prove`, answer the sender's AUTH with a made-up proof."""
+    with socket.create_connection(address, timeout=30) as sock:
+        _raw(sock, Kind.HELLO, first)
+        if prove:
+            ch = Channel(sock, peer="sender", timeout_s=30)
+            header, payload = ch.recv("auth")
+            assert header.kind == Kind.AUTH
+            _raw(sock, Kind.AUTH, json.dumps({"proof": "00" * 32}).encode())
+            return HEADER.size * b"-" + payload + _all_bytes(sock)
+        return _all_bytes(sock)
+
+
+def _hello(**fields: object) -> bytes:
+    return json.dumps({"protocol": auth.PROTOCOL_VERSION, "nonce": auth.nonce().hex(), "capacity": 1 << 20, **fields})
+
+
+def _catch(fn, errors: list[BaseException]) -> None:
+    try:
+        fn()
+    except BaseException as e:
+        errors.append(e)
+
+
+def test_a_client_without_the_token_reads_nothing_secret_crashes_nothing_and_joins_nothing() -> None:
+    settings = Settings(timeout_s=30)
+    sender = Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", settings=settings)
+    address = (sender.rendezvous()["host"], sender.rendezvous()["port"])
+    errors: list[BaseException] = []
+    admit = threading.Thread(target=lambda: _catch(sender.connect, errors))
+    admit.start()
+    seen = [
+        _stranger(address, _hello().encode(), prove=True),  # knows the protocol, guesses a proof
+        _stranger(address, b"[" * 2000),  # a parser bomb
+        _stranger(address, b"\xff\xfe{}"),  # not UTF-8
+        _stranger(address, json.dumps({"token": "guess", "capacity": 1 << 20}).encode()),  # an old-style HELLO
+    ]
+    engine = ModuleEngine(make_tensors(SPECS, seed=2))
+    receiver = Receiver(engine, sender.rendezvous())
+    joined = threading.Thread(target=lambda: _catch(receiver.connect, errors))
+    joined.start()
+    admit.join()
+    joined.join()
+    assert not errors and receiver.rank == 1  # the real receiver is the first and only one admitted
+    assert sender._session.lobby.refused == 4
+    assert all(settings.token.encode() not in data for data in seen)
+    assert b"wrong token" in seen[0] and b"protocol version mismatch" in seen[3]
+    done = threading.Thread(target=receiver.receive)
+    done.start()
+    sender.refit(1)
+    done.join()
+    assert engine.weights.version == 1
+    sender.close()
+    receiver.close()
+
+
+def test_a_protocol_version_mismatch_fails_at_connect_naming_both_versions() -> None:
+    sender = Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", settings=Settings(timeout_s=30))
+    address = (sender.rendezvous()["host"], sender.rendezvous()["port"])
+    admit = threading.Thread(target=lambda: _catch(sender.connect, []))
+    admit.start()
+    answer = _stranger(address, _hello(protocol=1).encode())
+    assert b"the receiver speaks 1, this sender speaks %d" % auth.PROTOCOL_VERSION in answer
+    sender.close()
+    admit.join()
+
+
+def _fake_sender(reply) -> tuple[tuple[str, int], threading.Thread]:  # type: ignore[no-untyped-def]
+    """A process that took the advertised address: reads HELLO, then sends what `reply` makes of it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        sock, _ = listener.accept()
+        with sock:
+            ch = Channel(sock, peer="receiver", timeout_s=30)
+            _, payload = ch.recv("hello")
+            for kind, msg in reply(json.loads(payload)):
+                data = json.dumps(msg).encode()
+                sock.sendall(Header(kind, nbytes=len(data)).pack() + data)
+            _all_bytes(sock)
+        listener.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    return listener.getsockname()[:2], t
+
+
+WELCOME = {"rank": 1, "capacity": 4096, "transport": "shm", "info": {"paths": ["/proc/self/fd/0"], "capacity": 4096}}
+
+
+@pytest.mark.parametrize(
+    "reply, needle",
+    [
+        (
+            lambda hello: [
+                (Kind.AUTH, {"protocol": auth.PROTOCOL_VERSION, "nonce": auth.nonce().hex(), "proof": "ab" * 32}),
+                (Kind.WELCOME, WELCOME),
+            ],
+            "did not prove it knows the token",
+        ),
+        (lambda hello: [(Kind.WELCOME, WELCOME)], "sent WELCOME during authentication, expected AUTH"),
+        (
+            lambda hello: [(Kind.AUTH, {"protocol": 99, "nonce": auth.nonce().hex(), "proof": "ab" * 32})],
+            f"the sender speaks 99, this receiver speaks {auth.PROTOCOL_VERSION}",
+        ),
+    ],
+    ids=["wrong-proof", "no-proof", "other-version"],
+)
+def test_a_fake_sender_is_refused_before_it_names_any_path_or_address(
+    reply, needle: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    joins: list = []
+    monkeypatch.setattr(ShmTransport, "join", classmethod(lambda cls, info, **kw: joins.append(info)))
+    (host, port), t = _fake_sender(reply)
+    receiver = Receiver(
+        ModuleEngine(make_tensors(SPECS, seed=2)),
+        {"host": host, "port": port, "token": "the-real-token", "transport": "shm"},
+        settings=Settings(timeout_s=30),
+    )
+    with pytest.raises((IntegrityError, PeerError), match=needle):
+        receiver.connect()
+    t.join()
+    assert joins == [] and receiver.channel is None
+
+
+def test_a_manifest_not_bound_to_the_session_is_refused() -> None:
+    sender = Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", settings=Settings(timeout_s=30))
+    engine = ModuleEngine(make_tensors(SPECS, seed=2))
+    receiver = Receiver(engine, sender.rendezvous())
+    errors: list[BaseException] = []
+    joined = threading.Thread(target=lambda: _catch(receiver.connect, errors))
+    joined.start()
+    sender.connect()
+    joined.join()
+    sender.channels[0].key = bytes(32)  # a relay that does not hold the session key
+    got = threading.Thread(target=lambda: _catch(receiver.receive, errors))
+    got.start()
+    with pytest.raises(PeerError, match="manifest is not bound to this session"):
+        sender.refit(1)
+    got.join()
+    sender.close()
+    receiver.close()
+    assert isinstance(errors[0], IntegrityError) and engine.weights.version is None
+
+
+def _sized_file(path: str, size: int) -> str:
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def test_shm_maps_only_the_segments_it_creates() -> None:
+    settings = Settings()
+    own, info = ShmTransport.offer(capacity=4096, num_slots=1, num_receivers=1, device=None, settings=settings)
+    try:
+        joined = ShmTransport.join(info, rank=1, device=None, settings=settings)
+        joined.close()
+        with tempfile.TemporaryDirectory() as d, open(_sized_file(os.path.join(d, "plain"), 4096)) as f:
+            other = _sized_file(os.path.join(d, "refit-1-ab-0"), 4096)
+            for path in [
+                other,  # the right name in another directory
+                os.path.join("/dev/shm", os.path.relpath(other, "/dev/shm")),  # '..' out of the shm directory
+                f"/proc/self/fd/{f.fileno()}",  # any readable file through /proc
+            ]:
+                with pytest.raises(PeerError, match="not a buffer this transport creates"):
+                    ShmTransport.join({"paths": [path], "capacity": 4096}, rank=1, device=None, settings=settings)
+    finally:
+        own.close()
