@@ -308,3 +308,36 @@ def test_strict_verification_fails_a_refit_with_unverified_tensors_on_every_rece
     sender.close()
     receiver.close()
     assert isinstance(errors[0], RefitError) and engine.weights.state == State.FAILED
+
+
+def _insider(address: tuple[str, int], token: str, capacity: int, *, read_welcome: bool) -> None:
+    """A client with the token that misbehaves after authenticating: a bad capacity, or leaving after WELCOME."""
+    from refit.protocol import auth
+
+    with socket.create_connection(address, timeout=30) as sock:
+        ch = Channel(sock, peer="sender", timeout_s=30)
+        mine = auth.nonce()
+        ch.send(Header(Kind.HELLO), {"protocol": auth.PROTOCOL_VERSION, "nonce": mine.hex(), "capacity": capacity})
+        theirs = bytes.fromhex(json.loads(ch.expect(Kind.AUTH, "auth")[1])["nonce"])
+        ch.send(Header(Kind.AUTH), {"proof": auth.proof(token, auth.RECEIVER, mine, theirs)})
+        if read_welcome:
+            ch.expect(Kind.WELCOME, "welcome")
+
+
+@pytest.mark.parametrize("capacity, read_welcome", [(-1, False), (1 << 20, True)], ids=["bad-hello", "left-early"])
+def test_connect_after_a_failed_connect_says_to_build_a_new_sender(capacity: int, read_welcome: bool) -> None:
+    settings = Settings(timeout_s=30, connect_timeout_s=30)
+    sender = Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", settings=settings)
+    address = (sender.rendezvous()["host"], sender.rendezvous()["port"])
+    t = threading.Thread(
+        target=_insider, args=(address, settings.token, capacity), kwargs={"read_welcome": read_welcome}
+    )
+    t.start()
+    with pytest.raises(PeerError):
+        sender.connect()
+    t.join()
+    for retry in (sender.connect, lambda: sender.refit(1)):
+        with pytest.raises(PeerError, match="connect failed.*build a new Sender"):
+            retry()
+    assert sender.channels == [] and sender.transport is None
+    sender.close()

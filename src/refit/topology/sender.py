@@ -80,6 +80,15 @@ class _Session:
         self.channels: list[Channel] = []
         self.transport: Transport | None = None
 
+    def drop_peers(self) -> None:
+        """After a failed connect: close every channel and the transport (the lobby stays until `close`)."""
+        for ch in self.channels:
+            ch.close()
+        self.channels.clear()
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
     def close(self) -> None:
         if self.pulse is not None:
             self.pulse.stop()
@@ -139,6 +148,7 @@ class Sender:
         self.zero_copy = zero_copy
         self.verify = verify
         self._broken = ""
+        self._connected = False
         self.source = source
         self.transport_name = transport
         self._transport_cls = transports.get(transport)
@@ -188,9 +198,22 @@ class Sender:
     # -- session setup ---------------------------------------------------------------------------
 
     def connect(self) -> None:
-        """Accept every receiver, agree on the bucket capacity, and set up the transport."""
-        if self.transport is not None:
+        """Accept every receiver, agree on the bucket capacity, and set up the transport. A connect that
+        fails leaves nothing half-built: its channels and transport are closed, and this Sender refuses
+        every later call (build a new one)."""
+        if self._broken:
+            raise PeerError(f"this session broke earlier ({self._broken}); close() it and build a new Sender")
+        if self._connected:
             return
+        try:
+            self._connect()
+        except BaseException as e:
+            self._broken = f"connect failed: {type(e).__name__}: {e}"
+            self._session.drop_peers()
+            raise
+        self._connected = True
+
+    def _connect(self) -> None:
         self._fall_back_if_needed()
         limits = self._admit()
         own = bucket_capacity(
@@ -323,7 +346,7 @@ class Sender:
         same version). A dead or silent peer raises PeerError and ends the session: make a new Sender.
         """
         if self._broken:
-            raise PeerError(f"this session broke earlier ({self._broken}); close() it and start a new Sender")
+            raise PeerError(f"this session broke earlier ({self._broken}); close() it and build a new Sender")
         if not self._finalizer.alive:
             raise ValueError("this Sender is closed; start a new one")
         pulse = self._session.pulse
@@ -334,7 +357,7 @@ class Sender:
             with pulse.lock:
                 return self._refit(version)
         except PeerError as e:
-            self._broken = str(e)
+            self._broken = self._broken or str(e)
             log.error("session broken: %s", e)
             raise
         except Exception as e:
@@ -353,7 +376,7 @@ class Sender:
 
     def _refit(self, version: int) -> RefitStats:
         t_connect = time.perf_counter()
-        if self.transport is None:
+        if not self._connected:
             self.connect()
             if self._session.pulse is not None:  # connected inside this call: hold off heartbeats as refit() does
                 with self._session.pulse.lock:
