@@ -341,3 +341,23 @@ def test_connect_after_a_failed_connect_says_to_build_a_new_sender(capacity: int
             retry()
     assert sender.channels == [] and sender.transport is None
     sender.close()
+
+
+def _refit_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "memfd:refit-" in line or "/refit-" in line)
+
+
+def test_closing_both_sides_leaves_no_mapping_of_a_refit_buffer() -> None:
+    before = _refit_mappings()
+    sender = Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", settings=Settings(timeout_s=30))
+    receiver = Receiver(ModuleEngine(make_tensors(SPECS, seed=2)), sender.rendezvous())
+    t = threading.Thread(target=receiver.receive)
+    t.start()
+    sender.refit(1)
+    t.join()
+    assert _refit_mappings() > before
+    sender.close()
+    receiver.close()
+    gc.collect()
+    assert _refit_mappings() == before

@@ -313,9 +313,15 @@ class Receiver:
         return None
 
     def close(self) -> None:
+        """End the session: close the channel and transport, and drop every view into the receive buffers
+        (the engine's copy plans, the receive path), so no mapping of them outlives the session."""
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+        release = getattr(self.engine, "release_buffers", None)
+        if callable(release):
+            release()
+        self._path = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None

@@ -496,8 +496,10 @@ class Sender:
         return {"sender": f.sender_bytes, "receiver": f.receiver_bytes}
 
     def close(self) -> None:
-        """End the session: tell receivers, stop heartbeats, release the transport and sockets."""
+        """End the session: tell receivers, stop heartbeats, release the transport and sockets, and drop
+        the send path's views into the buffers."""
         self._finalizer()
+        self._path = None
 
     def __enter__(self) -> Sender:
         return self
