@@ -15,7 +15,7 @@ from refit.log import get_logger
 
 log = get_logger("validation")
 
-_NAME, _SHAPE, _DTYPE = (operator.attrgetter(f) for f in ("name", "shape", "dtype"))
+_NAME, _SHAPE, _DTYPE, _ALIASES = (operator.attrgetter(f) for f in ("name", "shape", "dtype", "aliases"))
 
 _SHOWN = 20
 
@@ -114,11 +114,10 @@ def validate(
     storage under several names): sending any of its names is enough, sending two of them as
     separate tensors (different sources, so the last write would win) is refused."""
     sent, expected = list(sent), list(expected)
-    groups = _sent_groups(sent)
-    sent = [x for spec in sent for x in spec.expanded()]
     ties = [spec.names for spec in expected if spec.aliases]
-    expected = [x for spec in expected for x in spec.expanded()]
-    skip = _waived({s.name for s in sent} | {s.name for s in expected}, optional)
+    groups = _sent_groups(sent) if ties else {}
+    sent, expected = _expanded(sent), _expanded(expected)
+    skip = _waived({s.name for s in sent} | {s.name for s in expected}, optional) if optional else set()
     if skip:
         sent, expected = [s for s in sent if s.name not in skip], [s for s in expected if s.name not in skip]
     with gc_paused():
@@ -138,6 +137,10 @@ def validate(
     covered = {n for names in ties if got.keys() & set(names) for n in names}
     missing = tuple(sorted(want.keys() - got.keys() - covered - (tied - covered - {t[0] for t in ties})))
     return Report(missing, tuple(sorted(got.keys() - want.keys())), tuple(mismatched), tuple(sorted(skip)))
+
+
+def _expanded(specs: list[TensorSpec]) -> list[TensorSpec]:
+    return [x for spec in specs for x in spec.expanded()] if any(map(_ALIASES, specs)) else specs
 
 
 def _waived(names: set[str], patterns: frozenset[str]) -> set[str]:
