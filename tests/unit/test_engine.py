@@ -53,3 +53,22 @@ def test_a_target_the_inference_side_replaced_receives_the_bytes_not_its_predece
     assert torch.equal(model.weight, torch.ones(3, 4, dtype=torch.float64))
     assert torch.equal(model.bias, torch.ones(3, dtype=torch.float64))
     assert engine.held("bias")[0] is model.bias
+
+
+def test_release_buffers_drops_every_view_the_engine_keeps_into_a_receive_buffer() -> None:
+    import gc
+    import weakref
+
+    engine = ModuleEngine({"a": torch.zeros(4)})
+    buf = torch.arange(8, dtype=torch.float32)
+    engine.begin(1)
+    engine.load([("a", buf[2:6])])
+    engine.commit(1)
+    ref = weakref.ref(buf)
+    del buf
+    gc.collect()
+    assert ref() is not None  # the cached copy plan keeps a view of it
+    engine.release_buffers()
+    gc.collect()
+    assert ref() is None
+    assert torch.equal(engine.tensor("a"), torch.arange(2, 6, dtype=torch.float32))
