@@ -283,7 +283,9 @@ class Receiver:
             header, payload = self.channel.expect(Kind.COMMIT, f"every worker's commit of version {version}")
             if header.status:
                 reason = str(parse_json(payload, "COMMIT").get("message", "")) or "another worker failed"
-                raise RefitError(f"version {version} was not committed by every worker: {reason}")
+                raise RefitError(
+                    f"version {version} loaded here but failed on another worker or the sender's check: {reason}"
+                )
         except BaseException as e:
             self.engine.fail(version, f"not every worker committed version {version}: {e}")
             raise
