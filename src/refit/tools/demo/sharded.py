@@ -64,20 +64,22 @@ def rank_main(cfg: DemoConfig) -> int:
     from rich.console import Console
 
     dist.init_process_group("gloo")
-    try:
-        _, model, _, ids, _ = demo_model(cfg)
-        if cfg.trainer == "megatron":
-            from refit.tools.demo.megatron import MegatronTrainer
+    # No barrier after an exception: the peers may be blocked in a gather this rank will never join;
+    # its exit closes the group's sockets, so they fail instead of waiting for it forever.
+    _, model, _, ids, _ = demo_model(cfg)
+    if cfg.trainer == "megatron":
+        from refit.tools.demo.megatron import MegatronTrainer
 
-            trainer = MegatronTrainer(model, ids, tp=cfg.tp, pp=cfg.pp)
-        else:
-            trainer = FsdpTrainer(model, ids)
-        if dist.get_rank() == 0:
-            return 0 if run(cfg, Console(width=None if sys.stdout.isatty() else 120), trainer) else 1
+        trainer = MegatronTrainer(model, ids, tp=cfg.tp, pp=cfg.pp)
+    else:
+        trainer = FsdpTrainer(model, ids)
+    if dist.get_rank() == 0:
+        code = 0 if run(cfg, Console(width=None if sys.stdout.isatty() else 120), trainer) else 1
+    else:
         _follow(cfg, trainer)
-        return 0
-    finally:
-        _leave()
+        code = 0
+    _leave()
+    return code
 
 
 def _leave() -> None:
