@@ -280,3 +280,12 @@ def test_the_fsdp2_example_refits_from_two_ranks_to_the_trainers_live_weights(tm
         port = s.getsockname()[1]
     env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     _session(tmp_path, [[sys.executable, t]] * 2, e, env_of=lambda rank: {**env, "RANK": str(rank)})
+
+
+def test_the_readme_says_the_fingerprint_compares_in_the_wire_dtype_for_every_wire_dtype() -> None:
+    with open(README) as f:
+        text = " ".join(f.read().split())
+    assert "trainer's live tensor cast to its wire dtype" in text  # the quick start's demo
+    use = text[text.index('`Sender(..., verify="fingerprint")`') :][:1500]
+    for case in ("cast to that wire dtype", "trainer's own", "wider", "narrower", "rounded to bf16", "slice"):
+        assert case in use, case

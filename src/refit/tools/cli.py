@@ -159,6 +159,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         task = bar.add_task("bench", total=len(runs) * len(methods))
         for preset, n, layers in runs:
             reports.append(run_bench(_bench_config(args, preset, n, layers, methods), _step(bar, task, preset)))
+            bar.advance(task)  # the run's last method
             show(reports[-1:], console)
     show_scaling(reports, console)
     if args.json:
