@@ -155,17 +155,8 @@ def _waived(names: set[str], patterns: frozenset[str]) -> set[str]:
 
 
 def _sent_groups(sent: list[TensorSpec]) -> dict[str, int]:
-    """Which sent entry (storage) each sent name comes from. Specs with aliases say it exactly; an
-    alias-free list that came from expanding aliased entries lists each entry's names next to each
-    other with one shape object, so runs of those are taken as one entry."""
-    out: dict[str, int] = {}
-    entry, prev = -1, None
-    for spec in sent:
-        if spec.aliases or prev is None or not (spec.shape is prev.shape and spec.shape and spec.dtype is prev.dtype):
-            entry += 1
-        out.update(dict.fromkeys(spec.names, entry))
-        prev = spec
-    return out
+    """Which sent entry (source) each sent name comes from: an entry's aliases share its source."""
+    return {name: entry for entry, spec in enumerate(sent) for name in spec.names}
 
 
 def _tie_conflicts(

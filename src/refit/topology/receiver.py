@@ -205,7 +205,7 @@ class Receiver:
             self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {msg}"})
             raise IntegrityError(msg)
         report = validate(
-            manifest.specs,
+            [p.spec for p in manifest.entries],  # with aliases: which names share one source
             self.engine.specs(),
             exact_shapes=self.engine.exact_shapes,
             optional=self.engine.optional_names,
