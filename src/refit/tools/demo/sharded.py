@@ -119,4 +119,9 @@ def launch(cfg: DemoConfig) -> bool:
 
 
 if __name__ == "__main__":
-    raise SystemExit(rank_main(DemoConfig(**json.loads(sys.argv[1]))))
+    code = rank_main(DemoConfig(**json.loads(sys.argv[1])))
+    # Skip interpreter finalization: gloo's C++ worker threads can still hold tensors with Python
+    # references then, and destroying them without the interpreter aborts the process (SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
