@@ -9,6 +9,7 @@ from enum import Enum
 import torch
 
 from refit.errors import RefitError
+from refit.layout.reshard import Slice
 from refit.layout.spec import TensorSpec
 
 Region = tuple[int, int, int]
@@ -61,6 +62,24 @@ class Engine(ABC):
         (a tensor-parallel shard). None when this engine cannot read the tensor back (it is then
         reported as unverified, never as verified).
         """
+        return None
+
+    def shards(self) -> dict[str, Slice | None] | None:
+        """M:N (`refit.topology.mesh`): per sender name this worker loads, the slice of the checkpoint
+        tensor it keeps (None: the whole tensor); None (the default) when the engine states no shards."""
+        return None
+
+    def shard_target(self, name: str) -> torch.Tensor | None:
+        """M:N: the live tensor holding exactly this worker's slice of `name` (slice shape), written in
+        place; None when the engine loads slices through `load_shards` instead."""
+        return None
+
+    def load_shards(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """M:N: like `load`, each tensor being this worker's slice of the named tensor, as `shards` states."""
+        raise NotImplementedError(f"{type(self).__name__} states shards but neither targets nor loads them")
+
+    def held_shard(self, name: str) -> torch.Tensor | None:
+        """M:N: this worker's slice of `name` as the engine now holds it, for the fingerprint (None: unreadable)."""
         return None
 
     def release_buffers(self) -> None:

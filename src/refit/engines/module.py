@@ -10,6 +10,7 @@ from torch import nn
 from refit.checks.validation import waived
 from refit.engines.base import Engine
 from refit.layout.packing import CopyPlan, LayoutGuard
+from refit.layout.reshard import Slice
 from refit.layout.spec import TensorSpec
 from refit.layout.state_layout import StateLayout
 
@@ -29,9 +30,12 @@ class ModuleEngine(Engine):
         *,
         name_map: Mapping[str, str] | None = None,
         ignore: Iterable[str] = (),
+        shards: Mapping[str, Slice] | None = None,
     ) -> None:
         """`name_map` maps sender names to this module's names where they differ; `ignore`: sender names
-        (or fnmatch patterns) never loaded nor checked, whether or not the module has them (reported)."""
+        (or fnmatch patterns) never loaded nor checked, whether or not the module has them (reported).
+        `shards` (M:N, `refit.topology.mesh`): per sender name, the slice of the checkpoint tensor this
+        module's tensor holds (its shape is the slice's); names not listed are held whole."""
         super().__init__()
         self.optional_names = frozenset(ignore)
         self.module = module
@@ -48,6 +52,12 @@ class ModuleEngine(Engine):
         self._guard: LayoutGuard | None = None
         self._targets: dict[str, torch.Tensor] = {}
         self._refresh()
+        self._shards = dict(shards or {})
+        for name, part in self._shards.items():
+            t = self._targets.get(name)
+            if t is None or part.dim >= max(t.dim(), 1) or (t.shape[part.dim] if t.dim() else 1) != part.length:
+                shape = None if t is None else tuple(t.shape)
+                raise ValueError(f"shards[{name!r}] = {part} does not fit the module's tensor (shape {shape})")
 
     def _own(self) -> dict[str, torch.Tensor]:
         return self._layout.read() if self._layout is not None else dict(self.module)  # type: ignore[arg-type]
@@ -76,6 +86,15 @@ class ModuleEngine(Engine):
 
     def release_buffers(self) -> None:
         self._plans, self._used = {}, set()
+
+    def shards(self) -> dict[str, Slice | None] | None:
+        if not self._shards:
+            return None
+        self._refresh()
+        return {n: self._shards.get(n) for n in self._targets if not waived(n, self.optional_names)}
+
+    def shard_target(self, name: str) -> torch.Tensor | None:
+        return self._targets.get(name)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The engine's tensor for a sender name."""

@@ -22,6 +22,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from refit.layout.spec import TensorSpec
 
 
@@ -43,6 +45,28 @@ class Slice:
 
 Holding = Slice | None
 """A holder's part of one tensor: a slice, or None for the whole tensor."""
+
+MAX_STATEMENT_TENSORS = 1_000_000
+
+
+def statement_to_json(held: Mapping[str, Holding]) -> dict[str, list[int] | None]:
+    return {n: None if h is None else h.to_json() for n, h in held.items()}
+
+
+def statement_from_json(raw: object, who: str) -> dict[str, Holding]:
+    """A holder's statement as a peer sent it (JSON), every entry checked; ValueError names what is wrong."""
+    if not isinstance(raw, dict) or len(raw) > MAX_STATEMENT_TENSORS:
+        raise ValueError(f"{who}'s shard statement must be an object of at most {MAX_STATEMENT_TENSORS} names")
+    out: dict[str, Holding] = {}
+    for name, h in raw.items():
+        if h is None:
+            out[name] = None
+            continue
+        ok = isinstance(h, list) and len(h) == 3 and all(type(v) is int and 0 <= v < 1 << 62 for v in h)
+        if not ok:
+            raise ValueError(f"{who}'s shard statement for {name!r:.200} is {h!r:.80}, not [dim, start, length]")
+        out[name] = Slice(*h)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +97,12 @@ class Move:
     rank: int
     worker: int
     runs: tuple[Run, ...]
+    shape: tuple[int, ...] = ()
+    """The moved box's extent per dimension."""
+    src_at: tuple[int, ...] = ()
+    """Where the box starts in the rank's local part (per dimension)."""
+    dst_at: tuple[int, ...] = ()
+    """Where the box starts in the worker's local part (per dimension)."""
 
     @property
     def nbytes(self) -> int:
@@ -179,7 +209,7 @@ def _tensor_moves(
     if whole:  # replicated (or one pipeline stage): one holder per worker, spread over the holders
         for w, need in needed:
             r = whole[w % len(whole)]
-            moves.append(Move(spec.name, r, w, _runs(spec, full, need, need)))
+            moves.append(_move(spec, r, w, full, need, need))
         return [m for m in moves if m.runs], "replica"
     _check_partition(spec, holders)
     strided = False
@@ -188,10 +218,22 @@ def _tensor_moves(
             inter = _intersect(box, need)
             if inter is None:
                 continue
-            runs = _runs(spec, box, need, inter)
-            strided |= len(runs) > 1 or any(run.count > 1 for run in runs)
-            moves.append(Move(spec.name, r, w, runs))
+            move = _move(spec, r, w, box, need, inter)
+            strided |= len(move.runs) > 1 or any(run.count > 1 for run in move.runs)
+            moves.append(move)
     return moves, "strided" if strided else "direct"
+
+
+def _move(spec: TensorSpec, rank: int, worker: int, src: Box, dst: Box, inter: Box) -> Move:
+    return Move(
+        spec.name,
+        rank,
+        worker,
+        _runs(spec, src, dst, inter),
+        tuple(hi - lo for lo, hi in inter),
+        tuple(lo - s for (lo, _), (s, _) in zip(inter, src)),
+        tuple(lo - d for (lo, _), (d, _) in zip(inter, dst)),
+    )
 
 
 def _check_partition(spec: TensorSpec, holders: list[tuple[int, Box]]) -> None:
@@ -290,3 +332,30 @@ def _merged(runs: list[Run]) -> list[Run]:
             r = Run(r.src, r.dst, r.nbytes * r.count)
         out.append(r)
     return out
+
+
+PIECE_MARK = "@"
+"""A pair manifest names each moved box `<tensor>@<o0>,<o1>,...`: the box starts at those offsets of the
+worker's local part, and its spec's shape is the box's extent."""
+
+
+def piece_name(name: str, dst_at: Sequence[int]) -> str:
+    return f"{name}{PIECE_MARK}{','.join(map(str, dst_at))}"
+
+
+def parse_piece(piece: str) -> tuple[str, tuple[int, ...]]:
+    """(tensor name, offsets) of a piece name; ValueError when it is not one."""
+    name, mark, at = piece.rpartition(PIECE_MARK)
+    parts = at.split(",")
+    if not (mark and name and all(p.isdigit() and len(p) < 19 for p in parts)):
+        raise ValueError(f"{piece!r:.200} is not an M:N piece name (<tensor>@<offsets>)")
+    return name, tuple(int(p) for p in parts)
+
+
+def box(t: torch.Tensor, at: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    """The view of `t` starting at `at` with extent `shape` (a 0-d tensor is the box of shape (1,))."""
+    if t.dim() == 0:
+        return t.reshape(1)
+    for d, (a, n) in enumerate(zip(at, shape)):
+        t = t.narrow(d, a, n)
+    return t

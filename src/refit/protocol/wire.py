@@ -29,7 +29,7 @@ MAX_JSON_DEPTH = 32
 class Kind(IntEnum):
     HELLO = 1  # receiver -> sender: protocol version, nonce, capacity limit
     WELCOME = 2  # sender -> receiver: rank, capacity, transport setup (MAC under the session key in `digest`)
-    READY = 3  # receiver -> sender: transport joined
+    READY = 3  # receiver -> sender: transport joined (M:N: with the worker's shard statement, JSON)
     MANIFEST = 4  # sender -> receiver: manifest JSON (once per epoch); `digest`: MAC of its digest, session key
     REPORT = 5  # receiver -> sender: validation report JSON
     BEGIN = 6  # sender -> receiver: a refit of `version` starts
@@ -48,6 +48,7 @@ class Kind(IntEnum):
 WITH_PAYLOAD = {
     Kind.HELLO,
     Kind.WELCOME,
+    Kind.READY,
     Kind.MANIFEST,
     Kind.REPORT,
     Kind.COMMIT,

@@ -9,6 +9,7 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 
 from refit.dtypes import dtype_name
+from refit.layout.reshard import Slice
 from refit.layout.spec import TensorSpec
 
 
@@ -40,6 +41,14 @@ class Source(ABC):
     def signature(self) -> Hashable:
         """Changes whenever a wire dtype or shape changes; called every refit, so keep it cheap."""
         return tuple((s.name, s.shape, s.dtype) for s in self.specs())
+
+    def holdings(self) -> dict[str, Slice | None]:
+        """M:N: per primary name, the slice of the tensor this rank holds (None: the whole tensor)."""
+        return {s.name: None for s in self.specs()}
+
+    def local_tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """M:N: this rank's part of each tensor (as `holdings` states it), live, never gathered."""
+        return self.tensors(names)
 
 
 class WireDtypes:

@@ -27,6 +27,7 @@ from torch import nn
 
 from refit.layout.manifest import Manifest
 from refit.layout.packing import CopyPlan, LayoutGuard, typed_view
+from refit.layout.reshard import Slice
 from refit.layout.state_layout import StateLayout
 from refit.sources.base import Source, WireDtypes
 
@@ -157,6 +158,16 @@ class FsdpSource(WireDtypes, Source):
         Called at the start of every refit, it first re-reads the module's tensors."""
         self._tensors = self._read()
         return (_dtypes_and_shapes(list(self._tensors.values())), tuple(sorted(self._overrides.items(), key=str)))
+
+    # -- M:N: the local shards, never gathered ---------------------------------------------------
+
+    def holdings(self) -> dict[str, Slice | None]:
+        """Per primary name, the slice of the global tensor this rank's shard is (torch.chunk rule, uneven
+        and empty shards included); None for a tensor every rank holds whole (replicated, plain buffers)."""
+        return {s.name: _holding(s.name, self._tensors[s.name]) for s in self.specs()}
+
+    def local_tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
+        return [_local(t) if hasattr(t, "placements") else t for t in (self._tensors[n] for n in names)]
 
     # -- the schedule ------------------------------------------------------------------------------
 
@@ -361,6 +372,30 @@ class _BucketPlan:
     """Shards copied into their wire dtype before the gather (None when all are already in it)."""
     names: list[str]
     in_place_bytes: int
+
+
+def _holding(name: str, t: torch.Tensor) -> Slice | None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return None
+    sharded = [(m, p) for m, p in enumerate(placements) if not isinstance(p, Replicate)]
+    if not sharded:
+        return None
+    if len(sharded) > 1 or not isinstance(sharded[0][1], Shard) or any(isinstance(p, Replicate) for p in placements):
+        raise ValueError(
+            f"M:N refit of {name!r}: its placements {tuple(placements)} are not one Shard(d) over the whole mesh "
+            "(HSDP replicas or 2-D sharding); use the per-rank refit (RankedRefit) for this model"
+        )
+    mesh_dim, dim = sharded[0][0], sharded[0][1].dim
+    n, parts = t.shape[dim], t.device_mesh.size(mesh_dim)
+    pos = t.device_mesh.get_local_rank(mesh_dim)
+    size = -(-n // parts)
+    start, length = min(pos * size, n), _local(t).shape[dim]
+    if length != max(0, min(size, n - pos * size)):
+        raise ValueError(f"M:N refit of {name!r}: shard of {length} rows on mesh rank {pos} is not torch.chunk's")
+    return Slice(dim, start, length)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from refit.layout.manifest import Manifest
 from refit.layout.planner import plan
 from refit.log import get_logger
 from refit.sources.fsdp import FsdpSource
+from refit.topology.collective import Collective
 from refit.topology.stats import RefitStats
 from refit.transports import device as devices
 
@@ -73,6 +74,7 @@ class RankedRefit:
             if dist.get_backend(group) == "nccl"
             else torch.device("cpu")
         )
+        self._collective = Collective(group)
         self._agreed = False
         self._voted = False
         self._infos: list[dict] | None = None
@@ -175,26 +177,10 @@ class RankedRefit:
     def _vote(self, own: str) -> str:
         """Phase two: '' when every rank's workers committed, else every failing rank's reason."""
         self._voted = True
-        flag = torch.tensor([int(bool(own))], dtype=torch.int64, device=self._device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if not int(flag.item()):
-            return ""
-        reasons = self._all_gather_json(own)
-        return "; ".join(f"trainer rank {r}: {m}" for r, m in enumerate(reasons) if m)
+        return self._collective.vote(own)
 
     def _all_gather_json(self, obj: object) -> list:
-        """JSON from every rank, in rank order (no pickle crosses the process boundary)."""
-        data = json.dumps(obj).encode()
-        n = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
-        sizes = [torch.zeros_like(n) for _ in range(self.world)]
-        dist.all_gather(sizes, n, group=self.group)
-        width = max(int(s.item()) for s in sizes)
-        buf = torch.zeros(width, dtype=torch.uint8)
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        buf = buf.to(self._device)
-        outs = [torch.empty_like(buf) for _ in range(self.world)]
-        dist.all_gather(outs, buf, group=self.group)
-        return [json.loads(bytes(o[: int(s.item())].cpu().tolist())) for o, s in zip(outs, sizes)]
+        return self._collective.all_gather_json(obj)
 
     def close(self) -> None:
         self.sender.close()

@@ -56,6 +56,8 @@ class Receiver:
         self._path: ReceivePath | None = None
         self._broken = ""
         self._idle_timeout_s = self.settings.timeout_s
+        self.statement: dict | None = None
+        """M:N: what this worker keeps (refit.topology.mesh), sent with READY for the trainer's plan."""
 
     def connect(self) -> None:
         """Connect to the sender, present the token and join the transport. On failure the sender is
@@ -77,7 +79,7 @@ class Receiver:
             ch.close()
             raise
         self.channel = ch
-        ch.send(Header(Kind.READY))
+        ch.send(Header(Kind.READY), self.statement)
         log.info("joined as receiver %d over %s", self.rank, self._transport_cls.name)
 
     def _join(self, ch: Channel) -> None:
@@ -204,6 +206,13 @@ class Receiver:
             msg = f"manifest capacity {manifest.capacity} differs from the agreed {len(self.transport.buffers[0])}"
             self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {msg}"})
             raise IntegrityError(msg)
+        prepare = getattr(self.engine, "prepare", None)  # M:N (refit.engines.pieces): check the pair's pieces
+        if callable(prepare):
+            try:
+                prepare(manifest)
+            except ValueError as e:
+                self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank} rejected the manifest: {e}"})
+                raise IntegrityError(f"sender's M:N pieces do not fit this worker: {e}") from None
         report = validate(
             [p.spec for p in manifest.entries],  # with aliases: which names share one source
             self.engine.specs(),

@@ -168,6 +168,8 @@ class Sender:
         self._epoch = 0
         self._generation = 0
         self._begun = False
+        self.statements: list[bytes] = []
+        """What each receiver sent with READY: M:N shard statements (JSON; refit.topology.mesh), else empty."""
         self.verdict: Callable[[str], str] | None = None
         """Set by a per-rank driver (refit.topology.ranked): given this Sender's failure ('' when its receivers
         committed), returns the failure across every trainer rank ('' when every worker committed).
@@ -243,8 +245,7 @@ class Sender:
             data = json.dumps(welcome).encode()
             ch.send(Header(Kind.WELCOME, digest=auth.tag(ch.key, b"WELCOME", data)), data)
         transport.establish()
-        for ch in self.channels:
-            ch.expect(Kind.READY, "transport setup")
+        self.statements = [ch.expect(Kind.READY, "transport setup")[1] for ch in self.channels]
         transport.joined()
         self._session.lobby.refuse_late(self.num_receivers)
         self._session.pulse = _Pulse(self._session.channels, interval)

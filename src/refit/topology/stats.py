@@ -22,6 +22,10 @@ class RefitStats:
     """Fingerprint mode: names an engine could not read back, so not compared (0 when every name was)."""
     unverified_names: list[str] = field(default_factory=list)
     """Fingerprint mode: those names (sorted), so a caller can tell which tensors went unchecked."""
+    model_bytes: int = 0
+    """M:N: bytes of the whole model on the wire (what one worker of a broadcast receives)."""
+    worker_bytes: list[int] = field(default_factory=list)
+    """M:N: tensor bytes each engine worker received (a trainer rank: from it; a worker: [its own])."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Time per stage: sender pack/send/wait/commit, receiver recv/verify/load/commit; 'total' is wall time."""
 

@@ -1,0 +1,56 @@
+"""PieceSource: what one trainer rank sends one engine worker in an M:N refit, as a Source of its own.
+
+Each move of the reshard plan (`refit.layout.reshard`) is one box of one tensor: a view of the rank's
+live local part (never gathered, never copied before packing). The pair's manifest names the box
+`<tensor>@<offsets>` (where it lands in the worker's local part) with the box's shape, so the pair
+runs the ordinary protocol: handshake, buckets, fingerprint and commit, over any transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+
+from refit.layout.reshard import Move, box, piece_name
+from refit.layout.spec import TensorSpec
+from refit.sources.base import Source
+
+
+class PieceSource(Source):
+    """The boxes one rank moves to one worker, cut live from `base.local_tensors` every refit."""
+
+    stable_tensors = True
+
+    def __init__(
+        self,
+        base: Source,
+        moves: Sequence[Move],
+        wire: Mapping[str, torch.dtype],
+        plan_digest: bytes,
+        names: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
+        """`moves`: the plan's moves of this (rank, worker) pair; `wire`: each tensor's wire dtype; `names`:
+        the worker's names for a tensor where they differ (a tensor the engine holds twice, untied)."""
+        self.base = base
+        self.plan_digest = plan_digest
+        names = names or {}
+        self._by_piece = {piece_name(n, m.dst_at): m for m in moves for n in names.get(m.name, [m.name])}
+        self._specs = sorted(
+            (TensorSpec(p, m.shape, wire[m.name]) for p, m in self._by_piece.items()), key=lambda s: s.name
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._specs)
+
+    def specs(self) -> list[TensorSpec]:
+        return list(self._specs)
+
+    def signature(self) -> Hashable:
+        return (self.plan_digest, self.base.signature())
+
+    def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
+        moves = [self._by_piece[n] for n in names]
+        locals_ = self.base.local_tensors([m.name for m in moves])
+        return [box(t, m.src_at, m.shape) for t, m in zip(locals_, moves)]

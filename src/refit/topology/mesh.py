@@ -1,0 +1,349 @@
+"""M:N refit: every engine worker receives only its own slice of each tensor, straight from the trainer
+ranks that hold it; no rank gathers the model.
+
+Trainer side, on every rank (each call is collective over the trainer's group):
+
+    mesh = MeshRefit(FsdpSource(model), num_workers=2, transport="gloo")
+    info = mesh.rendezvous()        # the same dict on every rank: hand it to every worker
+    mesh.refit(version)
+
+Engine side, worker w: `MeshReceiver(engine, info, worker=w).receive()`, where the engine states its
+slices (`Engine.shards`; ModuleEngine(shards=...), VllmEngine from its parallel layers).
+
+Every (rank, worker) pair is a Sender/Receiver session of its own over the chosen transport, so each
+pair has the protocol's guarantees: authentication, a handshake per epoch, bucket headers, the
+fingerprint, the commit. A worker states its slices with READY; each rank intersects every worker's
+statement with every rank's holdings (`refit.layout.reshard`, the same plan on every rank, checked by
+digest) and sends each worker the boxes it needs, from the rank's live local shards. The commit is
+two-phase over every pair: a worker commits a version once all its pairs did and every rank agreed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from refit.checks.validation import waived
+from refit.engines.base import Engine
+from refit.engines.pieces import PieceEngine, ShardTarget
+from refit.errors import PeerError, RefitError
+from refit.layout.reshard import Holding, ReshardPlan, plan_reshard, statement_from_json, statement_to_json
+from refit.layout.spec import TensorSpec
+from refit.log import get_logger
+from refit.protocol.wire import parse_json
+from refit.settings import Settings
+from refit.sources.base import Source
+from refit.sources.pieces import PieceSource
+from refit.topology.collective import Collective
+from refit.topology.receiver import Receiver
+from refit.topology.sender import Sender
+from refit.topology.stats import RefitStats
+
+log = get_logger("mesh")
+
+
+def shared_budget(settings: Settings, pairs: int) -> Settings:
+    """One process's buffer budget split over its pairs (the memory ratio holds per process, not per pair)."""
+    bucket = None if settings.bucket_bytes is None else max(1 << 12, settings.bucket_bytes // pairs)
+    return replace(settings, ratio=settings.ratio / pairs, bucket_bytes=bucket)
+
+
+class MeshRefit:
+    """One trainer rank's side of an M:N refit: a Sender per engine worker. Call every method on every rank."""
+
+    def __init__(
+        self,
+        source: Source,
+        *,
+        num_workers: int,
+        transport: str = "shm",
+        group: dist.ProcessGroup | None = None,
+        settings: Settings | None = None,
+        device: torch.device | None = None,
+        verify: str | None = None,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers ({num_workers}) must be >= 1")
+        self.source = source
+        self.collective = Collective(group)
+        self.rank, self.world = self.collective.rank, self.collective.world
+        self.settings = settings or Settings()
+        pair = shared_budget(self.settings, num_workers)
+        self.senders = [
+            Sender(source, transport=transport, settings=pair, device=device, verify=verify) for _ in range(num_workers)
+        ]
+        self.plan: ReshardPlan | None = None
+        self._planned: tuple = ()
+        self._needs: list[dict[str, Holding]] = []
+        self._ignore: list[list[str]] = []
+        self._ties: list[dict[str, list[str]]] = []
+        self._connected = False
+        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="refit-mesh")
+        self.log = get_logger("mesh", self.rank)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.senders)
+
+    def rendezvous(self) -> dict:
+        """What every worker needs to reach every rank (collective; the same dict on every rank)."""
+        own = [s.rendezvous() for s in self.senders]
+        pairs = self.collective.all_gather_json(own)
+        return {"mesh": {"ranks": self.world, "workers": self.num_workers, "pairs": pairs}}
+
+    def connect(self) -> None:
+        """Accept every worker, read their statements and plan the moves (collective)."""
+        if self._connected:
+            return
+        self._connected = True
+        error = ""
+        try:
+            for f in [self._pool.submit(s.connect) for s in self.senders]:
+                f.result()
+            self._needs, self._ignore, self._ties = zip(*map(_statement, self.senders, range(self.num_workers)))
+        except (RefitError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"
+        self._replan(error)
+
+    def _replan(self, error: str = "") -> None:
+        """Plan (again) when the specs moved: the same plan on every rank, or every rank raises."""
+        self.source.signature()  # re-reads the live tensors
+        specs = sorted(self.source.specs(), key=lambda s: s.name)
+        key = tuple((s.name, s.shape, s.dtype, s.aliases) for s in specs)
+        if error == "" and key == self._planned and self.plan is not None:
+            return
+        holdings = self.collective.all_gather_json(statement_to_json(self.source.holdings()) if not error else None)
+        failed = self.collective.vote(error)
+        if failed:
+            raise RefitError(f"M:N connect failed: {failed}")
+        ranks = [statement_from_json(h, f"trainer rank {r}") for r, h in enumerate(holdings)]
+        needs, names = zip(*(_by_primary(specs, n, t, w) for w, (n, t) in enumerate(zip(self._needs, self._ties))))
+        _check_needed(specs, needs, self._ignore)
+        plan = plan_reshard(specs, ranks, needs)
+        digest = int.from_bytes(plan.digest[:7], "big")
+        low, high = self.collective.reduce([digest, -digest], dist.ReduceOp.MIN)
+        if low != -high:
+            raise RefitError("the trainer ranks planned different M:N moves (their specs or holdings differ)")
+        wire = {s.name: s.dtype for s in specs}
+        for w, sender in enumerate(self.senders):
+            sender.source = PieceSource(self.source, plan.pair(self.rank, w), wire, plan.digest, names[w])
+        self.plan, self._planned = plan, key
+        self.log.info(
+            "M:N plan: %d moves, %s bytes per worker, %s per rank",
+            len(plan.moves),
+            plan.worker_bytes(),
+            plan.rank_bytes(),
+        )
+
+    def refit(self, version: int) -> RefitStats:
+        """Refit every worker to `version`; returns this rank's stats once every worker committed."""
+        self.connect()
+        self._replan()
+        votes: list[str | None] = [None] * self.num_workers
+        cond, decided, verdict = threading.Condition(), threading.Event(), [""]
+
+        def hook(w: int):  # type: ignore[no-untyped-def]
+            def vote(own: str) -> str:
+                with cond:
+                    votes[w] = own
+                    cond.notify_all()
+                decided.wait()
+                return verdict[0]
+
+            return vote
+
+        for w, s in enumerate(self.senders):
+            s.verdict = hook(w)
+        futures = [self._pool.submit(s.refit, version) for s in self.senders]
+        for f in futures:
+            f.add_done_callback(lambda _: _notify(cond))
+        with cond:
+            cond.wait_for(lambda: all(v is not None or f.done() for v, f in zip(votes, futures)))
+        own = "; ".join(v or _failure(f) for v, f in zip(votes, futures) if (v or _failure(f)))
+        verdict[0] = self.collective.vote(own)
+        decided.set()
+        return self._stats(version, futures)
+
+    def _stats(self, version: int, futures: Sequence[Future]) -> RefitStats:
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise next((e for e in errors if isinstance(e, PeerError)), errors[0])
+        pairs = [f.result() for f in futures]
+        assert self.plan is not None
+        stats = RefitStats(version=version, epoch=pairs[0].epoch, handshake=any(p.handshake for p in pairs))
+        stats.nbytes = sum(p.nbytes for p in pairs)
+        stats.num_buckets = sum(p.num_buckets for p in pairs)
+        stats.model_bytes = sum(s.nbytes for s in self.source.specs())
+        stats.worker_bytes = [p.nbytes for p in pairs]
+        stats.seconds["total"] = max(p.total_s for p in pairs)
+        return stats
+
+    def close(self) -> None:
+        for s in self.senders:
+            s.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> MeshRefit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _notify(cond: threading.Condition) -> None:
+    with cond:
+        cond.notify_all()
+
+
+def _failure(f: Future) -> str:
+    if not f.done() or f.exception() is None:
+        return ""
+    e = f.exception()
+    return f"{type(e).__name__}: {e}"
+
+
+def _statement(sender: Sender, w: int) -> tuple[dict[str, Holding], list[str], dict[str, list[str]]]:
+    """(slices, waived names, ties) as worker `w` stated them with READY."""
+    raw = sender.statements[0] if sender.statements else b""
+    if not raw:
+        raise ValueError(f"engine worker {w} stated no shards: on the engine side use MeshReceiver, not Receiver")
+    obj = parse_json(raw, "READY")
+    ignore, ties = obj.get("ignore", []), obj.get("ties", {})
+    if not (isinstance(ignore, list) and all(isinstance(i, str) for i in ignore)):
+        raise ValueError(f"engine worker {w}'s READY has a malformed ignore list")
+    if not (
+        isinstance(ties, dict)
+        and all(isinstance(v, list) and all(isinstance(a, str) for a in v) for v in ties.values())
+    ):
+        raise ValueError(f"engine worker {w}'s READY has malformed ties")
+    return statement_from_json(obj.get("shards"), f"engine worker {w}"), ignore, ties
+
+
+def _by_primary(
+    specs: Sequence[TensorSpec], needs: dict[str, Holding], ties: dict[str, list[str]], w: int
+) -> tuple[dict[str, Holding], dict[str, list[str]]]:
+    """A worker's needs keyed by the trainer's primary names, and the worker's names for each. Names the
+    engine ties (one storage) must be one tensor on the trainer too, or the last write would win."""
+    primary = {n: s.name for s in specs for n in s.names}
+    for name, aliases in ties.items():
+        sources = {primary.get(n, n) for n in (name, *aliases)}
+        if len(sources) > 1:
+            raise ValueError(
+                f"engine worker {w} ties {[name, *aliases]} (one storage) but the trainer sends them as separate "
+                f"tensors {sorted(sources)}; tie them in the trainer's model too, or untie them in the engine"
+            )
+    out: dict[str, Holding] = {}
+    names: dict[str, list[str]] = {}
+    for name, held in needs.items():
+        p = primary.get(name, name)
+        if p in out and out[p] != held:
+            raise ValueError(f"engine worker {w} states {name!r} and its trainer alias {p!r} with different slices")
+        out[p] = held
+        names.setdefault(p, []).append(name)
+    return out, names
+
+
+def _check_needed(specs: Sequence[TensorSpec], needs: Sequence[dict[str, Holding]], ignore: Sequence[list]) -> None:
+    """Every tensor the trainer sends is loaded by some worker, unless every worker waived it."""
+    wanted = {n for need in needs for n in need}
+    unloaded = [s.name for s in specs if s.name not in wanted and not all(waived(s.name, i) for i in ignore)]
+    if unloaded:
+        shown = ", ".join(unloaded[:10]) + (f" and {len(unloaded) - 10} more" if len(unloaded) > 10 else "")
+        raise ValueError(
+            f"no engine worker loads {len(unloaded)} tensor(s) the trainer sends: {shown}; "
+            "state them in the engines' shards or pass ignore=[...] to the engine"
+        )
+
+
+class MeshReceiver:
+    """One engine worker's side of an M:N refit: a Receiver per trainer rank, over one engine."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        rendezvous: dict,
+        *,
+        worker: int,
+        settings: Settings | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        mesh = rendezvous.get("mesh") if isinstance(rendezvous, dict) else None
+        if not isinstance(mesh, dict) or not isinstance(mesh.get("pairs"), list):
+            raise ValueError("rendezvous is not an M:N one (MeshRefit.rendezvous())")
+        pairs, workers = mesh["pairs"], mesh.get("workers")
+        if not (isinstance(workers, int) and 0 <= worker < workers):
+            raise ValueError(f"worker {worker} is out of range for {workers} engine workers")
+        self.engine, self.worker = engine, worker
+        self.settings = settings or Settings()
+        pair = shared_budget(self.settings, len(pairs))
+        self.target = ShardTarget(engine, len(pairs), timeout_s=self.settings.timeout_s, device=device or _cpu())
+        self.receivers = []
+        for r, row in enumerate(pairs):
+            rx = Receiver(PieceEngine(self.target, r), row[worker], settings=pair, device=device)
+            rx.statement = self.target.to_json()
+            self.receivers.append(rx)
+        self._pool = ThreadPoolExecutor(len(pairs), thread_name_prefix="refit-mesh-rx")
+
+    def connect(self) -> None:
+        for f in [self._pool.submit(r.connect) for r in self.receivers]:
+            f.result()
+
+    def receive(self) -> RefitStats | None:
+        """One refit from every rank (its stats), or None when the trainer closed the session."""
+        self.target.reset()
+        futures = [self._pool.submit(self._one, r) for r in self.receivers]
+        results, errors = [], []
+        for f in futures:
+            try:
+                results.append(f.result())
+            except Exception as e:  # noqa: BLE001 - every pair is waited for; the first error is raised
+                errors.append(e)
+        version = self.target.version
+        if errors:
+            if version is not None and self.engine.weights.state.value == "updating":
+                self.engine.fail(version, str(errors[0]))
+            raise next((e for e in errors if isinstance(e, PeerError)), errors[0])
+        if all(r is None for r in results):
+            return None
+        if any(r is None for r in results):
+            raise PeerError("some trainer ranks closed the session while others refit")
+        assert version is not None
+        self.engine.commit(version)
+        stats = RefitStats(version=version, epoch=results[0].epoch, handshake=any(r.handshake for r in results))
+        stats.nbytes = sum(r.nbytes for r in results)
+        stats.worker_bytes = [stats.nbytes]
+        stats.seconds["total"] = max(r.total_s for r in results)
+        return stats
+
+    def _one(self, rx: Receiver) -> RefitStats | None:
+        try:
+            return rx.receive()
+        except BaseException as e:
+            self.target.abort(f"the pair with {rx.rendezvous.get('host')}:{rx.rendezvous.get('port')} failed: {e}")
+            raise
+
+    def serve(self) -> int:
+        n = 0
+        while self.receive() is not None:
+            n += 1
+        return n
+
+    def close(self) -> None:
+        for r in self.receivers:
+            r.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> MeshReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _cpu() -> torch.device:
+    return torch.device("cpu")
