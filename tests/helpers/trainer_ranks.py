@@ -15,9 +15,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: dict, *, world: int = 2, envs: list[dict] | None = None) -> list[subprocess.Popen]:
+def start(
+    args: dict, *, world: int = 2, envs: list[dict] | None = None, script: str = "fsdp_trainer.py"
+) -> list[subprocess.Popen]:
     """`world` trainer processes; `envs[r]` is extra environment for rank r (e.g. CUDA_VISIBLE_DEVICES)."""
-    script = os.path.join(os.path.dirname(__file__), "fsdp_trainer.py")
+    script = os.path.join(os.path.dirname(__file__), script)
     port = free_port()
     procs = []
     for rank in range(world):

@@ -301,3 +301,12 @@ def test_cuda_2000_random_single_bit_flips_and_ranges_are_detected_and_add_up() 
     parts = digests([p.cuda() for p in pieces], offsets)
     assert [int(v) & MASK for v in parts] == [_reference_value(p, o) for p, o in zip(pieces, offsets)]
     assert int(parts.sum()) & MASK == _reference_value(whole)
+
+
+def test_digest_of_a_view_at_an_offset_that_is_not_a_whole_word_equals_the_digest_of_its_copy() -> None:
+    """An M:N box of an engine tensor starts mid-word (3 floats in): it is digested, not refused."""
+    from refit.checks.digest import digests
+
+    base = torch.arange(16, dtype=torch.float32)
+    for view in (base[3:5], base[1:7], base[3:16], torch.randn(999).bfloat16()[3:803]):
+        assert torch.equal(digests([view]), digests([view.clone()]))

@@ -62,7 +62,8 @@ if triton is not None:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """`t`'s bytes, flat, as uint8 starting at an 8-byte aligned address (copied only when it must be)."""
     raw = t.detach().resolve_neg().resolve_conj().contiguous().reshape(-1).view(torch.uint8)
-    return raw if raw.data_ptr() % 8 == 0 else raw.clone()
+    # viewing bytes as words needs the view's storage offset aligned too, not only its address
+    return raw if raw.data_ptr() % 8 == 0 and raw.storage_offset() % 8 == 0 else raw.clone()
 
 
 def _positions(n: int, device: torch.device) -> torch.Tensor:
@@ -197,7 +198,10 @@ def _sums_flat(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[t
     s1 = torch.zeros(len(tensors), dtype=torch.int64, device=device)
     for idx in groups.values():
         with torch.no_grad():
-            flat = _flatten_dense_tensors([tensors[i] for i in idx]).view(torch.uint8).view(torch.int64)
+            flat = _flatten_dense_tensors([tensors[i] for i in idx]).view(torch.uint8)  # one tensor: itself
+            if flat.storage_offset() % 8 or flat.data_ptr() % 8:
+                flat = flat.clone()
+            flat = flat.view(torch.int64)
         a, b = _sums_segments(flat, torch.tensor([nbytes[i] // 8 for i in idx], dtype=torch.int64), device)
         where = torch.tensor(idx, dtype=torch.int64, device=device)
         s0.index_copy_(0, where, a)

@@ -1,0 +1,42 @@
+"""One M:N engine worker: a ModuleEngine over its local slices (zeros at first), fed by every trainer rank.
+
+One JSON argument: "rendezvous" (MeshRefit's), "kind", "worker", "workers", "verify". After each
+committed refit it prints one JSON line: the version, the bytes it received, its engine's state, and
+the fingerprints of its local tensors read in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from mesh_model import build, local_part, statement
+
+from refit import ModuleEngine, RefitError, Settings
+from refit.checks.hashes import fingerprint
+from refit.topology.mesh import MeshReceiver
+
+
+def main() -> int:
+    args = json.loads(sys.argv[1])
+    held = statement(args["kind"], args["worker"], args["workers"])
+    full = build(args["kind"], seed=1).state_dict()
+    local = {n: torch.zeros_like(local_part(full[n], h)).contiguous() for n, h in held.items()}
+    engine = ModuleEngine(local, shards={n: h for n, h in held.items() if h is not None})
+    with MeshReceiver(engine, args["rendezvous"], worker=args["worker"], settings=Settings(timeout_s=120.0)) as rx:
+        while True:
+            try:
+                stats = rx.receive()
+            except RefitError as e:
+                print(json.dumps({"error": str(e), "state": engine.weights.state.value}), flush=True)
+                continue
+            if stats is None:
+                return 0
+            fps = {n: fingerprint(t.float(), torch.float32) for n, t in local.items()}
+            print(json.dumps({"version": stats.version, "nbytes": stats.nbytes, "state": engine.weights.state.value,
+                              "fingerprints": fps}), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
