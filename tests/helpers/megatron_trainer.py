@@ -108,6 +108,38 @@ def report(trainer: MegatronTrainer, sender: Sender | None, prompts: list, out: 
     emit(out)
 
 
+def mesh_main(trainer: MegatronTrainer, args: dict) -> None:
+    """ "engine": "mesh": every model-parallel rank sends its own shards to `workers` M:N workers
+    (tests/helpers/mesh_hf_worker.py); rank 0 prints the rendezvous, then per refit the stats and the
+    fingerprints of the live weights as the engine must hold them (cast to the wire dtype, read in fp32)."""
+    from refit.checks.hashes import fingerprint
+    from refit.topology.mesh import MeshRefit
+
+    settings = Settings(bucket_bytes=args["bucket_bytes"], timeout_s=120.0)
+    mesh = MeshRefit(trainer.source, num_workers=args.get("workers", 1), transport=args["transport"],
+                     group=trainer.source.group, settings=settings, verify="fingerprint")  # fmt: skip
+    info = mesh.rendezvous()
+    if dist.get_rank() == 0:
+        emit(info)
+    for version in range(1, args["steps"] + 1):
+        if version > 1:
+            trainer.step()
+        if version == args["dtype_change_at"]:
+            trainer.source.set_wire_dtype("model.norm.weight", torch.float32)
+        out: dict = {"version": version}
+        try:
+            out["stats"] = mesh.refit(version).to_json()
+        except RefitError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        weights = trainer.full_weights()
+        wire = {n: sp.dtype for sp in trainer.source.specs() for n in sp.names}
+        if dist.get_rank() == 0:
+            out["expected"] = {n: fingerprint(t.to(wire[n]).float(), torch.float32) for n, t in weights.items()}
+            out["planned"] = mesh.plan.worker_bytes() if mesh.plan is not None else []
+            emit(out)
+    mesh.close()
+
+
 def main() -> int:
     args = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
@@ -123,7 +155,9 @@ def main() -> int:
         trainer = MegatronTrainer(hf, ids, tp=args["tp"], pp=args["pp"])
     sender = vllm = None
     workdir = tempfile.TemporaryDirectory()
-    if dist.get_rank() == 0:
+    if args.get("engine") == "mesh":
+        mesh_main(trainer, args)
+    elif dist.get_rank() == 0:
         sender = Sender(trainer.source, transport=args["transport"], verify="fingerprint",
                         settings=Settings(bucket_bytes=args["bucket_bytes"], timeout_s=120.0))  # fmt: skip
         if args.get("engine") == "vllm":
@@ -132,11 +166,13 @@ def main() -> int:
             vllm = VllmSide(sender, hf, tok, prompts, workdir.name)
         else:
             emit(sender.rendezvous())
-    if args["pp"] == 1 or args.get("check_logits"):
+    if args.get("engine") == "mesh":
+        pass
+    elif args["pp"] == 1 or args.get("check_logits"):
         gap = logits_gap(trainer, ids[:, :32])
         if dist.get_rank() == 0:
             emit({"logits_gap": gap})
-    for version in range(1, args["steps"] + 1):
+    for version in range(1, 0 if args.get("engine") == "mesh" else args["steps"] + 1):
         if version > 1:
             trainer.step()
         if version == args["dtype_change_at"]:

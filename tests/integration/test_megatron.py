@@ -321,3 +321,33 @@ def test_a_single_rank_source_outside_megatron_refit_is_refused_not_served_stale
            "PYTHONPATH": pythonpath()}  # fmt: skip
     r = subprocess.run([sys.executable, "-c", _ALONE], env=env, capture_output=True, text=True)
     assert "refused:" in r.stdout and "megatron_refit" in r.stdout, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "pp", "padded"), [(2, 1, 1024), (1, 2, None)])
+def test_megatron_ranks_send_their_own_shards_m_to_n_into_one_hf_engine_bitwise(tp: int, pp: int, padded) -> None:
+    """M:N (refit.topology.mesh): TP=2 -> one engine (the padded vocabulary trimmed per rank) and PP=2 -> one
+    engine; every rank sends only what it holds, nothing is gathered, and the engine holds the live weights."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core: pip install -e '.[megatron]'")
+    vocab = {"vocab": 1000, "padded_vocab": padded} if padded else {}
+    args = {"tp": tp, "pp": pp, "transport": "gloo", "bucket_bytes": BUCKET, "steps": 3, "dtype_change_at": 3,
+            "model": MODEL, "engine": "mesh", **vocab}  # fmt: skip
+    ranks = _start(args, world=tp * pp)
+    info = line(ranks[0])
+    worker = {"rendezvous": info, "model": MODEL, **({"vocab": 1000} if padded else {})}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    engine = subprocess.Popen([sys.executable, helper("mesh_hf_worker.py"), json.dumps(worker)], stdout=subprocess.PIPE,
+                              text=True, env=env)  # fmt: skip
+    try:
+        for version in (1, 2, 3):
+            sent = line(ranks[0])
+            assert "error" not in sent, sent["error"]
+            assert engine.stdout is not None
+            got = json.loads(engine.stdout.readline())
+            assert got["version"] == version and got["state"] == "current"
+            assert got["fingerprints"] == sent["expected"]  # the live weights, bitwise, under HF names
+            assert got["nbytes"] == sent["planned"][0] == sent["stats"]["model_bytes"]  # every byte once
+        assert sent["stats"]["epoch"] == 2
+    finally:
+        assert [p.wait(timeout=120) for p in ranks] == [0] * len(ranks)
+        assert engine.wait(timeout=120) == 0

@@ -42,6 +42,9 @@ class Source(ABC):
         """Changes whenever a wire dtype or shape changes; called every refit, so keep it cheap."""
         return tuple((s.name, s.shape, s.dtype) for s in self.specs())
 
+    def prepare_refit(self) -> None:
+        """M:N: called on every rank before each refit (collective where the source needs agreement)."""
+
     def holdings(self) -> dict[str, Slice | None]:
         """M:N: per primary name, the slice of the tensor this rank holds (None: the whole tensor)."""
         return {s.name: None for s in self.specs()}

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refit.layout.manifest import Manifest
+from refit.layout.reshard import Slice
 from refit.layout.spec import TensorSpec
 from refit.log import get_logger
 from refit.sources.base import Source, WireDtypes
@@ -171,6 +172,40 @@ class MegatronSource(WireDtypes, Source):
     def local(self, key: str) -> torch.Tensor:
         """This rank's live shard of slot `key` (KeyError when another stage owns it)."""
         return self._params[key]
+
+    # -- M:N: this rank's shards, converted locally, never gathered -------------------------------
+
+    def prepare_refit(self) -> None:
+        self.sync()
+
+    def holdings(self) -> dict[str, Slice | None]:
+        """Per checkpoint name this rank's stage owns: its TP shard (rows or columns), or None for a tensor
+        every TP rank holds whole (norms, the router); the vocabulary padding is never part of a slice."""
+        out: dict[str, Slice | None] = {}
+        for name in self._order:
+            if self._slot_of[name] not in self._params:
+                continue
+            d = self._dim[name]
+            if d is None or self.layout.tp == 1:
+                out[name] = None
+                continue
+            size = self._gathered[name][d] // self.layout.tp
+            start = self.tp_rank * size
+            out[name] = Slice(d, min(start, self._shapes[name][d]), max(0, min(size, self._shapes[name][d] - start)))
+        return out
+
+    def local_tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """This rank's part of each checkpoint tensor, as `holdings` states it: a view of its live shard, or
+        a local copy where the checkpoint layout interleaves it (the query groups of a fused qkv)."""
+        held = self.holdings()
+        out = []
+        with torch.no_grad():
+            for n in names:
+                key = self._slot_of[n]
+                t = self.layout.to_hf(key, self._params[key].detach(), ranks=1)[self._piece[n]]
+                h = held[n]
+                out.append(t if h is None else t.narrow(h.dim, 0, h.length))
+        return out
 
     # -- gathering ---------------------------------------------------------------------------------
 

@@ -83,6 +83,8 @@ class MeshRefit:
         self._ignore: list[list[str]] = []
         self._ties: list[dict[str, list[str]]] = []
         self._connected = False
+        self.epoch = 0
+        """Plans made so far: a new one whenever a spec changed (the pairs' own epochs move only where their pieces did)."""
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="refit-mesh")
         self.log = get_logger("mesh", self.rank)
 
@@ -112,6 +114,7 @@ class MeshRefit:
 
     def _replan(self, error: str = "") -> None:
         """Plan (again) when the specs moved: the same plan on every rank, or every rank raises."""
+        self.source.prepare_refit()
         self.source.signature()  # re-reads the live tensors
         specs = sorted(self.source.specs(), key=lambda s: s.name)
         key = tuple((s.name, s.shape, s.dtype, s.aliases) for s in specs)
@@ -133,6 +136,7 @@ class MeshRefit:
         for w, sender in enumerate(self.senders):
             sender.source = PieceSource(self.source, plan.pair(self.rank, w), wire, plan.digest, names[w])
         self.plan, self._planned = plan, key
+        self.epoch += 1
         self.log.info(
             "M:N plan: %d moves, %s bytes per worker, %s per rank",
             len(plan.moves),
@@ -175,7 +179,7 @@ class MeshRefit:
             raise next((e for e in errors if isinstance(e, PeerError)), errors[0])
         pairs = [f.result() for f in futures]
         assert self.plan is not None
-        stats = RefitStats(version=version, epoch=pairs[0].epoch, handshake=any(p.handshake for p in pairs))
+        stats = RefitStats(version=version, epoch=self.epoch, handshake=any(p.handshake for p in pairs))
         stats.nbytes = sum(p.nbytes for p in pairs)
         stats.num_buckets = sum(p.num_buckets for p in pairs)
         stats.model_bytes = sum(s.nbytes for s in self.source.specs())
