@@ -84,7 +84,7 @@ class MeshRefit:
         self._ties: list[dict[str, list[str]]] = []
         self._connected = False
         self.epoch = 0
-        """Plans made so far: a new one whenever a spec changed (the pairs' own epochs move only where their pieces did)."""
+        """Plans made so far: one more whenever a spec changed (a pair's own epoch moves only with its pieces)."""
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="refit-mesh")
         self.log = get_logger("mesh", self.rank)
 
