@@ -1,6 +1,6 @@
 """One M:N engine worker: a ModuleEngine over its local slices (zeros at first), fed by every trainer rank.
 
-One JSON argument: "rendezvous" (MeshRefit's), "kind", "worker", "workers", "verify". After each
+One JSON argument: "rendezvous" (MeshRefit's), "kind", "worker", "workers", "device" (default cpu). After each
 committed refit it prints one JSON line: the version, the bytes it received, its engine's state, and
 the fingerprints of its local tensors read in fp32.
 """
@@ -22,9 +22,11 @@ def main() -> int:
     args = json.loads(sys.argv[1])
     held = statement(args["kind"], args["worker"], args["workers"])
     full = build(args["kind"], seed=1).state_dict()
-    local = {n: torch.zeros_like(local_part(full[n], h)).contiguous() for n, h in held.items()}
+    device = torch.device(args.get("device", "cpu"))
+    local = {n: torch.zeros_like(local_part(full[n], h), device=device).contiguous() for n, h in held.items()}
     engine = ModuleEngine(local, shards={n: h for n, h in held.items() if h is not None})
-    with MeshReceiver(engine, args["rendezvous"], worker=args["worker"], settings=Settings(timeout_s=120.0)) as rx:
+    settings = Settings(timeout_s=120.0)
+    with MeshReceiver(engine, args["rendezvous"], worker=args["worker"], settings=settings, device=device) as rx:
         while True:
             try:
                 stats = rx.receive()

@@ -120,3 +120,13 @@ def test_per_rank_fsdp2_nccl_refit_feeds_the_worker_on_each_gpu_bitwise(visible:
         assert len({i["device_uuid"] for i in infos}) == 2
         sent = check_refits(ranks, workers, 3, fsdp=True)
         assert sent["stats"]["epoch"] == 2
+
+
+@needs_cuda
+def test_m_to_n_cuda_ipc_pairs_on_one_gpu_two_ranks_into_two_workers_bitwise() -> None:
+    """M:N over cuda-ipc: two trainer processes' slices on one GPU, two workers on the same GPU, each pair
+    its own cuda-ipc session; every worker bitwise against what the ranks hold, with the fingerprint."""
+    from test_mesh import run_sliced_ranks
+
+    sent = run_sliced_ranks("cuda-ipc", "cuda")
+    assert max(sent[0]["planned"]) < 0.55 * sent[0]["stats"]["model_bytes"]

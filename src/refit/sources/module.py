@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from refit.layout.packing import LayoutGuard, layout_key
+from refit.layout.reshard import Slice
+from refit.layout.spec import TensorSpec
 from refit.layout.state_layout import StateLayout
 from refit.sources.base import Source, WireDtypes
 
@@ -26,14 +28,27 @@ class ModuleSource(WireDtypes, Source):
         *,
         wire_dtype: torch.dtype | None = None,
         overrides: Mapping[str, torch.dtype] | None = None,
+        shards: Mapping[str, Slice] | None = None,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         """`wire_dtype` casts every floating tensor (e.g. fp32 master weights sent as bf16);
-        `overrides` sets the wire dtype of single tensors (e.g. keep a router bias in fp32)."""
+        `overrides` sets the wire dtype of single tensors (e.g. keep a router bias in fp32).
+        `shards` and `shapes` (M:N only, `refit.topology.mesh.MeshRefit`): per name, the slice of the
+        global tensor this rank's tensor holds, and the global shape; names not listed are held whole."""
         self._layout = StateLayout(weights) if isinstance(weights, nn.Module) else None
         self._mapping = weights
         self._last: tuple[tuple, LayoutGuard, Hashable] | None = None
         self._tensors: dict[str, torch.Tensor] = self._read()
         self._init_wire(wire_dtype, overrides)
+        self._shards = dict(shards or {})
+        self._shapes = {n: tuple(shapes[n]) for n in self._shards} if shapes and shards else {}
+        for n, part in self._shards.items():
+            t, shape = self._tensors.get(n), self._shapes.get(n)
+            if t is None or shape is None or len(shape) != t.dim() or part.dim >= t.dim():
+                raise ValueError(f"shards[{n!r}] needs the module's tensor and its global shape in shapes[{n!r}]")
+            want = tuple(part.length if d == part.dim else shape[d] for d in range(t.dim()))
+            if tuple(t.shape) != want or part.start + part.length > shape[part.dim]:
+                raise ValueError(f"shards[{n!r}] = {part} of {shape} does not fit the tensor's shape {tuple(t.shape)}")
 
     def _read(self) -> dict[str, torch.Tensor]:
         return self._layout.read() if self._layout is not None else dict(self._mapping)  # type: ignore[arg-type]
@@ -56,5 +71,19 @@ class ModuleSource(WireDtypes, Source):
     def lookup_only(self) -> bool:
         return type(self).tensors is ModuleSource.tensors  # an override may do more than look up (or raise)
 
+    def specs(self) -> list[TensorSpec]:
+        out = super().specs()
+        if not self._shards:
+            return out
+        return [TensorSpec(s.name, self._shapes.get(s.name, s.shape), s.dtype, s.aliases) for s in out]
+
+    def holdings(self) -> dict[str, Slice | None]:
+        return {s.name: self._shards.get(s.name) for s in self.specs()}
+
+    def local_tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
+        return [self._tensors[n] for n in names]
+
     def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
+        if self._shards:
+            raise ValueError("a ModuleSource with shards holds only its slices: refit it with MeshRefit (M:N)")
         return [self._tensors[n] for n in names]
