@@ -5,7 +5,10 @@ Measured in one run, on N devices (GPUs with NCCL and cuda-ipc, or CPU processes
 - per_rank: `RankedRefit`, every rank gathering each bucket once, straight into the bucket buffer the
   worker on its own device reads; besides the all-gather no byte crosses devices;
 - per_rank_schedule: the same, gathering along FsdpSource's own schedule and packing (one more copy);
-- rank0_led: the path before it: rank 0 gathers and sends, every worker reads rank 0's buffers.
+- rank0_led: the path before it: rank 0 gathers and sends, every worker reads rank 0's buffers;
+- m_to_n: `MeshRefit`, every rank sending each worker only the part of its own shard that the worker
+  keeps (the workers are tensor-parallel over the N devices, refit.tools.mesh_figures' layout); no
+  rank gathers, each worker receives about 1/N of the model.
 
 `run_colocated` starts the ranks (`python -m refit.tools.bench.colocated`) and the workers
 (`python -m refit.tools.bench.worker`) and returns a JSON-able report.
@@ -32,7 +35,7 @@ from refit.tools.bench.presets import PRESETS, from_config, specs
 from refit.tools.bench.worker import MARK
 
 RANK_MARK = "@@colocated "
-METHODS = ("floor", "per_rank", "per_rank_schedule", "rank0_led")
+METHODS = ("floor", "per_rank", "per_rank_schedule", "rank0_led", "m_to_n")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -144,6 +147,8 @@ def _method(method: str, shards: dict[str, torch.Tensor], cfg: ColocatedConfig, 
     source = FsdpSource(shards)
     rank, world = dist.get_rank(), dist.get_world_size()
     version = iter(range(1, 1 << 30))
+    if method == "m_to_n":
+        return _mesh(source, settings, transport, cfg, device)
     if method.startswith("per_rank"):
         sender = Sender(source, transport=transport, settings=settings, device=device, num_slots=cfg.num_slots)
         driver = RankedRefit(sender)
@@ -171,6 +176,23 @@ def _method(method: str, shards: dict[str, torch.Tensor], cfg: ColocatedConfig, 
         "gathers_per_tensor": max(source.gather_counts.values(), default=0) / (cfg.warmup + cfg.repeats),
         "stages_s": stages,
     }
+
+
+def _mesh(source, settings, transport: str, cfg: ColocatedConfig, device: torch.device) -> dict:  # type: ignore[no-untyped-def]
+    """M:N: each rank's own shard, sliced for every worker; nothing gathered."""
+    from refit.topology.mesh import MeshRefit
+
+    world = dist.get_world_size()
+    mesh = MeshRefit(source, num_workers=world, transport=transport, settings=settings, device=device)
+    _say({"event": "rendezvous", "method": "m_to_n", "infos": [mesh.rendezvous()] * world, "mesh": True})
+    version = iter(range(1, 1 << 30))
+    seen: list = []
+    times = _timed(lambda: seen.append(mesh.refit(next(version))), cfg, device)
+    assert mesh.plan is not None
+    worker_bytes = mesh.plan.worker_bytes()
+    mesh.close()
+    return {"times": times, "peak_gathered_bytes": 0, "in_place_bytes": 0, "gathers_per_tensor": 0,
+            "stages_s": {}, "worker_bytes": worker_bytes}  # fmt: skip
 
 
 def _stages(stats: list) -> dict[str, float]:
@@ -268,10 +290,10 @@ def _run(cfg: ColocatedConfig) -> dict:
                     raise _PortTaken("trainer rank 0 failed before its first result") from None
                 raise
             if msg["event"] == "rendezvous":
-                for w, info in zip(workers, msg["infos"]):
-                    _write(
-                        w, {"mode": "refit", "rendezvous": info, "bucket_bytes": cfg.bucket_bytes, "timeout_s": 600.0}
-                    )
+                for i, (w, info) in enumerate(zip(workers, msg["infos"])):
+                    mode = "mesh" if msg.get("mesh") else "refit"
+                    job = {"mode": mode, "rendezvous": info, "worker": i, "workers": len(workers)}
+                    _write(w, {**job, "bucket_bytes": cfg.bucket_bytes, "timeout_s": 600.0})
             else:
                 if msg["method"] != "floor":
                     for w in workers:
@@ -306,6 +328,13 @@ def _report(cfg: ColocatedConfig, nbytes: int, num_tensors: int, results: dict) 
             "gbps": nbytes / med / 1e9,
             "ratio_to_floor": med / floor if floor else None,
         }
+    if "m_to_n" in out and "floor" in results:  # its own floor: one local copy of what a worker receives
+        share = max(out["m_to_n"]["worker_bytes"]) / nbytes
+        out["m_to_n"]["copy_floor_s"] = results["floor"]["copy_s"] * share
+        out["m_to_n"]["ratio_to_copy_floor"] = out["m_to_n"]["median_s"] / out["m_to_n"]["copy_floor_s"]
+        for base in ("per_rank", "rank0_led"):
+            if base in out:
+                out["m_to_n"][f"speedup_over_{base}"] = out[base]["median_s"] / out["m_to_n"]["median_s"]
     if "per_rank" in out and "rank0_led" in out:
         out["per_rank"]["speedup_over_rank0_led"] = out["rank0_led"]["median_s"] / out["per_rank"]["median_s"]
     device = torch.cuda.get_device_name(0) if cfg.device == "cuda" else "cpu"
@@ -337,11 +366,16 @@ def show(report: dict, console) -> None:  # type: ignore[no-untyped-def]
         "per_rank": "per-rank refit (RankedRefit)",
         "per_rank_schedule": "per-rank, gather schedule + pack",
         "rank0_led": "rank-0-led refit (sharded_refit)",
+        "m_to_n": "M:N refit (MeshRefit), TP workers",
     }
     for method, r in report["results"].items():
         note = (
             f"all-gather {r['all_gather_s'] * 1e3:.1f} ms + copy {r['copy_s'] * 1e3:.1f} ms"
             if method == "floor"
+            else f"each worker receives {max(r['worker_bytes']) / report['nbytes']:.2f} of the model, no gather; "
+            f"{r.get('ratio_to_copy_floor', 0):.2f}x a local copy of those bytes; "
+            f"{r.get('speedup_over_per_rank', 0):.1f}x faster than per-rank"
+            if method == "m_to_n"
             else f"{r['gathers_per_tensor']:.0f} gather(s)/tensor/refit"
             + (f"; {r['speedup_over_rank0_led']:.2f}x faster than rank-0-led" if "speedup_over_rank0_led" in r else "")
         )

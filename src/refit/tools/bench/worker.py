@@ -61,8 +61,32 @@ def _per_tensor(r: Receiver, engine: ModuleEngine, job: dict, specs: list[list])
         r.channel.send(Header(Kind.DONE))
 
 
+def _mesh_job(job: dict, specs: list[list], device: torch.device, settings: Settings) -> dict:
+    """M:N: this worker's tensor-parallel slices only (refit.tools.mesh_figures' layout), fed by every rank."""
+    from refit.layout.spec import TensorSpec
+    from refit.tools.mesh_figures import statements
+    from refit.topology.mesh import MeshReceiver
+
+    full = [TensorSpec(n, tuple(s), dtype_from_name(d)) for n, s, d in specs]
+    _, workers = statements(full, ranks=job["workers"], tp=job["workers"], ep=1)
+    mine = workers[job["worker"]]
+    local = {}
+    for sp in full:
+        part = mine[sp.name]
+        shape = sp.shape if part is None else tuple(part.length if d == part.dim else n for d, n in enumerate(sp.shape))
+        local[sp.name] = torch.zeros(shape, dtype=sp.dtype, device=device)
+    engine = ModuleEngine(local, shards={n: h for n, h in mine.items() if h is not None})
+    probe = MemoryProbe(device)
+    with MeshReceiver(engine, job["rendezvous"], worker=job["worker"], settings=settings, device=device) as rx:
+        while rx.receive() is not None:
+            pass
+    return {"mode": "mesh", "peak_extra_bytes": probe.peak_extra(), "stages": {}}
+
+
 def run_job(job: dict, engine: ModuleEngine, specs: list[list], device: torch.device) -> dict:
     settings = Settings(bucket_bytes=job.get("bucket_bytes"), timeout_s=job.get("timeout_s", 300.0))
+    if job["mode"] == "mesh":
+        return _mesh_job(job, specs, device, settings)
     probe = MemoryProbe(device)  # before the Receiver, its buffers and its staging tensor exist
     stages: dict[str, float] = {}
     with Receiver(engine, job["rendezvous"], settings=settings, device=device) as r:
