@@ -85,12 +85,13 @@ class ShardsExtension:
 
 def main() -> int:
     model_dir, tp, option_sets = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}  # more LLM arguments (expert parallelism)
     from vllm import LLM
 
     llm = LLM(model=model_dir, load_format="dummy", enforce_eager=True, dtype="float32", max_model_len=256,
               kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp, skip_tokenizer_init=True,
               worker_extension_cls="vllm_shards.ShardsExtension",
-              **({"distributed_executor_backend": "mp"} if tp > 1 else {}))  # fmt: skip
+              **({"distributed_executor_backend": "mp"} if tp > 1 else {}), **extra)  # fmt: skip
     results = []
     for options in option_sets:
         stated = sorted(llm.collective_rpc("shards_start", args=(options,)), key=lambda r: r["rank"])
