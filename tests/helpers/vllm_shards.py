@@ -77,6 +77,7 @@ class ShardsExtension:
             "unchanged": sorted(n for n in whole if torch.equal(whole[n], other[n])),
             "params": len(whole),
             "shadows": sorted(n for n in whole if n.endswith("#shadow")),
+            "fallback": sorted(m for m, lp in engine.plan.layers.items() if lp.kind.value == "fallback"),
             "held_none": held_none,
             "held_bad": held_bad,
             "state": engine.weights.state.value,

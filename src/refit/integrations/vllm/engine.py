@@ -3,6 +3,8 @@
 Names and global shapes come from the model's transformers config and are checked at the handshake;
 each refit replays the worker's load plan (`plan`: where vLLM's own loaders put every checkpoint
 tensor, fused and sharded), or runs vLLM's own `load_weights` reload (`VllmOptions(mode="load_weights")`).
+For M:N resharding a worker states the one slice of each tensor it keeps (`shards`, from the plan's
+recording: `shards.py`), then loads and reads back those slices alone (`load_shards`, `held_shard`).
 """
 
 from __future__ import annotations
@@ -171,8 +173,8 @@ class VllmEngine(Engine):
             self.load(tensors)  # every name is stated whole
             return
         for name, t in tensors:
-            if name not in self.plan.shards:
-                continue  # unexpected names are the handshake's to report, as in load()
+            if name not in self.plan.shards or waived(name, self.optional_names):
+                continue  # unexpected names are the handshake's to report, waived ones never copied
             want = slice_shape(self.plan.specs[name][0], self.plan.shards[name][0])
             if tuple(t.shape) != want or not t.is_contiguous():
                 layout = "contiguous" if t.is_contiguous() else "non-contiguous"
