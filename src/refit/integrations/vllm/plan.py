@@ -237,12 +237,14 @@ class LoadPlan:
         self.shards: dict[str, tuple[Slice | None, str]] = self._statements()
         """name -> (the one slice of it this worker reads, None for all of it; why it is read whole where
         the copies read less, '' otherwise)."""
-        self._local: dict[Placement, Strided] = {
-            p: localize(p.src, self.specs[p.name][0], part)  # type: ignore[misc]
-            for p in self._placements
-            if (part := self.shards[p.name][0]) is not None
-        }
+        self._local: dict[Placement, Strided] = {}
         """Each copy of a sliced name, reading from the slice alone (`load(..., sliced=True)`)."""
+        for p in self._placements:
+            part = self.shards[p.name][0]
+            if part is not None:
+                local = localize(p.src, self.specs[p.name][0], part)
+                assert local is not None, "statement() states a slice only where every copy localizes"
+                self._local[p] = local
         self.skip: frozenset[str] = frozenset()
         """Names or patterns the user waived (`ignore=`): never copied."""
 
@@ -343,7 +345,7 @@ class LoadPlan:
                 fallback.append((name, t))
                 continue
             flat = t if t.is_contiguous() else t.contiguous()
-            local = sliced and self.shards[name][0] is not None
+            local = sliced and self.shards.get(name, (None, ""))[0] is not None
             for p, target, _ in self._targets.get(name, ()):
                 dst.append(p.dst.of(target))
                 src.append((self._local[p] if local else p.src).of(flat))
