@@ -3,6 +3,8 @@
 Names and global shapes come from the model's transformers config and are checked at the handshake;
 each refit replays the worker's load plan (`plan`: where vLLM's own loaders put every checkpoint
 tensor, fused and sharded), or runs vLLM's own `load_weights` reload (`VllmOptions(mode="load_weights")`).
+For M:N resharding a worker states the one slice of each tensor it keeps (`shards`, from the plan's
+recording: `shards.py`), then loads and reads back those slices alone (`load_shards`, `held_shard`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 
 from refit.checks.validation import waived
 from refit.engines.base import Engine, Region
+from refit.integrations.vllm.shards import slice_shape
+from refit.layout.reshard import Slice
 from refit.layout.spec import TensorSpec
 from refit.log import get_logger
 from refit.settings import Settings
@@ -117,6 +121,7 @@ class VllmEngine(Engine):
         self.seconds: dict[str, float] = {}
         """Last refit: 'copy' (into live or shadow tensors, and fallback loads), 'post' (the backend's processing)."""
         self._logged = False
+        self._said_whole, self._said_whole_names = False, set[str]()
         if self.plan is not None:
             log.info("load plan recorded in %.2f s\n%s", self.plan.record_s, self.plan.table())
 
@@ -137,6 +142,63 @@ class VllmEngine(Engine):
         primary = next((p for p, names in self._ties.items() if name in names), name)  # a tied alias: its storage
         return self.plan.held(primary)  # vLLM's reload keeps the same live tensors
 
+    def shards(self, specs: list[TensorSpec] | None = None) -> dict[str, Slice | None]:
+        """Per checkpoint name in `specs()`, the one slice of it along one dim that this worker's parameters
+        read (from the load plan's recording), or None where it reads the whole tensor: replicated, loaded
+        by vLLM's own loader, or read in a way that is not one slice (said in the log once).
+
+        `specs` is not needed: the load plan knows every shape from the model's config. It is accepted
+        for engines built without one (an architecture transformers does not know), which then state
+        every name whole."""
+        if self.plan is None or self.mode != "plan":
+            names = [s.name for s in (specs if self.plan is None and specs is not None else self.specs())]
+            if not self._said_whole:
+                self._said_whole = True
+                log.info("vLLM's own load_weights loads every tensor whole: no slices stated")
+            return dict.fromkeys(names)
+        out: dict[str, Slice | None] = {}
+        for spec in self.specs():
+            part, why = self.plan.shards[spec.name]
+            out[spec.name] = part
+            if why and spec.name not in self._said_whole_names:
+                self._said_whole_names.add(spec.name)
+                log.info("%s is stated whole: %s", spec.name, why)
+        return out
+
+    def load_shards(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Like `load`, but each tensor is this worker's slice of the named checkpoint tensor, exactly as
+        `shards()` states it (contiguous, row-major, the full shape with the slice's dim of its length);
+        names stated whole come whole. Copied through the load plan with offsets relative to the slice."""
+        if self.plan is None or self.mode != "plan":
+            self.load(tensors)  # every name is stated whole
+            return
+        for name, t in tensors:
+            if name not in self.plan.shards or waived(name, self.optional_names):
+                continue  # unexpected names are the handshake's to report, waived ones never copied
+            want = slice_shape(self.plan.specs[name][0], self.plan.shards[name][0])
+            if tuple(t.shape) != want or not t.is_contiguous():
+                layout = "contiguous" if t.is_contiguous() else "non-contiguous"
+                raise ValueError(
+                    f"{name}: this worker keeps {self.plan.shards[name][0] or 'all of it'} (shards()), so it "
+                    f"takes a contiguous tensor of shape {list(want)}, not a {layout} one of {list(t.shape)}"
+                )
+        self._load(tensors, sliced=True)
+
+    def held_shard(self, name: str) -> torch.Tensor | None:
+        """This worker's slice of `name` (as `shards()` states it; all of it for None) as it holds it now,
+        read back from the live parameters; None where it cannot read that back exactly (repacked,
+        loaded into several places, vLLM's own loader)."""
+        primary = next((p for p, names in self._ties.items() if name in names), name)
+        if self.plan is None or self.mode != "plan" or primary not in self.plan.shards:
+            return None
+        part = self.plan.shards[primary][0]
+        got = self.held(primary)
+        if got is None:
+            return None
+        view, region = got
+        want = None if part is None else (part.dim, part.start, part.start + part.length)
+        return view if region == want else None
+
     def release_buffers(self) -> None:
         if self.plan is not None:
             self.plan.release_buffers()
@@ -152,11 +214,14 @@ class VllmEngine(Engine):
             initialize_layerwise_reload(self.model)
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self._load(tensors, sliced=False)
+
+    def _load(self, tensors: list[tuple[str, torch.Tensor]], *, sliced: bool) -> None:
         t, post = time.perf_counter(), 0.0
         if self.mode == "plan":
             assert self.plan is not None
-            fresh = not self.plan.is_bound(tensors)
-            post = self.plan.load(tensors)
+            fresh = not self.plan.is_bound(tensors, sliced=sliced)
+            post = self.plan.load(tensors, sliced=sliced)
             if fresh and not self._logged:  # a new manifest (epoch): say again what falls back
                 self._logged = True
                 log.info("%s", self.plan.table())

@@ -22,8 +22,10 @@ import torch
 
 from refit.checks.validation import waived
 from refit.engines.base import Region
-from refit.integrations.vllm.recording import Placement, Recording, record, templates
+from refit.integrations.vllm.recording import Placement, Recording, Strided, record, templates
+from refit.integrations.vllm.shards import localize, statement
 from refit.layout.packing import CopyPlan, layout_key
+from refit.layout.reshard import Slice
 from refit.log import get_logger
 
 log = get_logger("vllm plan")
@@ -232,8 +234,31 @@ class LoadPlan:
             m: frozenset(n for n, ms in self._feeds.items() if m in ms) for ms in self._feeds.values() for m in ms
         }
         self._pending: dict[str, set[str]] = {}
+        self.shards: dict[str, tuple[Slice | None, str]] = self._statements()
+        """name -> (the one slice of it this worker reads, None for all of it; why it is read whole where
+        the copies read less, '' otherwise)."""
+        self._local: dict[Placement, Strided] = {}
+        """Each copy of a sliced name, reading from the slice alone (`load(..., sliced=True)`)."""
+        for p in self._placements:
+            part = self.shards[p.name][0]
+            if part is not None:
+                local = localize(p.src, self.specs[p.name][0], part)
+                assert local is not None, "statement() states a slice only where every copy localizes"
+                self._local[p] = local
         self.skip: frozenset[str] = frozenset()
         """Names or patterns the user waived (`ignore=`): never copied."""
+
+    def _statements(self) -> dict[str, tuple[Slice | None, str]]:
+        views: dict[str, list[Strided]] = {}
+        for p in self._placements:
+            views.setdefault(p.name, []).append(p.src)
+        out: dict[str, tuple[Slice | None, str]] = {}
+        for name, (shape, _) in self.specs.items():
+            if name in self.fallback_names:
+                out[name] = (None, "vLLM's own loader loads it, from the whole tensor")
+            else:
+                out[name] = statement(views.get(name, []), shape)
+        return out
 
     def _target(self, module: str, param: str) -> tuple[torch.Tensor, bool]:
         """Where copies for `module.param` land, and whether that is the live tensor (else a shadow)."""
@@ -300,13 +325,14 @@ class LoadPlan:
         """Forget every bound bucket (their copy plans hold views into the receive buffers)."""
         self._bound, self._used = {}, set()
 
-    def is_bound(self, tensors: list[tuple[str, torch.Tensor]]) -> bool:
+    def is_bound(self, tensors: list[tuple[str, torch.Tensor]], *, sliced: bool = False) -> bool:
         """Whether this very list (one bucket of the current manifest) already has its copies planned."""
         hit = self._bound.get(id(tensors))
-        return hit is not None and hit[0] is tensors
+        return hit is not None and hit[0] is tensors and hit[1].key[2] == sliced
 
-    def bind(self, tensors: list[tuple[str, torch.Tensor]]) -> _Bound:
-        key = (tuple(n for n, _ in tensors), layout_key([t for _, t in tensors]))
+    def bind(self, tensors: list[tuple[str, torch.Tensor]], *, sliced: bool = False) -> _Bound:
+        """Plan one bucket's copies; `sliced`: each name with a slice statement comes as that slice alone."""
+        key = (tuple(n for n, _ in tensors), layout_key([t for _, t in tensors]), sliced)
         hit = self._bound.get(id(tensors))
         if hit is not None and hit[0] is tensors and hit[1].key == key:
             self._used.add(id(tensors))
@@ -319,18 +345,20 @@ class LoadPlan:
                 fallback.append((name, t))
                 continue
             flat = t if t.is_contiguous() else t.contiguous()
+            local = sliced and self.shards.get(name, (None, ""))[0] is not None
             for p, target, _ in self._targets.get(name, ()):
                 dst.append(p.dst.of(target))
-                src.append(p.src.of(flat))
+                src.append((self._local[p] if local else p.src).of(flat))
         bound = _Bound(key, CopyPlan(dst, src), fallback)
         if all(t.is_contiguous() for _, t in tensors):
             self._bound[id(tensors)] = (tensors, bound)
             self._used.add(id(tensors))
         return bound
 
-    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> float:
-        """Copy one bucket's tensors in; process the POST modules it completed. Returns the processing seconds."""
-        bound = self.bind(tensors)
+    def load(self, tensors: list[tuple[str, torch.Tensor]], *, sliced: bool = False) -> float:
+        """Copy one bucket's tensors in (`sliced`: as `bind`); process the POST modules it completed.
+        Returns the processing seconds."""
+        bound = self.bind(tensors, sliced=sliced)
         with torch.no_grad():
             bound.copy.run()
             if bound.fallback:  # vLLM's reload keeps tensors until a module is complete: hand it copies
