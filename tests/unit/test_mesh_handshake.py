@@ -94,7 +94,9 @@ def test_pieces_of_two_ranks_that_overlap_or_leave_a_gap_are_refused_before_any_
         for t in threads:
             t.join()
         assert errors[0] == errors[1] and "do not tile" in errors[0] and "w" in errors[0]
-        assert target.engine.weights.target is None  # the engine was never begun: nothing written
+        engine = target.engine
+        assert engine.weights.state.value == "failed" and "do not tile" in engine.weights.reason
+        assert not engine.tensor("w").any()  # nothing written
 
 
 def test_a_piece_outside_the_workers_part_or_of_an_unstated_tensor_is_refused_at_the_handshake() -> None:

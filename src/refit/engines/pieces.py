@@ -20,7 +20,7 @@ import torch
 from refit.engines.base import Engine, Region
 from refit.errors import RefitError
 from refit.layout.manifest import Manifest
-from refit.layout.packing import CopyPlan
+from refit.layout.packing import CopyPlan, LayoutGuard
 from refit.layout.reshard import Slice, box, parse_piece
 from refit.layout.spec import TensorSpec
 
@@ -94,6 +94,8 @@ class ShardTarget:
         self.statement: dict[str, Slice | None] = {n: h for n, h in stated.items() if n not in aliases}
         self.ignore = sorted(engine.optional_names)
         self._parts = {n: _Part(n, h, engine.shard_target(n)) for n, h in self.statement.items()}
+        self._tiled = False
+        self._guard: LayoutGuard | None = None
         self.generation = 0
         """Bumped whenever a target tensor was replaced or re-laid-out: views into the old ones are stale."""
         self._meeting = _Meeting(num_pairs, timeout_s)
@@ -106,6 +108,7 @@ class ShardTarget:
 
     def expect(self, pair: int, m: Manifest) -> list[TensorSpec]:
         """Check a pair's manifest (every box inside this worker's part); the specs it validates against."""
+        self._tiled = False
         for part in self._parts.values():
             part.boxes.pop(pair, None)
             part.staged = None
@@ -129,27 +132,34 @@ class ShardTarget:
         return self._meeting.meet("begin", version, lambda: self._begin(version))
 
     def _begin(self, version: int) -> str:
+        self.engine.begin(version)  # first: an engine re-reads its live tensors here
         self._refresh_targets()
-        problems = [p for p in map(_tiling, self._parts.values()) if p]
-        if problems:
-            self.error = "M:N pieces do not tile this worker's parts: " + "; ".join(problems[:5])
-            return self.error
+        if not self._tiled:  # checked again after any pair's new manifest or a moved target
+            problems = [p for p in map(_tiling, self._parts.values()) if p]
+            if problems:
+                self.error = "M:N pieces do not tile this worker's parts: " + "; ".join(problems[:5])
+                self.engine.fail(version, self.error)
+                return self.error
+            self._tiled = True
         for part in self._parts.values():
             if part.target is None and part.staged is None and part.boxes:
                 part.staged = torch.empty(_extent(part), dtype=part.wire, device=self.device)
         self.version, self.error = version, ""
-        self.engine.begin(version)
         return ""
 
     def _refresh_targets(self) -> None:
-        """Re-read the engine's tensors (one replaced since, say by `module.to()`, gets the bytes)."""
-        for part in self._parts.values():
-            if part.target is None:
-                continue
-            now = self.engine.shard_target(part.name)
-            if now is None or _layout(now) != _layout(part.target):
-                part.target = now
+        """Re-read the engine's tensors (one replaced since, say by `module.to()`, gets the bytes); one
+        batched layout check while none moved."""
+        direct = [p for p in self._parts.values() if p.target is not None]
+        now = [self.engine.shard_target(p.name) for p in direct]
+        if all(t is not None for t in now) and self._guard is not None and self._guard.holds(now):  # type: ignore[arg-type]
+            return
+        for part, t in zip(direct, now):
+            if t is None or _layout(t) != _layout(part.target):  # type: ignore[arg-type]
+                part.target = t
                 self.generation += 1
+                self._tiled = False
+        self._guard = LayoutGuard([p.target for p in direct if p.target is not None])
 
     def view(self, pair: int, name: str, at: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         part = self._parts[name]

@@ -84,12 +84,19 @@ class MeshRefit:
         self._ties: list[dict[str, list[str]]] = []
         self._connected = False
         self.epoch = 0
+        self.model_bytes = 0
+        self._signature: object = None
         """Plans made so far: one more whenever a spec changed (a pair's own epoch moves only with its pieces)."""
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="refit-mesh")
         self.log = get_logger("mesh", self.rank)
 
     @property
     def num_workers(self) -> int:
+        return len(self.senders)
+
+    @property
+    def num_receivers(self) -> int:
+        """Engine workers fed in all, as drivers such as VllmRefit check."""
         return len(self.senders)
 
     def rendezvous(self) -> dict:
@@ -115,9 +122,15 @@ class MeshRefit:
     def _replan(self, error: str = "") -> None:
         """Plan (again) when the specs moved: the same plan on every rank, or every rank raises."""
         self.source.prepare_refit()
-        self.source.signature()  # re-reads the live tensors
+        signature = self.source.signature()  # re-reads the live tensors, once for every pair
+        for s in self.senders:
+            if isinstance(s.source, PieceSource):
+                s.source.base_signature = signature
+        if not error and self.plan is not None and signature == self._signature:
+            return
         specs = sorted(self.source.specs(), key=lambda s: s.name)
         key = tuple((s.name, s.shape, s.dtype, s.aliases) for s in specs)
+        self._signature = signature
         if error == "" and key == self._planned and self.plan is not None:
             return
         holdings = self.collective.all_gather_json(statement_to_json(self.source.holdings()) if not error else None)
@@ -135,6 +148,8 @@ class MeshRefit:
         wire = {s.name: s.dtype for s in specs}
         for w, sender in enumerate(self.senders):
             sender.source = PieceSource(self.source, plan.pair(self.rank, w), wire, plan.digest, names[w])
+            sender.source.base_signature = signature
+        self.model_bytes = sum(s.nbytes for s in specs)
         self.plan, self._planned = plan, key
         self.epoch += 1
         self.log.info(
@@ -182,7 +197,7 @@ class MeshRefit:
         stats = RefitStats(version=version, epoch=self.epoch, handshake=any(p.handshake for p in pairs))
         stats.nbytes = sum(p.nbytes for p in pairs)
         stats.num_buckets = sum(p.num_buckets for p in pairs)
-        stats.model_bytes = sum(s.nbytes for s in self.source.specs())
+        stats.model_bytes = self.model_bytes
         stats.worker_bytes = [p.nbytes for p in pairs]
         stats.seconds["total"] = max(p.total_s for p in pairs)
         return stats
@@ -283,6 +298,7 @@ class MeshReceiver:
         if not (isinstance(workers, int) and 0 <= worker < workers):
             raise ValueError(f"worker {worker} is out of range for {workers} engine workers")
         self.engine, self.worker = engine, worker
+        self.rank = worker
         self.settings = settings or Settings()
         pair = shared_budget(self.settings, len(pairs))
         self.target = ShardTarget(engine, len(pairs), timeout_s=self.settings.timeout_s, device=device or _cpu())
