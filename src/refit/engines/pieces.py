@@ -168,14 +168,18 @@ class ShardTarget:
         return box(home, at, shape)
 
     def settle(self, version: int) -> str:
-        """Every pair has delivered its bytes: load staged parts into the engine (once)."""
-        return self._meeting.meet("settle", version, lambda: self._settle())
+        """Every pair has delivered its bytes: load staged parts into the engine and commit it (once, before
+        any pair answers DONE, so an engine that fails to commit fails the refit everywhere). The engine then
+        reads 'updating' again until the ranks' verdict (`MeshReceiver`)."""
+        return self._meeting.meet("settle", version, lambda: self._settle(version))
 
-    def _settle(self) -> str:
+    def _settle(self, version: int) -> str:
         staged = [(p.name, p.staged) for p in self._parts.values() if p.staged is not None]
-        if staged:
-            with torch.no_grad():
+        with torch.no_grad():
+            if staged:
                 self.engine.load_shards(staged)  # type: ignore[arg-type]
+            self.engine.commit(version)
+        Engine.begin(self.engine, version)  # the base class's state only: no second begin of the engine's own
         return ""
 
     def held(self, name: str) -> torch.Tensor | None:

@@ -85,6 +85,7 @@ class MeshRefit:
         self._connected = False
         self.epoch = 0
         self.model_bytes = 0
+        self._info: dict | None = None
         self._signature: object = None
         """Plans made so far: one more whenever a spec changed (a pair's own epoch moves only with its pieces)."""
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="refit-mesh")
@@ -100,10 +101,13 @@ class MeshRefit:
         return len(self.senders)
 
     def rendezvous(self) -> dict:
-        """What every worker needs to reach every rank (collective; the same dict on every rank)."""
-        own = [s.rendezvous() for s in self.senders]
-        pairs = self.collective.all_gather_json(own)
-        return {"mesh": {"ranks": self.world, "workers": self.num_workers, "pairs": pairs}}
+        """What every worker needs to reach every rank: the same dict on every rank (collective the first
+        time; later calls, on any rank, return it again)."""
+        if self._info is None:
+            pairs = self.collective.all_gather_json([s.rendezvous() for s in self.senders])
+            mesh = {"ranks": self.world, "workers": self.num_workers, "pairs": pairs}
+            self._info = {"mesh": mesh, "transport": self.senders[0].transport_name}
+        return self._info
 
     def connect(self) -> None:
         """Accept every worker, read their statements and plan the moves (collective)."""
@@ -333,7 +337,7 @@ class MeshReceiver:
         if any(r is None for r in results):
             raise PeerError("some trainer ranks closed the session while others refit")
         assert version is not None
-        self.engine.commit(version)
+        Engine.commit(self.engine, version)  # state only: the engine's own commit ran before the pairs' DONE
         stats = RefitStats(version=version, epoch=results[0].epoch, handshake=any(r.handshake for r in results))
         stats.nbytes = sum(r.nbytes for r in results)
         stats.worker_bytes = [stats.nbytes]

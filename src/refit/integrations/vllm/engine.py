@@ -22,6 +22,7 @@ from refit.layout.reshard import Slice
 from refit.layout.spec import TensorSpec
 from refit.log import get_logger
 from refit.settings import Settings
+from refit.topology.mesh import MeshReceiver
 from refit.topology.receiver import Receiver
 
 BACKEND = "refit"
@@ -292,7 +293,12 @@ def make_receiver(
     options: VllmOptions,
 ) -> Receiver:
     engine = VllmEngine(model, model_config, options)
-    receiver = Receiver(engine, rendezvous, settings=Settings(timeout_s=timeout_s), device=device)
+    settings = Settings(timeout_s=timeout_s)
+    if "mesh" in rendezvous:  # M:N (MeshRefit): this worker receives only its slices, from every trainer rank
+        mesh = MeshReceiver(engine, rendezvous, worker=worker_index(), settings=settings, device=device)
+        mesh.connect()
+        return mesh  # type: ignore[return-value]
+    receiver = Receiver(engine, rendezvous, settings=settings, device=device)
     receiver.connect()
     return receiver
 
