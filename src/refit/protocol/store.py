@@ -249,6 +249,9 @@ class _LocalStore(_View):
         super().__init__(timeout_s)
         self._table = table
 
+    def clone(self) -> _LocalStore:
+        return _LocalStore(self._table, self._wait_s())
+
     def _call(self, op: Op, fields: list[bytes], wait_s: float = 0.0) -> list[bytes]:
         try:
             return self._table.execute(op, fields, wait_s)
@@ -383,6 +386,10 @@ class RemoteStore(_View):
         if status:
             raise dist.DistStoreError(f"refit group store: {(reply or [b'error'])[0].decode(errors='replace')}")
         return reply
+
+    def clone(self) -> RemoteStore:
+        """This same connection: the server admits one per rank, and commands already take turns on it."""
+        return self
 
     def close(self) -> None:
         self._broken = self._broken or "closed"  # without the lock: this also wakes a command waiting on the server
