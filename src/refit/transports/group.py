@@ -25,7 +25,7 @@ class BroadcastTransport(Transport):
     ) -> None:
         self.buffers = buffers
         self._rank, self._size, self._settings = rank, size, settings
-        self._prefix = prefix or f"refit-{self.name}/"
+        self._prefix = prefix or f"refit-{self.name}"
         """Namespace of the group's keys in its store; the store is the group's own and its keys carry no secret."""
         self._provider: StoreProvider | None = None
         self._host = address.advertised(address.listen_host(settings), settings)
