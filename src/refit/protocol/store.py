@@ -313,7 +313,7 @@ class StoreServer:
                     link.send(op, [str(e).encode()], status=1)
                 else:
                     link.send(op, result)
-        except (PeerError, IntegrityError, OSError) as e:
+        except (PeerError, IntegrityError, OSError, ValueError) as e:  # ValueError: an answer over the frame limit
             if not self._closed:
                 log.info("group store connection from %s ended: %s", link.peer, e)
         finally:
