@@ -1,5 +1,5 @@
-"""Hostile peers: a client that knows the sender's port but not the token reads nothing secret, crashes
-nothing, joins nothing and changes nothing; a fake sender is refused by the receiver before anything it
+"""Hostile peers: a client that knows the sender's port (or every port a gloo session opens: the lobby and
+the group store) but not the token reads nothing secret, crashes nothing, joins nothing and changes nothing; a fake sender is refused by the receiver before anything it
 names (a path, an address, a manifest) is used; shm maps only the segments it creates itself."""
 
 from __future__ import annotations
