@@ -1,5 +1,5 @@
-"""Hostile peers: a client that knows the sender's port but not the token reads nothing secret, crashes
-nothing, joins nothing and changes nothing; a fake sender is refused by the receiver before anything it
+"""Hostile peers: a client that knows the sender's port (or every port a gloo session opens: the lobby and
+the group store) but not the token reads nothing secret, crashes nothing, joins nothing and changes nothing; a fake sender is refused by the receiver before anything it
 names (a path, an address, a manifest) is used; shm maps only the segments it creates itself."""
 
 from __future__ import annotations
@@ -205,3 +205,98 @@ def test_shm_maps_only_the_segments_it_creates() -> None:
                     ShmTransport.join({"paths": [path], "capacity": 4096}, rank=1, device=None, settings=settings)
     finally:
         own.close()
+
+
+def _store_client(host: str, port: int) -> list[str]:
+    """A torch TCPStore client on `port`: what each of its calls returned (an error is fine, data is not)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    except Exception as e:  # noqa: BLE001 - refused is the expected outcome, whatever torch calls it
+        return [f"refused: {type(e).__name__}"]
+    got = []
+    for name, args in [
+        ("list_keys", ()),
+        ("get", ("x",)),
+        ("set", ("x", "y")),
+        ("delete_key", ("x",)),
+        ("add", ("x", 1)),
+    ]:
+        try:
+            got.append(f"{name} served: {getattr(store, name)(*args)!r}")
+        except Exception as e:  # noqa: BLE001 - as above
+            got.append(f"{name} refused: {type(e).__name__}")
+    return got
+
+
+def _junk(address: tuple[str, int], data: bytes) -> bytes:
+    with socket.create_connection(address, timeout=30) as sock:
+        sock.sendall(data)
+        return _all_bytes(sock)
+
+
+def _attack(results: dict[str, object], name: str, fn, port: int) -> None:  # type: ignore[no-untyped-def]
+    try:
+        results[name] = fn(port)
+    except Exception as e:  # noqa: BLE001 - a stranger's failure is an outcome to check, not the test's
+        results[name] = f"failed: {e!r}"
+
+
+def test_no_port_a_gloo_session_opens_serves_a_stranger_and_the_session_still_refits_bitwise() -> None:
+    import subprocess
+    import sys
+
+    from locations import helper, pythonpath
+    from peer import Peer
+
+    args = {"specs": SPECS, "transport": "gloo", "timeout_s": 60}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    proc = subprocess.Popen(
+        [sys.executable, helper("listening_sender.py"), json.dumps(args)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def said() -> dict:
+        line = proc.stdout.readline()
+        assert line.startswith("@@sender "), f"sender said {line!r} (exit {proc.poll()})"
+        return json.loads(line[len("@@sender ") :])
+
+    try:
+        rendezvous = said()
+        peer = Peer({"rendezvous": rendezvous, "specs": SPECS, "bucket_bytes": 4096, "timeout_s": 60})
+        ports = said()["refit"]
+        assert rendezvous["port"] in ports and len(ports) == 2  # the lobby and the group's store
+        host, token = rendezvous["host"], rendezvous["token"]
+        results: dict[str, object] = {}
+        attacks = {f"{kind} {port}": (fn, port) for port in ports for kind, fn in [
+            ("store", lambda p: _store_client(host, p)),
+            ("junk", lambda p: _junk((host, p), b"\xff" * 100 + b"GET / HTTP/1.0\r\n\r\n")),
+            ("silent", lambda p: _junk((host, p), b"")),
+            ("guess", lambda p: _stranger((host, p), _hello().encode(), prove=True)),
+        ]}  # fmt: skip
+        threads = [threading.Thread(target=_attack, args=(results, k, f, p)) for k, (f, p) in attacks.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert set(results) == set(attacks)
+        for name, seen in results.items():
+            assert token not in str(seen) and (not isinstance(seen, bytes) or token.encode() not in seen), name
+            if name.startswith("store"):
+                assert not any("served" in r for r in seen), (name, seen)  # type: ignore[union-attr]
+        for version in (1, 2):
+            proc.stdin.write(f"refit {version}\n")
+            proc.stdin.flush()
+            live, got = said(), peer.report()
+            assert got["event"] == "refit" and got["version"] == version, got
+            assert got["fingerprints"] == live["fingerprints"]  # bitwise: what the engine holds is the trainer's
+        proc.stdin.write("close\n")
+        proc.stdin.flush()
+        assert peer.wait() == 0
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0

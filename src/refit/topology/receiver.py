@@ -17,6 +17,7 @@ from refit.layout.budget import bucket_capacity, free_bytes
 from refit.layout.manifest import Manifest
 from refit.log import get_logger
 from refit.protocol import auth
+from refit.protocol.store import AuthenticatedStores
 from refit.protocol.wire import MAX_HELLO_BYTES, Channel, Header, Kind, parse_json
 from refit.settings import Settings
 from refit.topology.receive_path import ReceivePath
@@ -112,7 +113,9 @@ class Receiver:
             raise IntegrityError(
                 f"WELCOME's transport setup sizes buffers of {info.get('capacity')!r:.40}, not {capacity}"
             )
-        self.transport = self._transport_cls.join(info, rank=rank, device=self.device, settings=self.settings)
+        token = str(self.rendezvous.get("token") or "")
+        store = {"store": AuthenticatedStores(token, self.settings)} if self._transport_cls.uses_store else {}
+        self.transport = self._transport_cls.join(info, rank=rank, device=self.device, settings=self.settings, **store)
         self.rank = rank
 
     def _authenticate(self, ch: Channel, limit: int) -> None:

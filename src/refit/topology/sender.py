@@ -23,6 +23,7 @@ from refit.log import get_logger
 from refit.protocol import auth
 from refit.protocol.auth import manifest_binding
 from refit.protocol.lobby import Lobby
+from refit.protocol.store import AuthenticatedStores
 from refit.protocol.wire import Channel, Header, Kind, parse_json
 from refit.settings import Settings
 from refit.sources.base import Source
@@ -225,12 +226,15 @@ class Sender:
             num_slots=self.num_slots,
         )
         self.capacity = min([own, *limits])
+        uses_store = self._transport_cls.uses_store
+        store = {"store": AuthenticatedStores(self.settings.token, self.settings)} if uses_store else {}
         transport, info = self._transport_cls.offer(
             capacity=self.capacity,
             num_slots=self.num_slots,
             num_receivers=self.num_receivers,
             device=self.device,
             settings=self.settings,
+            **store,
         )
         self._session.transport = transport
         interval = min(HEARTBEAT_MAX_S, self.settings.timeout_s / 4)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
+import torch.distributed as dist
 
 from refit.settings import Settings
 
@@ -33,6 +34,23 @@ class Done(Pending):
 DONE = Done()
 
 
+class StoreProvider(Protocol):
+    """Where a group transport (gloo, nccl) gets its rendezvous store. Topology injects one that serves only
+    peers that prove the session token (refit.protocol.store); transports never build a store of their own."""
+
+    def serve(self, host: str, num_clients: int) -> tuple[dist.Store, int]:
+        """Rank 0: a store listening on `host` (a port the OS picks) for `num_clients` ranks; (store, port)."""
+        ...
+
+    def connect(self, host: str, port: int) -> dist.Store:
+        """Rank > 0: the store rank 0 serves at host:port."""
+        ...
+
+    def close(self) -> None:
+        """Release every store this provider served or reached."""
+        ...
+
+
 class Transport(ABC):
     """One session's link: `num_slots` buffers of `capacity` bytes on each side, set up once.
 
@@ -41,6 +59,8 @@ class Transport(ABC):
     """
 
     name: ClassVar[str]
+    uses_store: ClassVar[bool] = False
+    """True when `offer` and `join` take a `store: StoreProvider` keyword."""
     device_type: ClassVar[str]
     """'cpu' or 'cuda': where the buffers live."""
 

@@ -1,10 +1,9 @@
-"""BroadcastTransport: the part gloo and nccl share: a dedicated group made once through its own
-TCPStore (bound to the sender's host), and one broadcast per bucket from the sender (rank 0)."""
+"""BroadcastTransport: the part gloo and nccl share: a dedicated group made once through a rendezvous store
+that topology injects (refit.protocol.store: served on the sender's host, only to peers that prove the
+token), and one broadcast per bucket from the sender (rank 0)."""
 
 from __future__ import annotations
 
-import datetime
-import socket
 from abc import abstractmethod
 
 import torch
@@ -13,17 +12,22 @@ import torch.distributed as dist
 from refit.errors import PeerError
 from refit.settings import Settings
 from refit.transports import address
-from refit.transports.base import Pending, Transport
+from refit.transports.base import Pending, StoreProvider, Transport
 
 
 class BroadcastTransport(Transport):
     """Rank 0 is the sender; ranks 1..n are receivers. Subclasses make the group and wrap its work."""
 
-    def __init__(self, buffers: list[torch.Tensor], *, rank: int, size: int, settings: Settings, prefix: str) -> None:
+    uses_store = True
+
+    def __init__(
+        self, buffers: list[torch.Tensor], *, rank: int, size: int, settings: Settings, prefix: str = ""
+    ) -> None:
         self.buffers = buffers
         self._rank, self._size, self._settings = rank, size, settings
-        self._prefix = prefix
-        """Store keys only peers that were given the token can find."""
+        self._prefix = prefix or f"refit-{self.name}"
+        """Namespace of the group's keys in its store; the store is the group's own and its keys carry no secret."""
+        self._provider: StoreProvider | None = None
         self._host = address.advertised(address.listen_host(settings), settings)
         """Local address this rank's group binds to (a receiver's is the one that routes to the sender)."""
         self._store: dist.Store | None = None
@@ -41,38 +45,30 @@ class BroadcastTransport(Transport):
 
     @classmethod
     def offer(
-        cls, *, capacity: int, num_slots: int, num_receivers: int, device: torch.device, settings: Settings
+        cls,
+        *,
+        capacity: int,
+        num_slots: int,
+        num_receivers: int,
+        device: torch.device,
+        settings: Settings,
+        store: StoreProvider | None = None,
     ) -> tuple[Transport, dict]:
-        listen = address.listen_host(settings)
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind((listen, 0))  # the store listens where we say, loopback by default
-        listener.listen(128)
-        port = listener.getsockname()[1]
+        if store is None:
+            raise ValueError(f"the {cls.name} transport needs a store provider (refit.protocol.store), none given")
         buffers = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(num_slots)]
-        t = cls(
-            buffers, rank=0, size=num_receivers + 1, settings=settings, prefix=f"refit-{cls.name}/{settings.token}/"
-        )
-        t._store = dist.TCPStore(
-            listen,
-            port,
-            num_receivers + 1,
-            True,
-            datetime.timedelta(seconds=settings.timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-        )
-        info = {
-            "host": t._host,
-            "port": port,
-            "size": num_receivers + 1,
-            "capacity": capacity,
-            "slots": num_slots,
-            "prefix": t._prefix,
-        }
+        t = cls(buffers, rank=0, size=num_receivers + 1, settings=settings)
+        t._provider = store
+        t._store, port = store.serve(address.listen_host(settings), num_receivers)  # loopback by default
+        info = {"host": t._host, "port": port, "size": num_receivers + 1, "capacity": capacity, "slots": num_slots}
         return t, info
 
     @classmethod
-    def join(cls, info: dict, *, rank: int, device: torch.device, settings: Settings) -> Transport:
+    def join(
+        cls, info: dict, *, rank: int, device: torch.device, settings: Settings, store: StoreProvider | None = None
+    ) -> Transport:
+        if store is None:
+            raise ValueError(f"the {cls.name} transport needs a store provider (refit.protocol.store), none given")
         host, port, size, capacity, slots = (info.get(k) for k in ("host", "port", "size", "capacity", "slots"))
         if not (
             isinstance(host, str)
@@ -85,13 +81,15 @@ class BroadcastTransport(Transport):
         ):
             raise PeerError(f"{cls.name} setup info is malformed: {info!r:.200}")
         buffers = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(slots)]
-        t = cls(buffers, rank=rank, size=size, settings=settings, prefix=str(info.get("prefix")))
+        t = cls(buffers, rank=rank, size=size, settings=settings)
+        t._provider = store
         t._host = address.towards(host, settings)
         try:
-            t._store = dist.TCPStore(host, port, size, False, datetime.timedelta(seconds=settings.timeout_s))
-        except Exception as e:  # noqa: BLE001 - torch raises several types here; reported as PeerError with the cause
-            raise PeerError(f"cannot reach the sender's {cls.name} store at {host}:{port}: {e}") from None
-        t._pg = t._group(t._store)
+            t._store = store.connect(host, port)
+            t._pg = t._group(t._store)
+        except BaseException:
+            t.close()
+            raise
         return t
 
     def establish(self) -> None:
@@ -113,3 +111,6 @@ class BroadcastTransport(Transport):
         self._pg = None
         self._store = None
         self.buffers = []
+        if self._provider is not None:
+            self._provider.close()
+            self._provider = None
