@@ -179,7 +179,10 @@ class VllmRefit:
 
     def _add_engine_seconds(self, stats: Any) -> None:
         rpc = getattr(self.llm, "collective_rpc", None)
-        if rpc is None:
+        config = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
+        extension = str(getattr(getattr(config, "parallel_config", None), "worker_extension_cls", "") or "")
+        if rpc is None or (config is not None and "RefitWorkerExtension" not in extension):
+            # An RPC the workers lack fails inside vLLM's executor, which then stops serving: never send one.
             return
         try:
             per_worker = rpc("refit_engine_seconds")
