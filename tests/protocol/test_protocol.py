@@ -90,7 +90,7 @@ def test_mismatch_fails_handshake_on_both_sides_and_loads_nothing(transport: str
     assert needle in str(info.value)
     assert report["event"] == "error" and report["type"] == "HandshakeError"
     assert needle in report["message"]
-    assert report["events"] == [] and report["state"] == "current" and report["version"] is None
+    assert report["events"] == [] and report["state"] == "empty" and report["version"] is None  # never committed
 
 
 def test_every_difference_is_listed_sorted_in_one_report() -> None:

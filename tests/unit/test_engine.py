@@ -72,3 +72,23 @@ def test_release_buffers_drops_every_view_the_engine_keeps_into_a_receive_buffer
     gc.collect()
     assert ref() is None
     assert torch.equal(engine.tensor("a"), torch.arange(2, 6, dtype=torch.float32))
+
+
+def test_an_engine_that_never_committed_a_refit_is_not_current_unless_declared() -> None:
+    """A restarted replica must not serve its initial weights as current (issue 26)."""
+    engine = ModuleEngine({"w": torch.zeros(3)})
+    assert engine.weights.state == State.EMPTY
+    with pytest.raises(RefitError, match="has not committed any refit yet.*assume_current"):
+        engine.ensure_current()
+    with pytest.raises(RefitError, match="has not committed any refit yet"):
+        engine.ensure_current(allow_failed=True)
+    loaded = ModuleEngine({"w": torch.zeros(3)})
+    loaded.assume_current(7)  # loaded from the checkpoint the trainer starts from
+    loaded.ensure_current()
+    assert (loaded.weights.state, loaded.weights.version) == (State.CURRENT, 7)
+    engine.begin(1)
+    engine.load([("w", torch.ones(3))])
+    engine.commit(1)
+    engine.ensure_current()
+    with pytest.raises(ValueError, match="after a refit began"):
+        engine.assume_current(1)

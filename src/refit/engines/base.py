@@ -17,6 +17,8 @@ Region = tuple[int, int, int]
 
 
 class State(str, Enum):
+    EMPTY = "empty"
+    """No refit has committed yet: the engine holds whatever it started with, not the trainer's weights."""
     CURRENT = "current"
     """Every parameter belongs to `version`."""
     UPDATING = "updating"
@@ -44,7 +46,14 @@ class Engine(ABC):
     """Names the sender may send or omit (e.g. lm_head.weight of a tied model)."""
 
     def __init__(self) -> None:
-        self._weights = WeightsVersion(State.CURRENT, None)
+        self._weights = WeightsVersion(State.EMPTY, None)
+
+    def assume_current(self, version: int) -> None:
+        """Declare the weights the engine started with to be the trainer's `version` (an engine loaded from
+        the checkpoint the trainer starts from): `current` before any refit. Only before the first refit."""
+        if self._weights.state != State.EMPTY:
+            raise ValueError(f"assume_current({version}) after a refit began (state: {self._weights.state.value})")
+        self._weights = WeightsVersion(State.CURRENT, version)
 
     @abstractmethod
     def specs(self) -> list[TensorSpec]:
@@ -110,6 +119,12 @@ class Engine(ABC):
         w = self._weights
         if w.state == State.CURRENT or (allow_failed and w.state == State.FAILED):
             return
+        if w.state == State.EMPTY:
+            raise RefitError(
+                "engine has not committed any refit yet: it holds the weights it started with, not the trainer's. "
+                "Run a refit first, or call engine.assume_current(version) if it was loaded from the checkpoint "
+                "the trainer starts from"
+            )
         raise RefitError(
             f"engine weights are {w.state.value} (last committed {w.version}, target {w.target}): "
             f"{w.reason or 'refit in progress'}. "
