@@ -16,7 +16,7 @@ import torch
 from refit import transports
 from refit.checks.validation import Report
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
-from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes
+from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes, needed_bytes
 from refit.layout.manifest import Manifest
 from refit.layout.planner import forecast, plan
 from refit.log import get_logger
@@ -221,7 +221,9 @@ class Sender:
             ratio=self.settings.ratio,
             free=free_bytes(self.device),
             num_slots=self.num_slots,
+            needed=needed_bytes(self.source.specs()),
         )
+        # Fixed for the session: a model that grows later (a dtype switch) takes more buckets of this size.
         self.capacity = min([own, *limits])
         transport, info = self._transport_cls.offer(
             capacity=self.capacity,
