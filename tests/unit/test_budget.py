@@ -9,7 +9,11 @@ from refit.layout.budget import bucket_capacity, needed_bytes
 from refit.layout.planner import plan
 from refit.layout.spec import TensorSpec
 
-SPECS = [TensorSpec("a", (10,), torch.float32), TensorSpec("b", (300,), torch.bfloat16), TensorSpec("c", (1,), torch.int8)]
+SPECS = [
+    TensorSpec("a", (10,), torch.float32),
+    TensorSpec("b", (300,), torch.bfloat16),
+    TensorSpec("c", (1,), torch.int8),
+]
 
 
 def test_needed_bytes_is_one_bucket_holding_every_aligned_tensor() -> None:
