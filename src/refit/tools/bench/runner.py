@@ -307,13 +307,13 @@ def _refit(
         warmup=cfg.warmup,
     ) as sender:
         times = _timed(lambda: stats.append(sender.refit(next(version))), device, cfg)
-        sender_peak = probe.peak_extra()
+        sender_peak = probe.measured(sender.transport.buffers if sender.transport is not None else [])
         predicted = sender.predicted_memory()
         nbytes = sender.manifest.nbytes if sender.manifest else 0
     timed = stats[cfg.warmup :]
     stages = {k: statistics.median(s.seconds.get(k, 0.0) for s in timed) for k in SENDER_STAGES}
     replies = workers.replies()
-    peaks = [r["peak_extra_bytes"] for r in replies]
+    peaks = [r["extra_bytes"] for r in replies]
     received = replies[0].get("stages", {})
     stages |= {f"recv.{k}": received[k] for k in RECEIVER_STAGES if k in received}
     memory = {
