@@ -81,7 +81,7 @@ def test_quick_bench_reports_every_method_and_refit_beats_per_tensor_metadata(tm
 def test_plan_prints_buckets_and_predicted_memory(preset: str, capsys) -> None:
     assert main(["plan", "--preset", preset, "--bucket-bytes", str(1 << 30)]) == 0
     out = capsys.readouterr().out
-    assert "predicted peak extra memory: sender 2048.0 MiB" in out and "buckets:" in out
+    assert "memory allocated or mapped: sender 2048.0 MiB" in out and "buckets:" in out
 
 
 def test_plan_takes_deepseek_v3_and_a_layer_count(capsys) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from refit.dtypes import dtype_name
 from refit.layout.manifest import Manifest, Placement, gc_paused
 from refit.layout.spec import TensorSpec
 
@@ -52,6 +55,14 @@ def _place(ordered: list[TensorSpec], capacity: int, alignment: int, epoch: int)
         used[-1] = at + n
     sizes = tuple(align_up(u, alignment) for u in used) if entries else ()
     return Manifest(capacity, alignment, tuple(entries), sizes, epoch=epoch)
+
+
+def specs_digest(specs: Iterable[TensorSpec]) -> str:
+    """Hex digest of the names (aliases included), shapes and dtypes alone, in name order: equal for two
+    runs of one model whatever their bucket capacity (which the manifest digest covers too)."""
+    rows = sorted([s.name, list(s.shape), dtype_name(s.dtype), list(s.aliases)] for s in specs)
+    text = json.dumps(rows, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -221,8 +221,8 @@ def plan_report(args: argparse.Namespace) -> dict:
     import torch
 
     from refit.dtypes import dtype_from_name
-    from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes
-    from refit.layout.planner import forecast, plan
+    from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes, needed_bytes
+    from refit.layout.planner import forecast, plan, specs_digest
     from refit.settings import Settings
     from refit.tools.bench.presets import PRESETS, from_config, specs
 
@@ -243,8 +243,11 @@ def plan_report(args: argparse.Namespace) -> dict:
         )
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     free = free_bytes(device)
-    cap = bucket_capacity(bucket_bytes=settings.bucket_bytes, ratio=settings.ratio, free=free)
-    m = plan(spec_list, capacity=cap)
+    # As the Sender's connect computes it: the budget, capped at what the model needs.
+    cap = bucket_capacity(
+        bucket_bytes=settings.bucket_bytes, ratio=settings.ratio, free=free, needed=needed_bytes(spec_list)
+    )
+    m = plan(spec_list, capacity=cap, epoch=1)
     f = forecast(m, num_slots=NUM_SLOTS)
     dtypes: dict[str, int] = {}
     for s in spec_list:
@@ -264,7 +267,9 @@ def plan_report(args: argparse.Namespace) -> dict:
         "spans_buckets": m.max_split_nbytes > 0,
         "sender_bytes": f.sender_bytes,
         "receiver_bytes": f.receiver_bytes,
+        "bucket_bytes": sum(m.bucket_nbytes),
         "digest": m.digest.hex(),
+        "specs_digest": specs_digest(spec_list),
         "manifest_json_bytes": len(m.to_json()),
         "control_bytes_per_refit": 64 * (3 + 2 * m.num_buckets),
     }
@@ -281,12 +286,15 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         f"{r['largest_tensor'] / 2**20:.1f} MiB, spanning buckets: {r['spans_buckets']}"
     )
     console.print(
-        f"predicted peak extra memory: sender {r['sender_bytes'] / 2**20:.1f} MiB, "
-        f"each receiver {r['receiver_bytes'] / 2**20:.1f} MiB"
+        f"memory allocated or mapped: sender {r['sender_bytes'] / 2**20:.1f} MiB, "
+        f"each receiver {r['receiver_bytes'] / 2**20:.1f} MiB (buffers for {r['bucket_bytes'] / 2**20:.1f} MiB "
+        "of bucket bytes)"
     )
     console.print(
-        f"manifest digest {r['digest']}, JSON {r['manifest_json_bytes']} bytes (sent once per epoch); "
-        f"per refit {r['control_bytes_per_refit']} control bytes per receiver"
+        f"manifest digest {r['digest']} (the layout too: a run's equals it when --bucket-bytes is given or "
+        "the model fits one bucket), "
+        f"specs digest {r['specs_digest']} (names, shapes, dtypes); JSON {r['manifest_json_bytes']} bytes "
+        f"(sent once per epoch); per refit {r['control_bytes_per_refit']} control bytes per receiver"
     )
     return 0
 
