@@ -6,6 +6,7 @@ Mistakes a user can make get one line naming the problem and the fix, and exit c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -81,11 +82,12 @@ def _check_demo(args: argparse.Namespace) -> list[str]:
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
-    from refit.tools.demo.run import DemoConfig, run
+    from refit.tools.demo.run import DemoConfig, EngineProcess, run, spawn_engine
 
     names = _check_demo(args)
     results, ok = [], True
-    with tempfile.TemporaryDirectory() as tmp:
+    engine: EngineProcess | None = None  # one engine process (one set of imports) for every plain run
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         for i, transport in enumerate(names):
             out = os.path.join(tmp, f"{i}.json") if args.json else ""
             cfg = DemoConfig(
@@ -110,7 +112,10 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 sys.stdout.flush()
                 ok &= launch(cfg)
             else:
-                ok &= run(cfg, console)
+                if engine is None and cfg.engine == "module":
+                    engine = spawn_engine(cfg)
+                    stack.callback(engine.close)
+                ok &= run(cfg, console, engine=engine)
             if out and os.path.exists(out):
                 with open(out) as f:
                     results.append(json.load(f))
