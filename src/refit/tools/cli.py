@@ -284,7 +284,8 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     r = plan_report(args)
     if args.json:
         _emit_json(r, args.json)
-    console.print(f"model: {r['model']}: {r['tensors']} tensors, {r['nbytes'] / 1e9:.3f} GB; dtypes {r['dtypes']}")
+    size = f"{r['nbytes'] / 1e9:.3f} GB" if r["nbytes"] >= 1e8 else f"{r['nbytes'] / 1e6:.3f} MB"
+    console.print(f"model: {r['model']}: {r['tensors']} tensors, {size}; dtypes {r['dtypes']}")
     console.print(
         f"buckets: {r['num_buckets']} of capacity {r['capacity'] / 2**20:.1f} MiB (free {r['device']} memory "
         f"{r['free'] / 2**30:.1f} GiB, ratio {r['ratio']}); largest tensor "
