@@ -78,7 +78,7 @@ def run_job(job: dict, engine: ModuleEngine, specs: list[list], device: torch.de
             stats = []
             while (s := r.receive()) is not None:
                 stats.append(s)
-                measured = probe.measured(held(r))  # while the buffers are mapped and the staging tensor lives
+            measured = probe.measured(held(r))  # the sender closed, this side not yet: its buffers are still held
             timed = stats[job.get("warmup", 0) :] or stats
             keys = sorted({k for s in timed for k in s.seconds})
             stages = {k: statistics.median(s.seconds.get(k, 0.0) for s in timed) for k in keys}
