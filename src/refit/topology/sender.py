@@ -491,7 +491,8 @@ class Sender:
         return sum(ch.bytes_sent + ch.bytes_received for ch in self.channels)
 
     def predicted_memory(self) -> dict[str, int]:
-        """Predicted peak extra bytes per side for the current manifest."""
+        """Predicted bytes each side allocates or maps for the current manifest (buffers x slots, and the
+        receiver's staging tensor); `refit.tools.bench.memory.MemoryProbe` measures the same."""
         if self.manifest is None:
             raise ValueError("no manifest yet: call refit() (or connect and handshake) first")
         f = forecast(self.manifest, num_slots=self.num_slots)
