@@ -313,7 +313,7 @@ def _refit(
     timed = stats[cfg.warmup :]
     stages = {k: statistics.median(s.seconds.get(k, 0.0) for s in timed) for k in SENDER_STAGES}
     replies = workers.replies()
-    peaks = [r["extra_bytes"] for r in replies]
+    peaks = [r["peak_extra_bytes"] for r in replies]
     received = replies[0].get("stages", {})
     stages |= {f"recv.{k}": received[k] for k in RECEIVER_STAGES if k in received}
     memory = {

@@ -86,7 +86,7 @@ def run_job(job: dict, engine: ModuleEngine, specs: list[list], device: torch.de
             r.connect()
             _floor(r, job) if job["mode"] == "floor" else _per_tensor(r, engine, job, specs)
             r.channel.expect(Kind.CLOSE, "end of bench job")  # type: ignore[union-attr]
-    return {"mode": job["mode"], "extra_bytes": measured, "stages": stages}
+    return {"mode": job["mode"], "peak_extra_bytes": measured, "stages": stages}
 
 
 def main() -> int:
