@@ -114,6 +114,52 @@ def test_plan_json_carries_the_numbers(capsys: pytest.CaptureFixture) -> None:
     assert r["sender_bytes"] == 2 << 30 and len(r["digest"]) == 32
 
 
+def _real_run(specs: list, bucket_bytes: int | None) -> "Sender":  # noqa: F821
+    """A Sender over zero tensors of `specs`, after its first refit to one in-process receiver."""
+    import threading
+
+    from refit import ModuleEngine, ModuleSource, Receiver, Sender, Settings
+
+    tensors = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs}
+    settings = Settings(bucket_bytes=bucket_bytes, timeout_s=30)
+    sender = Sender(ModuleSource(tensors), transport="shm", settings=settings)
+    engine = ModuleEngine({k: torch.zeros_like(v) for k, v in tensors.items()})
+    receiver = Receiver(engine, sender.rendezvous(), settings=settings)
+    t = threading.Thread(target=receiver.receive)
+    t.start()
+    sender.refit(1)
+    t.join()
+    receiver.close()
+    return sender
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 64 << 20, None], ids=["several-buckets", "above-model", "ratio"])
+def test_plan_shows_the_real_runs_capacity_memory_and_digest(bucket_bytes: int | None, capsys) -> None:
+    from refit.layout.planner import specs_digest
+    from refit.tools.bench.presets import PRESETS, specs
+
+    argv = ["plan", "--preset", "tiny", "--json"] + (
+        [] if bucket_bytes is None else ["--bucket-bytes", str(bucket_bytes)]
+    )
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    model = specs(PRESETS["tiny"], torch.bfloat16)
+    sender = _real_run(model, bucket_bytes)
+    m = sender.manifest
+    predicted = sender.predicted_memory()
+    assert (r["capacity"], r["num_buckets"], r["bucket_bytes"]) == (
+        sender.capacity,
+        m.num_buckets,
+        sum(m.bucket_nbytes),
+    )
+    assert (r["sender_bytes"], r["receiver_bytes"]) == (predicted["sender"], predicted["receiver"])
+    assert r["nbytes"] == m.nbytes and r["sender_bytes"] <= 2 * r["bucket_bytes"] + 2 * 256
+    assert r["specs_digest"] == specs_digest(sender.source.specs()) and len(r["specs_digest"]) == 32
+    if bucket_bytes is not None:
+        assert r["digest"] == m.digest.hex()
+    sender.close()
+
+
 def test_plan_json_to_a_file_keeps_the_human_output_on_stdout(tmp_path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "plan.json"
     assert main(["plan", "--preset", "tiny", "--json", str(out)]) == 0

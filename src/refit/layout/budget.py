@@ -1,12 +1,15 @@
-"""Budget: how many bytes a bucket may hold, from explicit bytes or a ratio of free memory."""
+"""Budget: how many bytes a bucket may hold, from explicit bytes or a ratio of free memory, capped at
+what the model needs (its tensors laid end to end, each aligned): a small model gets small buffers."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import torch
 
-from refit.layout.planner import DEFAULT_ALIGNMENT
+from refit.layout.planner import DEFAULT_ALIGNMENT, align_up
+from refit.layout.spec import TensorSpec
 
 NUM_SLOTS = 2
 """Buffers per side: one being filled while the other is in flight."""
@@ -35,9 +38,16 @@ def _mem_available() -> int:
 
 
 def bucket_capacity(
-    *, bucket_bytes: int | None, ratio: float, free: int, num_slots: int = NUM_SLOTS, alignment: int = DEFAULT_ALIGNMENT
+    *,
+    bucket_bytes: int | None,
+    ratio: float,
+    free: int,
+    num_slots: int = NUM_SLOTS,
+    alignment: int = DEFAULT_ALIGNMENT,
+    needed: int | None = None,
 ) -> int:
-    """Capacity of one bucket: `bucket_bytes`, or `ratio` of `free` split over `num_slots` buffers."""
+    """Capacity of one bucket: `bucket_bytes`, or `ratio` of `free` split over `num_slots` buffers, and
+    never more than `needed` (the bytes of the whole model in one bucket, `needed_bytes`) when given."""
     raw = bucket_bytes if bucket_bytes is not None else int(free * ratio) // num_slots
     capacity = raw // alignment * alignment
     if capacity <= 0:
@@ -45,4 +55,12 @@ def bucket_capacity(
             f"bucket capacity ({raw} bytes) is below the alignment ({alignment}); "
             "raise REFIT_BUFFER_MEMORY_RATIO or REFIT_BUCKET_BYTES, or free memory"
         )
+    if needed is not None:
+        capacity = min(capacity, max(alignment, align_up(needed, alignment)))
     return capacity
+
+
+def needed_bytes(specs: Iterable[TensorSpec], *, alignment: int = DEFAULT_ALIGNMENT) -> int:
+    """Bytes of a single bucket that holds every tensor of `specs`, each starting at a multiple of
+    `alignment` (what `plan` lays out when nothing has to wait for a second bucket)."""
+    return sum(align_up(s.nbytes, alignment) for s in specs)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from refit.dtypes import dtype_name
 from refit.layout.manifest import Manifest, Placement, gc_paused
 from refit.layout.spec import TensorSpec
 
@@ -54,9 +57,22 @@ def _place(ordered: list[TensorSpec], capacity: int, alignment: int, epoch: int)
     return Manifest(capacity, alignment, tuple(entries), sizes, epoch=epoch)
 
 
+def specs_digest(specs: Iterable[TensorSpec]) -> str:
+    """Hex digest of the names (aliases included), shapes and dtypes alone, in name order: equal for two
+    runs of one model whatever their bucket capacity (which the manifest digest covers too)."""
+    rows = sorted([s.name, list(s.shape), dtype_name(s.dtype), list(s.aliases)] for s in specs)
+    text = json.dumps(rows, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryForecast:
-    """Extra memory a session will hold, per side, beyond the model itself."""
+    """Bytes refit allocates or maps on each side, beyond the model itself (touched or not).
+
+    The buffers are `num_slots` x capacity on each side whatever the transport; only how they are held
+    differs: shm maps one shared segment per slot on both sides; gloo and nccl allocate them on both
+    sides; cuda-ipc allocates them on the sender and maps them (IPC handles) on each receiver.
+    """
 
     sender_bytes: int
     """Bucket buffers on the sender."""
@@ -65,6 +81,7 @@ class MemoryForecast:
 
 
 def forecast(manifest: Manifest, *, num_slots: int) -> MemoryForecast:
-    """Predicted peak extra memory on each side for `manifest` with `num_slots` buffers per side."""
+    """Bytes each side allocates or maps for `manifest` with `num_slots` buffers per side (what
+    `refit.tools.bench.memory.MemoryProbe` measures)."""
     buffers = num_slots * manifest.capacity
     return MemoryForecast(sender_bytes=buffers, receiver_bytes=buffers + manifest.max_split_nbytes)

@@ -6,6 +6,7 @@ Mistakes a user can make get one line naming the problem and the fix, and exit c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -81,11 +82,12 @@ def _check_demo(args: argparse.Namespace) -> list[str]:
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
-    from refit.tools.demo.run import DemoConfig, run
+    from refit.tools.demo.run import DemoConfig, EngineProcess, run, spawn_engine
 
     names = _check_demo(args)
     results, ok = [], True
-    with tempfile.TemporaryDirectory() as tmp:
+    engine: EngineProcess | None = None  # one engine process (one set of imports) for every plain run
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         for i, transport in enumerate(names):
             out = os.path.join(tmp, f"{i}.json") if args.json else ""
             cfg = DemoConfig(
@@ -110,7 +112,10 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 sys.stdout.flush()
                 ok &= launch(cfg)
             else:
-                ok &= run(cfg, console)
+                if engine is None and cfg.engine == "module":
+                    engine = spawn_engine(cfg)
+                    stack.callback(engine.close)
+                ok &= run(cfg, console, engine=engine)
             if out and os.path.exists(out):
                 with open(out) as f:
                     results.append(json.load(f))
@@ -221,8 +226,8 @@ def plan_report(args: argparse.Namespace) -> dict:
     import torch
 
     from refit.dtypes import dtype_from_name
-    from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes
-    from refit.layout.planner import forecast, plan
+    from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes, needed_bytes
+    from refit.layout.planner import forecast, plan, specs_digest
     from refit.settings import Settings
     from refit.tools.bench.presets import PRESETS, from_config, specs
 
@@ -243,8 +248,11 @@ def plan_report(args: argparse.Namespace) -> dict:
         )
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     free = free_bytes(device)
-    cap = bucket_capacity(bucket_bytes=settings.bucket_bytes, ratio=settings.ratio, free=free)
-    m = plan(spec_list, capacity=cap)
+    # As the Sender's connect computes it: the budget, capped at what the model needs.
+    cap = bucket_capacity(
+        bucket_bytes=settings.bucket_bytes, ratio=settings.ratio, free=free, needed=needed_bytes(spec_list)
+    )
+    m = plan(spec_list, capacity=cap, epoch=1)
     f = forecast(m, num_slots=NUM_SLOTS)
     dtypes: dict[str, int] = {}
     for s in spec_list:
@@ -264,7 +272,9 @@ def plan_report(args: argparse.Namespace) -> dict:
         "spans_buckets": m.max_split_nbytes > 0,
         "sender_bytes": f.sender_bytes,
         "receiver_bytes": f.receiver_bytes,
+        "bucket_bytes": sum(m.bucket_nbytes),
         "digest": m.digest.hex(),
+        "specs_digest": specs_digest(spec_list),
         "manifest_json_bytes": len(m.to_json()),
         "control_bytes_per_refit": 64 * (3 + 2 * m.num_buckets),
     }
@@ -274,19 +284,23 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     r = plan_report(args)
     if args.json:
         _emit_json(r, args.json)
-    console.print(f"model: {r['model']}: {r['tensors']} tensors, {r['nbytes'] / 1e9:.3f} GB; dtypes {r['dtypes']}")
+    size = f"{r['nbytes'] / 1e9:.3f} GB" if r["nbytes"] >= 1e8 else f"{r['nbytes'] / 1e6:.3f} MB"
+    console.print(f"model: {r['model']}: {r['tensors']} tensors, {size}; dtypes {r['dtypes']}")
     console.print(
         f"buckets: {r['num_buckets']} of capacity {r['capacity'] / 2**20:.1f} MiB (free {r['device']} memory "
         f"{r['free'] / 2**30:.1f} GiB, ratio {r['ratio']}); largest tensor "
         f"{r['largest_tensor'] / 2**20:.1f} MiB, spanning buckets: {r['spans_buckets']}"
     )
     console.print(
-        f"predicted peak extra memory: sender {r['sender_bytes'] / 2**20:.1f} MiB, "
-        f"each receiver {r['receiver_bytes'] / 2**20:.1f} MiB"
+        f"memory allocated or mapped: sender {r['sender_bytes'] / 2**20:.1f} MiB, "
+        f"each receiver {r['receiver_bytes'] / 2**20:.1f} MiB (buffers for {r['bucket_bytes'] / 2**20:.1f} MiB "
+        "of bucket bytes)"
     )
     console.print(
-        f"manifest digest {r['digest']}, JSON {r['manifest_json_bytes']} bytes (sent once per epoch); "
-        f"per refit {r['control_bytes_per_refit']} control bytes per receiver"
+        f"manifest digest {r['digest']} (the layout too: a run's equals it when --bucket-bytes is given or "
+        "the model fits one bucket), "
+        f"specs digest {r['specs_digest']} (names, shapes, dtypes); JSON {r['manifest_json_bytes']} bytes "
+        f"(sent once per epoch); per refit {r['control_bytes_per_refit']} control bytes per receiver"
     )
     return 0
 

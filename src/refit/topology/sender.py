@@ -16,7 +16,7 @@ import torch
 from refit import transports
 from refit.checks.validation import Report
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
-from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes
+from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes, needed_bytes
 from refit.layout.manifest import Manifest
 from refit.layout.planner import forecast, plan
 from refit.log import get_logger
@@ -224,7 +224,9 @@ class Sender:
             ratio=self.settings.ratio,
             free=free_bytes(self.device),
             num_slots=self.num_slots,
+            needed=needed_bytes(self.source.specs()),
         )
+        # Fixed for the session: a model that grows later (a dtype switch) takes more buckets of this size.
         self.capacity = min([own, *limits])
         uses_store = self._transport_cls.uses_store
         store = {"store": AuthenticatedStores(self.settings.token, self.settings)} if uses_store else {}
@@ -494,7 +496,8 @@ class Sender:
         return sum(ch.bytes_sent + ch.bytes_received for ch in self.channels)
 
     def predicted_memory(self) -> dict[str, int]:
-        """Predicted peak extra bytes per side for the current manifest."""
+        """Predicted bytes each side allocates or maps for the current manifest (buffers x slots, and the
+        receiver's staging tensor); `refit.tools.bench.memory.MemoryProbe` measures the same."""
         if self.manifest is None:
             raise ValueError("no manifest yet: call refit() (or connect and handshake) first")
         f = forecast(self.manifest, num_slots=self.num_slots)

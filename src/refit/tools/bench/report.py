@@ -69,7 +69,8 @@ def memory_line(report: dict) -> str:
         return ""
     fmt = lambda v: "n/a" if v is None else f"{v / 2**20:.0f} MiB"  # noqa: E731
     return (
-        f"refit extra memory: sender predicted {fmt(m['predicted_sender'])}, measured {fmt(m['measured_sender'])}; "
+        "refit memory allocated or mapped: "
+        f"sender predicted {fmt(m['predicted_sender'])}, measured {fmt(m['measured_sender'])}; "
         f"receiver predicted {fmt(m['predicted_receiver'])}, measured {fmt(m['measured_receiver'])}"
     )
 

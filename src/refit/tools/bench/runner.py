@@ -307,7 +307,7 @@ def _refit(
         warmup=cfg.warmup,
     ) as sender:
         times = _timed(lambda: stats.append(sender.refit(next(version))), device, cfg)
-        sender_peak = probe.peak_extra()
+        sender_peak = probe.measured(sender.transport.buffers if sender.transport is not None else [])
         predicted = sender.predicted_memory()
         nbytes = sender.manifest.nbytes if sender.manifest else 0
     timed = stats[cfg.warmup :]

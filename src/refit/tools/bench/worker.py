@@ -83,17 +83,26 @@ def _mesh_job(job: dict, specs: list[list], device: torch.device, settings: Sett
     return {"mode": "mesh", "peak_extra_bytes": probe.peak_extra(), "stages": {}}
 
 
+def held(r: Receiver) -> list[torch.Tensor]:
+    """The receiver's refit tensors now: its bucket buffers and the receive path's staging tensor."""
+    tensors = list(r.transport.buffers) if r.transport is not None else []
+    staging = getattr(getattr(getattr(r, "_path", None), "unpacker", None), "_staging", None)
+    return tensors + ([staging] if isinstance(staging, torch.Tensor) else [])
+
+
 def run_job(job: dict, engine: ModuleEngine, specs: list[list], device: torch.device) -> dict:
     settings = Settings(bucket_bytes=job.get("bucket_bytes"), timeout_s=job.get("timeout_s", 300.0))
     if job["mode"] == "mesh":
         return _mesh_job(job, specs, device, settings)
     probe = MemoryProbe(device)  # before the Receiver, its buffers and its staging tensor exist
     stages: dict[str, float] = {}
+    measured = None
     with Receiver(engine, job["rendezvous"], settings=settings, device=device) as r:
         if job["mode"] == "refit":
             stats = []
             while (s := r.receive()) is not None:
                 stats.append(s)
+            measured = probe.measured(held(r))  # the sender closed, this side not yet: its buffers are still held
             timed = stats[job.get("warmup", 0) :] or stats
             keys = sorted({k for s in timed for k in s.seconds})
             stages = {k: statistics.median(s.seconds.get(k, 0.0) for s in timed) for k in keys}
@@ -101,7 +110,7 @@ def run_job(job: dict, engine: ModuleEngine, specs: list[list], device: torch.de
             r.connect()
             _floor(r, job) if job["mode"] == "floor" else _per_tensor(r, engine, job, specs)
             r.channel.expect(Kind.CLOSE, "end of bench job")  # type: ignore[union-attr]
-    return {"mode": job["mode"], "peak_extra_bytes": probe.peak_extra(), "stages": stages}
+    return {"mode": job["mode"], "peak_extra_bytes": measured, "stages": stages}
 
 
 def main() -> int:

@@ -1,6 +1,9 @@
 """The demo's engine process: a transformers model behind a Receiver, reporting after every refit.
 
-Started as `python -m refit.tools.demo.engine '<json args>'`; reports are JSON lines on stdout marked '@@refit'.
+Started as `python -m refit.tools.demo.engine '<json args>'`; without a rendezvous in the args it
+builds its model first, then serves one session per JSON line on stdin (rendezvous and prompts), each
+into a freshly built model, so one process (one set of imports) serves the demo over every transport.
+Reports are JSON lines on stdout marked '@@refit'.
 """
 
 from __future__ import annotations
@@ -29,7 +32,23 @@ def emit(obj: dict) -> None:
 def main(argv: list[str]) -> int:
     args = json.loads(argv[1])
     configure(args.get("verbosity", 0))
-    model = build_model(model_config(**args["model"]), seed=12345)  # random: the first refit installs the weights
+    if "rendezvous" in args:
+        return _session(args, _model(args))
+    model = _model(args)  # built before the trainer is ready: the first session needs no wait for it
+    for line in sys.stdin:  # one session per line (a rendezvous and prompts) until the trainer closes stdin
+        code = _session({**args, **json.loads(line)}, model)
+        if code:
+            return code
+        model = _model(args)
+    return 0
+
+
+def _model(args: dict) -> torch.nn.Module:
+    return build_model(model_config(**args["model"]), seed=12345)  # random: the first refit installs the weights
+
+
+def _session(args: dict, model: torch.nn.Module) -> int:
+    """One Receiver session into `model`, reporting after every refit, until the sender closes (0)."""
     engine = ModuleEngine(model)
     log.info("engine model built; connecting to %s:%s", args["rendezvous"]["host"], args["rendezvous"]["port"])
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 120.0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -101,21 +102,43 @@ class Row:
 
 
 class EngineProcess:
-    """The engine as a child process that speaks JSON lines (no pickle crosses the boundary)."""
+    """The engine as a child process that speaks JSON lines (no pickle crosses the boundary).
 
-    def __init__(self, sender: Sender, args: dict) -> None:
-        self.sender = sender
+    Started before the trainer builds its model, so that the engine's imports and model build overlap the
+    trainer's; it waits on stdin for where to connect (`attach`)."""
+
+    def __init__(self, args: dict) -> None:
+        self.sender: Sender | None = None
         env = dict(os.environ)
         pkg_root = os.path.dirname(os.path.dirname(refit.__file__))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "refit.tools.demo.engine", json.dumps(args)],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=env,
         )
 
+    def attach(self, sender: Sender, args: dict) -> None:
+        """Start a session: tell the engine where to connect (`args`: rendezvous and prompts); refits go
+        through `sender`."""
+        assert self.proc.stdin is not None
+        self.sender = sender
+        try:
+            self.proc.stdin.write(json.dumps(args) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise RefitError(f"engine process exited with code {self.proc.wait()} before it connected") from None
+
+    def end_session(self) -> None:
+        """Close this session's Sender; the engine process waits for the next `attach`."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
     def refit(self, version: int) -> RefitStats:
+        assert self.sender is not None
         return self.sender.refit(version)
 
     def report(self, weights: dict[str, torch.Tensor]) -> dict:
@@ -126,7 +149,11 @@ class EngineProcess:
         raise RefitError(f"engine process exited with code {self.proc.wait()} before reporting")
 
     def close(self) -> int:
-        self.sender.close()
+        """End the session and the process (it exits once stdin closes)."""
+        self.end_session()
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.close()
         try:
             return self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -224,17 +251,25 @@ class PlainTrainer:
         return dict(self.model.state_dict())
 
 
-def _check(
-    weights: dict[str, torch.Tensor], reference: torch.nn.Module, sender: Sender, prompts: list, report: dict
-) -> Row:
-    """Compare the engine's report with what the trainer sent and with the trainer's own generation."""
+def _wire(sender: Sender) -> dict[str, torch.dtype]:
     assert sender.manifest is not None
-    wire = {n: p.spec.dtype for p in sender.manifest.entries for n in p.spec.names}
-    sent = report.get("expected") or fingerprints(weights.items(), wire)
+    return {n: p.spec.dtype for p in sender.manifest.entries for n in p.spec.names}
+
+
+def _expected_generation(
+    weights: dict[str, torch.Tensor], reference: torch.nn.Module, sender: Sender, prompts: list
+) -> list[list[int]]:
+    """The trainer's own greedy output from the weights as sent (run while the engine generates its own)."""
+    wire = _wire(sender)
     with torch.no_grad():
         for name, t in reference.state_dict(keep_vars=True).items():
             t.copy_(weights[name].to(wire[name]))
-    expected = greedy(reference, prompts)
+    return greedy(reference, prompts)
+
+
+def _check(weights: dict[str, torch.Tensor], sender: Sender, expected: list[list[int]], report: dict) -> Row:
+    """Compare the engine's report with what the trainer sent and with the trainer's own generation."""
+    sent = report.get("expected") or fingerprints(weights.items(), _wire(sender))
     diffs = differences(sent, report["fingerprints"])
     problems = [f"{len(diffs)} parameter(s) differ from what was sent: {diffs[:5]}"] if diffs else []
     gen_ok = report["generated"] == expected
@@ -243,19 +278,36 @@ def _check(
     return Row(report, not diffs, gen_ok, problems)
 
 
+def _model_size(cfg: DemoConfig) -> dict:
+    return {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.hidden * 3}
+
+
 def demo_model(cfg: DemoConfig) -> tuple[dict, torch.nn.Module, object, torch.Tensor, list[list[int]]]:
     """The demo's model size, trainer model, tokenizer, training ids and prompts (same on every rank)."""
     tok = build_tokenizer()
-    mcfg = {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.hidden * 3}
+    mcfg = _model_size(cfg)
     ids = torch.tensor([tok(TEXT)["input_ids"][:256]])
     return mcfg, build_model(model_config(**mcfg), seed=0), tok, ids, [tok(p)["input_ids"] for p in PROMPTS]
 
 
-def run(cfg: DemoConfig, console: Console, trainer=None) -> bool:
+def run(cfg: DemoConfig, console: Console, trainer=None, engine: EngineProcess | None = None) -> bool:
     """Run the demo over one transport; True when every refit verified. `trainer` defaults to a
-    PlainTrainer; the sharded demo passes rank 0's FSDP trainer."""
+    PlainTrainer; the sharded demo passes rank 0's FSDP trainer. `engine`: an engine process
+    (`spawn_engine`) to serve this run's session and stay up for the next; by default one is started
+    here (before the trainer's model is built, so the two start up side by side) and ended with the run."""
     configure(cfg.verbosity)
     console = _console(console, cfg)
+    own = engine is None and cfg.engine == "module"
+    if own:
+        engine = spawn_engine(cfg)
+    try:
+        return _run(cfg, console, trainer, engine)
+    finally:
+        if own and engine is not None:
+            engine.close()
+
+
+def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | None) -> bool:
     with progress_console(quiet=cfg.verbosity < 0).status("building the demo model and tokenizer"):
         mcfg, model, tok, ids, prompts = demo_model(cfg)
         trainer = trainer or PlainTrainer(model, ids)
@@ -275,11 +327,11 @@ def run(cfg: DemoConfig, console: Console, trainer=None) -> bool:
         verify="fingerprint",  # every refit ends with the engine's digests checked against the trainer's live tensors
     )
     with tempfile.TemporaryDirectory() as workdir:
-        engine = _start_engine(cfg, console, sender, model, tok, prompts, mcfg, workdir)
+        engine = _start_engine(cfg, console, sender, (model, tok, prompts), workdir, process)
         try:
             ok, rows = _loop(cfg, console, trainer, engine, reference, prompts)
         finally:
-            engine.close()
+            engine.end_session() if isinstance(engine, EngineProcess) else engine.close()
     mem = sender.predicted_memory() if sender.manifest else {}
     _show(cfg, console, rows, mem, ok)
     if cfg.json_path:
@@ -306,36 +358,35 @@ def _console(console: Console, cfg: DemoConfig) -> Console:
     return console_on(stream, quiet=cfg.verbosity < 0)
 
 
+def spawn_engine(cfg: DemoConfig) -> EngineProcess:
+    """The module engine's process, started now; it builds its model and waits for a session."""
+    engine = EngineProcess(
+        {
+            "model": _model_size(cfg),
+            "bucket_bytes": cfg.bucket_bytes,
+            "timeout_s": cfg.timeout_s,
+            "verbosity": cfg.verbosity,
+        }
+    )
+    log.info("engine process %d started", engine.proc.pid)
+    return engine
+
+
 def _start_engine(
-    cfg: DemoConfig,
-    console: Console,
-    sender: Sender,
-    model: torch.nn.Module,
-    tok,
-    prompts: list,
-    mcfg: dict,
-    workdir: str,
+    cfg: DemoConfig, console: Console, sender: Sender, trained: tuple, workdir: str, process: EngineProcess | None
 ) -> EngineProcess | VllmSide:
-    if cfg.engine == "vllm":
+    """The engine for `sender`: vLLM started now, or the engine process (already started) told where to
+    connect. `trained`: the trainer's model, tokenizer and prompts."""
+    model, tok, prompts = trained
+    if process is None:
         t0 = time.perf_counter()
         status = progress_console(quiet=cfg.verbosity < 0).status
         with status("starting vLLM from dummy weights (a minute or two on CPU; -v shows its logs)"):
             engine: EngineProcess | VllmSide = VllmSide(sender, model, tok, prompts, workdir)
         log.info("vLLM started in %.1f s", time.perf_counter() - t0)
         return engine
-    engine = EngineProcess(
-        sender,
-        {
-            "rendezvous": sender.rendezvous(),
-            "model": mcfg,
-            "prompts": prompts,
-            "bucket_bytes": cfg.bucket_bytes,
-            "timeout_s": cfg.timeout_s,
-            "verbosity": cfg.verbosity,
-        },
-    )
-    log.info("engine process %d started", engine.proc.pid)
-    return engine
+    process.attach(sender, {"rendezvous": sender.rendezvous(), "prompts": prompts})
+    return process
 
 
 def _loop(
@@ -360,10 +411,11 @@ def _loop(
             stats = trainer.refit(engine, step)
             bar.update(task, description=f"step {step}: checking the engine's weights and generation")
             weights = trainer.full_weights()
+            expected = _expected_generation(weights, reference, engine.sender, prompts)  # while the engine generates
             report = engine.report(weights)
             if report.get("event") != "refit":
                 raise RefitError(f"engine reported: {report.get('message', report)}")
-            row = _check(weights, reference, engine.sender, prompts, report)
+            row = _check(weights, engine.sender, expected, report)
             ok &= not row.problems
             rows.append(_row(stats, row, loss))
             log.info(
@@ -381,7 +433,7 @@ def _show(cfg: DemoConfig, console: Console, rows: list[dict], mem: dict, ok: bo
     if cfg.engine == "vllm" and cfg.verbosity > 0:
         console.print(ROTARY_NOTE)
     console.print(
-        f"predicted peak extra memory: sender {mem.get('sender', 0) / 2**20:.1f} MiB, "
+        f"memory allocated or mapped (predicted): sender {mem.get('sender', 0) / 2**20:.1f} MiB, "
         f"receiver {mem.get('receiver', 0) / 2**20:.1f} MiB"
     )
     console.print("[green]all refits verified[/]" if ok else "[red]verification FAILED[/]")
