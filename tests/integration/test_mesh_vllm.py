@@ -35,3 +35,27 @@ def test_vllm_tp2_refit_m_to_n_from_a_2_rank_fsdp2_trainer_each_worker_only_its_
     assert result["out"] == result["trainer"]  # vLLM generates what the trainer's live weights generate
     assert result["gathers"] == {}  # no tensor was all-gathered by the trainer
     assert max(result["worker_bytes"]) <= 0.55 * result["model_bytes"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_demo_fsdp2_into_vllm_tp2_verifies_every_refit_and_each_worker_receives_half(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    """`refit demo --trainer fsdp --ranks 2 --engine vllm --engine-tp 2`: M:N, every refit verified (the
+    fingerprint of every pair and vLLM's greedy output), `worker_bytes` per refit as the workers counted."""
+    pytest.importorskip("vllm")
+    from refit.tools.cli import main
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the demo forces it on for a sharded trainer
+    out = tmp_path / "demo.json"
+    argv = (f"demo --trainer fsdp --ranks 2 --engine vllm --engine-tp 2 --layers 2 --steps 3 --dtype-change-at 1 "
+            f"--transport shm --json {out}")  # fmt: skip
+    assert main(argv.split()) == 0, capfd.readouterr().out
+    report = json.loads(out.read_text())
+    report = report[0] if isinstance(report, list) else report
+    assert report["ok"] and len(report["refits"]) == 3
+    for r in report["refits"]:
+        assert r["params_ok"] and r["generate_ok"]
+        assert len(r["worker_bytes"]) == 2 and max(r["worker_bytes"]) <= 0.55 * r["model_bytes"]
+    assert report["refits"][1]["epoch"] == 2  # the dtype change after step 1: a new plan

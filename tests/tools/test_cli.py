@@ -45,13 +45,9 @@ MISTAKES = [
     (["demo", "--transport", "carrier-pigeon"], ["unknown transport 'carrier-pigeon'", "shm"]),
     (["demo", "--steps", "0"], ["steps (0) must be >= 1"]),
     (["demo", "--hidden", "100"], ["hidden (100) a multiple of 64"]),
-    # Without vLLM the demo stops at the missing engine first; with it, at the combination.
-    (
-        ["demo", "--trainer", "fsdp", "--engine", "vllm"],
-        ["--trainer fsdp runs with --engine module"]
-        if HAS_VLLM
-        else ["--engine vllm needs vllm, which is not installed", "pip install", "--engine module"],
-    ),
+    # --engine-tp is vLLM's: refused with the module engine (FSDP2 into vLLM is allowed: M:N)
+    (["demo", "--trainer", "fsdp", "--engine-tp", "2"], ["--engine-tp (2) is vLLM's tensor-parallel size"]),
+    (["demo", "--engine-tp", "0"], ["--engine-tp"]),
     (["bench", "--receivers", "one"], ["--receivers takes comma-separated integers"]),
     (["doctor", "--transport", "carrier-pigeon"], ["unknown transport 'carrier-pigeon'"]),
     (["demo", "--transport", ","], ["--transport needs at least one of shm"]),
@@ -303,3 +299,22 @@ def test_bench_json_alone_goes_to_stdout_and_its_tables_to_stderr() -> None:
     assert result.returncode == 0, result.stderr
     [report] = json.loads(result.stdout)
     assert set(report["results"]) == {"floor", "refit"} and "refit" in result.stderr
+
+
+def test_plan_shows_bytes_and_time_per_gpu_for_broadcast_per_rank_and_m_to_n(capsys: pytest.CaptureFixture) -> None:
+    """`refit plan --trainer-ranks N --engine-tp T --engine-ep E`: M:N moves only each worker's part, and the
+    real plan (small enough to make here) says which path each tensor takes."""
+    from refit.tools.cli import main
+
+    argv = ["plan", "--preset", "moe-small", "--layers", "2", "--trainer-ranks", "2", "--engine-tp", "2",
+            "--engine-ep", "2", "--json", "-"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    paths = out["paths"]
+    assert paths["engine_workers"] == 4 and paths["trainer_ranks"] == 2
+    per_gpu = paths["bytes_per_gpu"]
+    assert per_gpu["broadcast"] == out["nbytes"] and paths["worker_bytes_max"] < per_gpu["broadcast"] / 2
+    assert paths["seconds"]["m_to_n"]["nic"] < paths["seconds"]["broadcast"]["nic"]
+    assert sum(paths["tensor_paths"].values()) == out["tensors"] and set(paths["tensor_paths"]) <= {
+        "direct", "strided", "replica"}  # fmt: skip
+    assert "nbytes" in out and "sender_bytes" in out and "receiver_bytes" in out

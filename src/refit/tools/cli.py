@@ -97,6 +97,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 ranks=2 if args.ranks is None else args.ranks,
                 tp=(1 if args.pp else 2) if args.tp is None else args.tp,
                 pp=1 if args.pp is None else args.pp,
+                engine_tp=args.engine_tp,
                 steps=args.steps,
                 dtype_change_at=args.dtype_change_at,
                 bucket_bytes=args.bucket_bytes,
@@ -221,6 +222,27 @@ def _json_through_a_file(
     return code
 
 
+def _mesh_report(args: argparse.Namespace, spec_list: list) -> dict:
+    """With --trainer-ranks: bytes and time per GPU on each path (refit.tools.mesh_figures), and, where the
+    model is small enough to plan every move here, which path each tensor takes in the real plan."""
+    ranks = getattr(args, "trainer_ranks", None)
+    if not ranks:
+        return {}
+    from refit.layout.reshard import plan_reshard
+    from refit.tools.mesh_figures import path_figures, statements
+
+    tp, ep = args.engine_tp, args.engine_ep
+    out = {"paths": path_figures(spec_list, ranks=ranks, tp=tp, ep=ep)}
+    if len(spec_list) * ranks * tp * ep <= 2_000_000:
+        plan = plan_reshard(spec_list, *statements(spec_list, ranks=ranks, tp=tp, ep=ep))
+        kinds: dict[str, int] = {}
+        for kind in plan.paths.values():
+            kinds[kind] = kinds.get(kind, 0) + 1
+        out["paths"]["tensor_paths"] = kinds
+        out["paths"]["plan_digest"] = plan.digest.hex()
+    return out
+
+
 def plan_report(args: argparse.Namespace) -> dict:
     """What `refit plan` shows, as JSON-able numbers."""
     import torch
@@ -258,7 +280,9 @@ def plan_report(args: argparse.Namespace) -> dict:
     for s in spec_list:
         name = str(s.dtype).removeprefix("torch.")
         dtypes[name] = dtypes.get(name, 0) + 1
+    mesh = _mesh_report(args, spec_list)
     return {
+        **mesh,
         "model": args.config or args.preset,
         "tensors": len(spec_list),
         "nbytes": m.nbytes,
@@ -302,7 +326,26 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         f"specs digest {r['specs_digest']} (names, shapes, dtypes); JSON {r['manifest_json_bytes']} bytes "
         f"(sent once per epoch); per refit {r['control_bytes_per_refit']} control bytes per receiver"
     )
+    if "paths" in r:
+        _show_paths(r["paths"], console)
     return 0
+
+
+def _show_paths(p: dict, console: Console) -> None:
+    table = Table(
+        title=f"per refit, {p['trainer_ranks']} trainer ranks (FSDP2 Shard(0)) -> {p['engine_workers']} engine workers"
+    )
+    for col in ("path", "bytes per GPU", "at NVLink class", "at 50 GB/s per GPU (assumed)"):
+        table.add_column(col, justify="left" if col == "path" else "right")
+    labels = {"broadcast": "broadcast (one Sender)", "per_rank": "per-rank (all-gather)", "m_to_n": "M:N"}
+    for key, label in labels.items():
+        t = p["seconds"][key]
+        table.add_row(label, f"{p['bytes_per_gpu'][key] / 1e9:.2f} GB", f"{t['nvlink']:.3f} s", f"{t['nic']:.2f} s")
+    console.print(table)
+    for name, b in p["bandwidths"].items():
+        console.print(f"  {name}: {b['gbps']:.0f} GB/s ({b['source']})")
+    if "tensor_paths" in p:
+        console.print(f"  M:N tensor paths: {p['tensor_paths']}, plan digest {p['plan_digest'][:12]}")
 
 
 _MARK = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]", "info": "[dim]info[/]"}
@@ -443,6 +486,13 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
     demo.add_argument(
         "--pp", type=_at_least_one, help="pipeline-parallel size; only with --trainer megatron (default: 1)"
     )
+    demo.add_argument(
+        "--engine-tp",
+        type=_at_least_one,
+        default=1,
+        help="vLLM's tensor-parallel size (--engine vllm); with --trainer fsdp each worker receives only its "
+        "slices from every rank (M:N)",
+    )
     demo.add_argument("--steps", type=int, default=4, help="optimizer steps, each followed by a refit")
     demo.add_argument(
         "--dtype-change-at", type=int, default=2, help="step after which one tensor goes fp32 (-1: never)"
@@ -519,6 +569,13 @@ def _plan_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
     planp.add_argument(
         "--bucket-bytes", type=int, help="bucket capacity in bytes (default: REFIT_BUCKET_BYTES, else from --ratio)"
     )
+    planp.add_argument(
+        "--trainer-ranks",
+        type=_at_least_one,
+        help="also show bytes and time per GPU for broadcast, per-rank and M:N with this many FSDP2 ranks",
+    )
+    planp.add_argument("--engine-tp", type=_at_least_one, default=1, help="engine tensor-parallel size (M:N figures)")
+    planp.add_argument("--engine-ep", type=_at_least_one, default=1, help="engine expert-parallel groups (M:N figures)")
     _json_option(planp)
     planp.set_defaults(func=_plan)
 

@@ -32,7 +32,14 @@ from refit.checks.validation import waived
 from refit.engines.base import Engine
 from refit.engines.pieces import PieceEngine, ShardTarget
 from refit.errors import PeerError, RefitError
-from refit.layout.reshard import Holding, ReshardPlan, plan_reshard, statement_from_json, statement_to_json
+from refit.layout.reshard import (
+    Holding,
+    ReshardPlan,
+    parse_piece,
+    plan_reshard,
+    statement_from_json,
+    statement_to_json,
+)
 from refit.layout.spec import TensorSpec
 from refit.log import get_logger
 from refit.protocol.wire import parse_json
@@ -303,6 +310,7 @@ class MeshReceiver:
             raise ValueError(f"worker {worker} is out of range for {workers} engine workers")
         self.engine, self.worker = engine, worker
         self.rank = worker
+        self._warned = False
         self.settings = settings or Settings()
         pair = shared_budget(self.settings, len(pairs))
         self.target = ShardTarget(engine, len(pairs), timeout_s=self.settings.timeout_s, device=device or _cpu())
@@ -310,6 +318,7 @@ class MeshReceiver:
         for r, row in enumerate(pairs):
             rx = Receiver(PieceEngine(self.target, r), row[worker], settings=pair, device=device)
             rx.statement = self.target.to_json()
+            rx.warn_unverified = False  # said once per worker below, not once per pair
             self.receivers.append(rx)
         self._pool = ThreadPoolExecutor(len(pairs), thread_name_prefix="refit-mesh-rx")
 
@@ -342,6 +351,17 @@ class MeshReceiver:
         stats.nbytes = sum(r.nbytes for r in results)
         stats.worker_bytes = [stats.nbytes]
         stats.seconds["total"] = max(r.total_s for r in results)
+        unread = sorted({parse_piece(n)[0] for r in results for n in r.unverified_names})
+        stats.unverified, stats.unverified_names = len(unread), unread
+        if unread and (stats.handshake or not self._warned):
+            self._warned = True
+            log.warning(
+                "fingerprint check: worker %d loads %d tensor(s) it cannot read back as sent, so they are not "
+                "verified (verify='strict' fails such refits): %s",
+                self.worker,
+                len(unread),
+                ", ".join(unread[:20]) + (f", ... and {len(unread) - 20} more" if len(unread) > 20 else ""),
+            )
         return stats
 
     def _one(self, rx: Receiver) -> RefitStats | None:

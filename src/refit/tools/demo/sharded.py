@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 
 import refit
+from refit.settings import Settings
 from refit.sources.fsdp import FsdpSource, full_tensor
 from refit.tools.demo.run import KEEP_FP32, DemoConfig, demo_model, run, train_step
+from refit.topology.mesh import MeshRefit
 from refit.topology.stats import RefitStats
 
 
@@ -42,6 +44,8 @@ class FsdpTrainer:
         return train_step(self.model, self.opt, self.ids)
 
     def refit(self, engine, version: int) -> RefitStats:
+        if isinstance(engine.sender, MeshRefit):  # M:N: every rank sends its own shards, nothing gathered
+            return engine.refit(version)
         with self.source.leading():
             return engine.refit(version)
 
@@ -52,12 +56,24 @@ class FsdpTrainer:
 
 
 def _follow(cfg: DemoConfig, trainer) -> None:  # type: ignore[no-untyped-def]
+    mesh = None
+    if cfg.mesh:  # built as rank 0 builds its own; each call below is collective in the same order
+        settings = Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
+        mesh = MeshRefit(
+            trainer.source, num_workers=cfg.engine_tp, transport=cfg.transport, settings=settings, verify="fingerprint"
+        )
     for step in range(1, cfg.steps + 1):
         trainer.step()
         if step == cfg.dtype_change_at + 1:
             trainer.source.set_wire_dtype(KEEP_FP32, torch.float32)
-        trainer.source.follow()
+        if mesh is not None:
+            mesh.rendezvous()  # rank 0's driver asks for it before its first refit (later calls: cached)
+            mesh.refit(step)
+        else:
+            trainer.source.follow()
         trainer.full_weights()
+    if mesh is not None:
+        mesh.close()
 
 
 def rank_main(cfg: DemoConfig) -> int:
