@@ -108,7 +108,17 @@ def report(trainer: MegatronTrainer, sender: Sender | None, prompts: list, out: 
     emit(out)
 
 
-def mesh_main(trainer: MegatronTrainer, args: dict) -> None:
+def mesh_vllm(trainer: MegatronTrainer, mesh, hf, tok, prompts, workdir: str, args: dict):  # type: ignore[no-untyped-def]
+    """ "vllm_tp": rank 0 runs vLLM at that tensor-parallel size, refitted M:N through VllmRefit over `mesh`."""
+    from refit.tools.demo.run import VllmSide
+
+    if dist.get_rank() != 0:
+        mesh.rendezvous()
+        return None
+    return VllmSide(mesh, hf, tok, prompts, workdir, tp=args["vllm_tp"])
+
+
+def mesh_main(trainer: MegatronTrainer, args: dict, extra: tuple = ()) -> None:
     """ "engine": "mesh": every model-parallel rank sends its own shards to `workers` M:N workers
     (tests/helpers/mesh_hf_worker.py); rank 0 prints the rendezvous, then per refit the stats and the
     fingerprints of the live weights as the engine must hold them (cast to the wire dtype, read in fp32)."""
@@ -116,10 +126,12 @@ def mesh_main(trainer: MegatronTrainer, args: dict) -> None:
     from refit.topology.mesh import MeshRefit
 
     settings = Settings(bucket_bytes=args["bucket_bytes"], timeout_s=120.0)
-    mesh = MeshRefit(trainer.source, num_workers=args.get("workers", 1), transport=args["transport"],
+    workers = args.get("vllm_tp") or args.get("workers", 1)
+    mesh = MeshRefit(trainer.source, num_workers=workers, transport=args["transport"],
                      group=trainer.source.group, settings=settings, verify="fingerprint")  # fmt: skip
+    vllm = mesh_vllm(trainer, mesh, *extra, args) if args.get("vllm_tp") else None
     info = mesh.rendezvous()
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and vllm is None:
         emit(info)
     for version in range(1, args["steps"] + 1):
         if version > 1:
@@ -128,7 +140,7 @@ def mesh_main(trainer: MegatronTrainer, args: dict) -> None:
             trainer.source.set_wire_dtype("model.norm.weight", torch.float32)
         out: dict = {"version": version}
         try:
-            out["stats"] = mesh.refit(version).to_json()
+            out["stats"] = (vllm.refit(version) if vllm is not None else mesh.refit(version)).to_json()
         except RefitError as e:
             out["error"] = f"{type(e).__name__}: {e}"
         weights = trainer.full_weights()
@@ -136,8 +148,17 @@ def mesh_main(trainer: MegatronTrainer, args: dict) -> None:
         if dist.get_rank() == 0:
             out["expected"] = {n: fingerprint(t.to(wire[n]).float(), torch.float32) for n, t in weights.items()}
             out["planned"] = mesh.plan.worker_bytes() if mesh.plan is not None else []
+            if vllm is not None and "error" not in out:
+                got = vllm.report(weights)
+                hf_out = greedy(from_checkpoint(trainer, {n: t.to(wire[n]).float() for n, t in weights.items()}),
+                                extra[2])  # fmt: skip
+                out.update(vllm_generated=got["generated"], generated=hf_out,
+                           vllm_params_ok=got["fingerprints"] == got["expected"])  # fmt: skip
             emit(out)
-    mesh.close()
+    if vllm is not None:
+        vllm.close()
+    else:
+        mesh.close()
 
 
 def main() -> int:
@@ -156,7 +177,7 @@ def main() -> int:
     sender = vllm = None
     workdir = tempfile.TemporaryDirectory()
     if args.get("engine") == "mesh":
-        mesh_main(trainer, args)
+        mesh_main(trainer, args, (hf, tok, prompts, workdir.name))
     elif dist.get_rank() == 0:
         sender = Sender(trainer.source, transport=args["transport"], verify="fingerprint",
                         settings=Settings(bucket_bytes=args["bucket_bytes"], timeout_s=120.0))  # fmt: skip

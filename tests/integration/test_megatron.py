@@ -351,3 +351,26 @@ def test_megatron_ranks_send_their_own_shards_m_to_n_into_one_hf_engine_bitwise(
     finally:
         assert [p.wait(timeout=120) for p in ranks] == [0] * len(ranks)
         assert engine.wait(timeout=120) == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_megatron_tp2_refits_vllm_tp2_m_to_n_each_worker_from_its_own_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal layouts: Megatron TP=2 into vLLM TP=2, each vLLM worker fed by both ranks with only its slices;
+    the fingerprint of every pair, vLLM's params kept in checkpoint layout and its greedy output checked."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core: pip install -e '.[megatron]'")
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the trainer's helper turns it on for vLLM
+    args = {"tp": 2, "pp": 1, "transport": "shm", "bucket_bytes": BUCKET, "steps": 2, "dtype_change_at": 1,
+            "model": {**MODEL, "layers": 2}, "engine": "mesh", "vllm_tp": 2}  # fmt: skip
+    ranks = _start(args, world=2)
+    try:
+        for version in (1, 2):
+            sent = line(ranks[0])
+            assert "error" not in sent, sent["error"]
+            assert sent["version"] == version and sent["vllm_params_ok"]
+            assert sent["vllm_generated"] == sent["generated"]  # vLLM generates what the live weights generate
+            assert max(sent["planned"]) <= 0.55 * sent["stats"]["model_bytes"]
+        assert sent["stats"]["epoch"] == 2
+    finally:
+        assert [p.wait(timeout=600) for p in ranks] == [0, 0]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from refit import ModuleEngine, ModuleSource, Settings
-from refit.engines.pieces import ShardTarget
+from refit.engines.base import Engine
+from refit.engines.pieces import PieceEngine, ShardTarget
 from refit.errors import RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.planner import plan
@@ -105,3 +106,63 @@ def test_a_piece_outside_the_workers_part_or_of_an_unstated_tensor_is_refused_at
         target.expect(0, _manifest([("w", (2, 0), (2, 4))]))
     with pytest.raises(ValueError, match="did not state"):
         target.expect(0, _manifest([("x", (0,), (4,))]))
+
+
+class _StagingEngine(Engine):
+    """An engine that loads whole slices (as VllmEngine does): the worker stages pieces, then load_shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.got: dict[str, torch.Tensor] = {}
+
+    def specs(self) -> list[TensorSpec]:
+        return [TensorSpec("x", (4, 2), torch.float32), TensorSpec("y", (2,), torch.float32)]
+
+    def shards(self) -> dict[str, Slice | None]:
+        return {"x": None, "y": None}
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        raise AssertionError("an M:N worker loads through load_shards")
+
+    def load_shards(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.got = {n: t.clone() for n, t in tensors}
+
+
+def test_one_pairs_new_manifest_never_leaves_another_pair_writing_into_a_dropped_staging_tensor() -> None:
+    """Pair 0 alone re-handshakes (y's wire dtype changed); pair 1's cached copy plan must land in the
+    staging tensor that load_shards reads, not in the old one (it did: rows 2-3 read as garbage)."""
+    engine = _StagingEngine()
+    target = ShardTarget(engine, 2, timeout_s=10, device=torch.device("cpu"))
+    pairs = [PieceEngine(target, 0), PieceEngine(target, 1)]
+    m0 = _manifest([("x", (0, 0), (2, 2)), ("y", (0,), (2,))])
+    m1 = _manifest([("x", (2, 0), (2, 2))])
+    pairs[0].prepare(m0)
+    pairs[1].prepare(m1)
+    loads = [
+        [(p.name, torch.full(p.spec.shape, v, dtype=p.spec.dtype)) for p in m.entries]
+        for m, v in ((m0, 1.0), (m1, 2.0))
+    ]
+
+    def refit(version: int) -> None:
+        def one(i: int) -> None:
+            pairs[i].begin(version)
+            pairs[i].load(loads[i])
+            pairs[i].commit(version)
+
+        target.reset()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    refit(1)
+    assert engine.got["x"].tolist() == [[1.0, 1.0]] * 2 + [[2.0, 2.0]] * 2
+    m0b = plan([TensorSpec("x@0,0", (2, 2), torch.float32), TensorSpec("y@0", (2,), torch.float16)], capacity=1 << 16)
+    pairs[0].prepare(m0b)
+    loads[0] = [(p.name, torch.full(p.spec.shape, 3.0, dtype=p.spec.dtype)) for p in m0b.entries]
+    for _, t in loads[1]:
+        t.fill_(4.0)  # the same list (a receiver reuses its bucket views), new values
+    refit(2)
+    assert engine.got["x"].tolist() == [[3.0, 3.0]] * 2 + [[4.0, 4.0]] * 2
+    assert engine.got["y"].dtype == torch.float16 and engine.got["y"].tolist() == [3.0, 3.0]

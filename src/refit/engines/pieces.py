@@ -75,6 +75,8 @@ class _Part:
     held: Slice | None
     target: torch.Tensor | None
     boxes: dict[int, list[Box]] = field(default_factory=dict)
+    expected: tuple[int, ...] | None = None
+    """The part's shape when there is no target to read it from (the full spec with the slice applied)."""
     wire: torch.dtype = torch.float32
     staged: torch.Tensor | None = None
 
@@ -94,6 +96,10 @@ class ShardTarget:
         self.statement: dict[str, Slice | None] = {n: h for n, h in stated.items() if n not in aliases}
         self.ignore = sorted(engine.optional_names)
         self._parts = {n: _Part(n, h, engine.shard_target(n)) for n, h in self.statement.items()}
+        shapes = {s.name: tuple(s.shape) for s in specs}
+        for part in self._parts.values():
+            if part.target is None and engine.exact_shapes and part.name in shapes:
+                part.expected = _sliced(shapes[part.name], part.held)
         self._tiled = False
         self._guard: LayoutGuard | None = None
         self.generation = 0
@@ -111,15 +117,14 @@ class ShardTarget:
         self._tiled = False
         for part in self._parts.values():
             part.boxes.pop(pair, None)
-            part.staged = None
         out = []
         for spec in m.specs:
             name, at = parse_piece(spec.name)
             part = self._parts.get(name)
             if part is None:
                 raise ValueError(f"trainer rank sent a piece of {name!r:.200}, which this worker did not state")
-            shape = spec.shape
-            if len(at) != len(shape) or (part.target is not None and not _inside(at, shape, _shape(part.target))):
+            shape, home = spec.shape, _shape(part.target) if part.target is not None else part.expected
+            if len(at) != len(shape) or (home is not None and not _inside(at, shape, home)):
                 raise ValueError(f"piece {spec.name!r:.200} {shape} lies outside this worker's part of {name!r}")
             part.boxes.setdefault(pair, []).append((at, shape))
             part.wire = spec.dtype
@@ -132,7 +137,8 @@ class ShardTarget:
         return self._meeting.meet("begin", version, lambda: self._begin(version))
 
     def _begin(self, version: int) -> str:
-        self.engine.begin(version)  # first: an engine re-reads its live tensors here
+        self.version = version  # first: whatever fails below fails this version
+        self.engine.begin(version)  # an engine re-reads its live tensors here
         self._refresh_targets()
         if not self._tiled:  # checked again after any pair's new manifest or a moved target
             problems = [p for p in map(_tiling, self._parts.values()) if p]
@@ -142,9 +148,13 @@ class ShardTarget:
                 return self.error
             self._tiled = True
         for part in self._parts.values():
-            if part.target is None and part.staged is None and part.boxes:
-                part.staged = torch.empty(_extent(part), dtype=part.wire, device=self.device)
-        self.version, self.error = version, ""
+            if part.target is not None or not part.boxes:
+                continue
+            extent = part.expected or _extent(part)
+            if part.staged is None or tuple(part.staged.shape) != extent or part.staged.dtype != part.wire:
+                part.staged = torch.empty(extent, dtype=part.wire, device=self.device)
+                self.generation += 1  # every pair's copy plans into the old staging tensor are stale
+        self.error = ""
         return ""
 
     def _refresh_targets(self) -> None:
@@ -207,6 +217,11 @@ def _inside(at: tuple[int, ...], shape: tuple[int, ...], home: tuple[int, ...]) 
     return len(home) == len(at) and all(a + n <= h for a, n, h in zip(at, shape, home))
 
 
+def _sliced(shape: tuple[int, ...], held: Slice | None) -> tuple[int, ...]:
+    shape = shape or (1,)
+    return shape if held is None else tuple(held.length if d == held.dim else n for d, n in enumerate(shape))
+
+
 def _extent(part: _Part) -> tuple[int, ...]:
     boxes = [b for bs in part.boxes.values() for b in bs]
     return tuple(max(a[d] + s[d] for a, s in boxes) for d in range(len(boxes[0][0])))
@@ -217,7 +232,7 @@ def _tiling(part: _Part) -> str:
     boxes = [b for bs in part.boxes.values() for b in bs]
     if part.target is None and not boxes:
         return f"{part.name}: no trainer rank sent any of it"
-    home = _shape(part.target) if part.target is not None else _extent(part)
+    home = _shape(part.target) if part.target is not None else part.expected or _extent(part)
     covered = sum(math.prod(s) for _, s in boxes)
     if covered != math.prod(home) or any(_overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :]):
         return f"{part.name}: boxes {[(list(a), list(s)) for a, s in boxes][:8]} do not tile its part {list(home)}"

@@ -90,6 +90,7 @@ class MeshRefit:
         self._ignore: list[list[str]] = []
         self._ties: list[dict[str, list[str]]] = []
         self._connected = False
+        self._broken = ""
         self.epoch = 0
         self.model_bytes = 0
         self._info: dict | None = None
@@ -118,9 +119,10 @@ class MeshRefit:
 
     def connect(self) -> None:
         """Accept every worker, read their statements and plan the moves (collective)."""
+        if self._broken:
+            raise PeerError(f"this M:N session broke earlier ({self._broken}); close() it and build a new MeshRefit")
         if self._connected:
             return
-        self._connected = True
         error = ""
         try:
             for f in [self._pool.submit(s.connect) for s in self.senders]:
@@ -128,7 +130,12 @@ class MeshRefit:
             self._needs, self._ignore, self._ties = zip(*map(_statement, self.senders, range(self.num_workers)))
         except (RefitError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
-        self._replan(error)
+        try:
+            self._replan(error)
+        except BaseException as e:  # every rank raised here together (the vote): none may go on half-connected
+            self._broken = f"connect failed: {type(e).__name__}: {e}"
+            raise
+        self._connected = True
 
     def _replan(self, error: str = "") -> None:
         """Plan (again) when the specs moved: the same plan on every rank, or every rank raises."""
@@ -172,6 +179,8 @@ class MeshRefit:
 
     def refit(self, version: int) -> RefitStats:
         """Refit every worker to `version`; returns this rank's stats once every worker committed."""
+        if self._broken:
+            raise PeerError(f"this M:N session broke earlier ({self._broken}); close() it and build a new MeshRefit")
         self.connect()
         self._replan()
         votes: list[str | None] = [None] * self.num_workers
@@ -195,8 +204,14 @@ class MeshRefit:
         with cond:
             cond.wait_for(lambda: all(v is not None or f.done() for v, f in zip(votes, futures)))
         own = "; ".join(v or _failure(f) for v, f in zip(votes, futures) if (v or _failure(f)))
-        verdict[0] = self.collective.vote(own)
-        decided.set()
+        try:
+            verdict[0] = self.collective.vote(own)
+        except BaseException as e:  # the trainer group itself failed: fail every pair rather than hang them
+            verdict[0] = f"the trainer ranks could not agree on version {version}: {type(e).__name__}: {e}"
+            self._broken = verdict[0]
+            raise
+        finally:
+            decided.set()
         return self._stats(version, futures)
 
     def _stats(self, version: int, futures: Sequence[Future]) -> RefitStats:
@@ -210,6 +225,9 @@ class MeshRefit:
         stats.num_buckets = sum(p.num_buckets for p in pairs)
         stats.model_bytes = self.model_bytes
         stats.worker_bytes = [p.nbytes for p in pairs]
+        names = sorted({parse_piece(n)[0] for p in pairs for n in p.unverified_names})
+        stats.unverified, stats.unverified_names = len(names), names
+        stats.control_bytes = sum(p.control_bytes for p in pairs)
         stats.seconds["total"] = max(p.total_s for p in pairs)
         return stats
 
@@ -365,11 +383,15 @@ class MeshReceiver:
         return stats
 
     def _one(self, rx: Receiver) -> RefitStats | None:
+        peer = f"{rx.rendezvous.get('host')}:{rx.rendezvous.get('port')}"
         try:
-            return rx.receive()
+            got = rx.receive()
         except BaseException as e:
-            self.target.abort(f"the pair with {rx.rendezvous.get('host')}:{rx.rendezvous.get('port')} failed: {e}")
+            self.target.abort(f"the pair with the trainer rank at {peer} failed: {e}")
             raise
+        if got is None:  # that rank closed: the others' pieces alone cannot make a version
+            self.target.abort(f"the trainer rank at {peer} closed its session")
+        return got
 
     def serve(self) -> int:
         n = 0
