@@ -18,11 +18,11 @@ the gathers' peak, the predicted figure and how often each tensor was gathered.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+from exits import leave
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -148,15 +148,8 @@ def main() -> int:
         _report(model, source, sender, out)
     if sender is not None:
         sender.close()
-    dist.barrier()  # rank 0 hosts the store: leave together
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    # Skip interpreter finalization: gloo's C++ worker threads can still hold tensors with Python
-    # references then, and destroying them without the interpreter aborts the process (SIGABRT).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(main())

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
+from exits import leave
 
 from refit import RefitError, Sender, Settings
 from refit.checks.hashes import fingerprints
@@ -210,15 +210,8 @@ def main() -> int:
     elif sender is not None:
         sender.close()
     workdir.cleanup()
-    dist.barrier()  # rank 0 hosts the store: leave together
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    # Skip interpreter finalization: gloo's C++ worker threads can still hold tensors with Python
-    # references then, and destroying them without the interpreter aborts the process (SIGABRT).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(main())

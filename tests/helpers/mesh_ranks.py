@@ -9,11 +9,11 @@ hold. Rank 0 prints the rendezvous, then one '@@rank0' JSON line per refit (the 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+from exits import leave
 from mesh_model import build, chunk, local_part
 
 from refit import MeshRefit, ModuleSource, RefitError, Settings
@@ -47,13 +47,8 @@ def main() -> int:
         if rank == 0:
             print("@@rank0 " + json.dumps(out), flush=True)
     mesh.close()
-    dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip finalization: gloo's worker threads can abort it (see fsdp_trainer.py)
+    leave(main())

@@ -11,12 +11,12 @@ many all-gathers each rank ran inside refit().
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections import Counter
 
 import torch
 import torch.distributed as dist
+from exits import leave
 from mesh_model import build, local_part, statement
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -119,13 +119,8 @@ def main() -> int:
             out["expected"] = expected
             print("@@rank0 " + json.dumps(out), flush=True)
     mesh.close()
-    dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip finalization: gloo's worker threads can abort it (see fsdp_trainer.py)
+    leave(main())

@@ -15,6 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from exits import leave
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -76,15 +77,8 @@ def main() -> int:
         result["trainer"] = greedy(plain, prompts)
         print("@@mesh " + json.dumps(result), flush=True)
     mesh.close()
-    dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    # Skip interpreter finalization: gloo's C++ worker threads can still hold tensors with Python
-    # references then, and destroying them without the interpreter aborts the process (SIGABRT).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(main())
