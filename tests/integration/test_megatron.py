@@ -361,7 +361,7 @@ def test_megatron_tp2_refits_vllm_tp2_m_to_n_each_worker_from_its_own_rank(monke
     pytest.importorskip("megatron.core", reason="needs megatron-core: pip install -e '.[megatron]'")
     pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the trainer's helper turns it on for vLLM
-    args = {"tp": 2, "pp": 1, "transport": "shm", "bucket_bytes": BUCKET, "steps": 2, "dtype_change_at": 1,
+    args = {"tp": 2, "pp": 1, "transport": "shm", "bucket_bytes": BUCKET, "steps": 2, "dtype_change_at": 2,
             "model": {**MODEL, "layers": 2}, "engine": "mesh", "vllm_tp": 2}  # fmt: skip
     ranks = _start(args, world=2)
     try:
