@@ -245,6 +245,7 @@ def _attack(results: dict[str, object], name: str, fn, port: int) -> None:  # ty
         results[name] = f"failed: {e!r}"
 
 
+@pytest.mark.slow  # real processes and a gloo group: the full suite runs it
 def test_no_port_a_gloo_session_opens_serves_a_stranger_and_the_session_still_refits_bitwise() -> None:
     import subprocess
     import sys

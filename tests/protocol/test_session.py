@@ -38,6 +38,7 @@ def _sender_process(mode: str, timeout_s: float) -> tuple[subprocess.Popen, dict
     return proc, json.loads(proc.stdout.readline().removeprefix("@@sender "))
 
 
+@pytest.mark.slow  # real processes and a gloo group: the full suite runs it
 def test_idle_time_longer_than_the_timeout_between_refits_is_not_a_failure() -> None:
     # Short in-refit timeout on both sides; the trainer then "trains" for three times as long.
     with session(SPECS, transport="shm", timeout_s=1.5) as (sender, live, (peer,)):
