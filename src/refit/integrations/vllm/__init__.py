@@ -1,6 +1,7 @@
 """vLLM: a refit Engine in every vLLM worker (`engine`, through vLLM's weight-transfer API in `backend`
-or a worker extension in `worker`), its compiled copy plan (`plan`, `recording`), and the trainer-side
-driver (`driver`). Names are imported lazily: only `backend` needs vLLM installed."""
+or a worker extension in `worker`), its compiled copy plan (`plan`, `recording`), the trainer-side
+driver (`driver`), and backend 'refit' of vLLM's own trainer-side API (`trainer`, reading vLLM's
+WeightSource through `weight_source`). Names are imported lazily: only `backend` and `trainer` need vLLM."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ _EXPORTS = {
     "RefitInitInfo": "backend",
     "RefitUpdateInfo": "backend",
     "register": "backend",
+    "RefitTrainerInitInfo": "trainer",
+    "RefitTrainerWeightTransferEngine": "trainer",
+    "ClientEngine": "trainer",
+    "register_trainer": "trainer",
+    "StreamSource": "weight_source",
 }
 __all__ = sorted(_EXPORTS)
 

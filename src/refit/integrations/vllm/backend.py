@@ -80,8 +80,13 @@ class RefitWeightTransferEngine(WeightTransferEngine):
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: make backend 'refit' known in every vLLM process."""
+    """The `vllm.general_plugins` entry point: make backend 'refit' known in every vLLM process, to both
+    factories (the trainer side's too, for a trainer in a process that runs vLLM)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from refit.integrations.vllm.trainer import register_trainer
+
+    register_trainer()
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from refit.dtypes import dtype_from_name, dtype_name
+from refit.errors import RefitError
 from refit.integrations.vllm.engine import (
     VllmEngine,
     engine_device,
@@ -92,7 +93,11 @@ class RefitWorkerExtension:
         return stats.to_json()
 
     def refit_weights_version(self) -> dict:
-        w = self.refit_receiver.engine.weights
+        """The worker's WeightsVersion, whichever refit receiver it holds (backend 'refit' or this extension)."""
+        engine = worker_engine(self)
+        if engine is None:
+            raise RefitError("no refit receiver in this vLLM worker: call init_weight_transfer_engine or refit_connect")
+        w = engine.weights
         return {"state": w.state.value, "version": w.version, "target": w.target, "reason": w.reason}
 
     def refit_layout(self) -> dict[str, list]:

@@ -1,0 +1,178 @@
+"""Backend 'refit' of vLLM's trainer-side weight-transfer API: `WeightTransferTrainerFactory.trainer_init(
+RefitTrainerInitInfo(rank=...), client=..., source=...)` returns an engine whose `send_weights()` is one refit.
+
+The control plane is vLLM's own `VLLMWeightSyncClient` (HTTP or Ray, or any object with its four methods),
+the weights come from vLLM's own `WeightSource` (read through `StreamSource`), and the refit itself is
+`VllmRefit` on a `Sender`: the session's handshake once, buckets, verification, commit, and the version
+set where vLLM's `get_weight_version` reads it. Imports vLLM: a trainer that uses vLLM's API has it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self
+
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+
+from refit.integrations.vllm.driver import HttpEngine, VllmRefit
+from refit.integrations.vllm.engine import BACKEND, VllmOptions
+from refit.integrations.vllm.weight_source import StreamSource
+from refit.log import get_logger
+from refit.settings import Settings
+from refit.topology.sender import Sender
+from refit.topology.stats import RefitStats
+
+log = get_logger("vllm")
+
+
+@dataclass
+class RefitTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side init info of backend 'refit' (the engine's side is `RefitInitInfo`, sent by the trainer)."""
+
+    backend: ClassVar[str] = BACKEND
+
+    transport: str = "shm"
+    """refit transport: 'shm' (same host, CPU), 'gloo' (CPU across hosts), 'cuda-ipc', 'nccl'."""
+    num_receivers: int = 1
+    """vLLM's workers (TP x PP): each is a receiver."""
+    settings: Settings | None = None
+    """refit's Settings (bucket size, timeouts, token, listen host); None: from the environment."""
+    verify: str | None = None
+    """The Sender's `verify` ('fingerprint' or 'strict' compare the engine's tensors with the trainer's)."""
+    first_version: int = 1
+    """The version of the first `send_weights()`; each committed round adds one (a failed one is retried as is)."""
+    options: VllmOptions = field(default_factory=VllmOptions)
+    """How each worker loads (`VllmOptions`)."""
+
+    def __post_init__(self) -> None:
+        if self.num_receivers < 1:
+            raise ValueError(f"num_receivers ({self.num_receivers}) must be >= 1: one per vLLM worker (TP x PP)")
+
+
+class ClientEngine:
+    """A `VLLMWeightSyncClient` seen with the methods `VllmRefit` drives (those of an offline `vllm.LLM`)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._warned = False
+
+    def init_weight_transfer_engine(self, request: dict) -> None:
+        self.client.init_weight_transfer_engine(request["init_info"])
+
+    def start_weight_update(self) -> None:
+        self.client.start_weight_update()
+
+    def update_weights(self, request: dict) -> None:
+        self.client.update_weights(request["update_info"])
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.client.finish_weight_update(weight_version)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop KV computed with the old weights: through the client's own method where it has one, the
+        server's route for vLLM's HTTP client, each actor for its Ray client; else say once that it cannot."""
+        own = getattr(self.client, "reset_prefix_cache", None)
+        base_url = getattr(self.client, "base_url", None)
+        handles = getattr(self.client, "handles", None)
+        if callable(own):
+            own()
+        elif isinstance(base_url, str):
+            HttpEngine(base_url, timeout_s=float(getattr(self.client, "timeout", 600.0))).reset_prefix_cache()
+        elif isinstance(handles, list):
+            import ray
+
+            ray.get([h.reset_prefix_cache.remote() for h in handles])
+        elif not self._warned:
+            self._warned = True
+            log.warning(
+                "the vLLM client %s has no way to reset the prefix cache: cached prompts keep KV computed with "
+                "the old weights; give it a reset_prefix_cache() method",
+                type(self.client).__name__,
+            )
+
+
+class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
+    """Trainer side of backend 'refit' in vLLM's API. `send_weights()` on the sender (rank 0) is one refit of
+    the source's weights, committed as the next version; on other ranks it takes one pass of the source, as
+    the sender does, so sources that materialise collectively stay in lockstep."""
+
+    init_info_cls = RefitTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: Any,
+        source: Any,
+        is_sender: bool = True,
+        driver: VllmRefit | None = None,
+        first_version: int = 1,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.driver = driver
+        self.next_version = first_version
+        self.last_stats: RefitStats | None = None
+        """The last committed round's RefitStats (the sender only)."""
+
+    @classmethod
+    def trainer_init(cls, init_info: RefitTrainerInitInfo, *, client: Any, source: Any = None) -> Self:
+        """On the sender: the Sender's session and vLLM's side (`client.init_weight_transfer_engine`), set up
+        together, once. Other ranks set up nothing."""
+        if source is None:
+            raise ValueError(
+                "backend 'refit' sends the whole model every round: pass source= (vLLM's ModuleSource(model) "
+                "or any WeightSource)"
+            )
+        if not init_info.is_sender:
+            return cls(client=client, source=source, is_sender=False, first_version=init_info.first_version)
+        sender = Sender(
+            StreamSource(source),
+            transport=init_info.transport,
+            num_receivers=init_info.num_receivers,
+            settings=init_info.settings,
+            verify=init_info.verify,
+        )
+        driver = VllmRefit(ClientEngine(client), sender, options=init_info.options)
+        driver.connect()  # on failure the Sender is closed already
+        return cls(client=client, source=source, driver=driver, first_version=init_info.first_version)
+
+    def send_weights(self, *, version: int | None = None) -> RefitStats | None:
+        """One refit as `version` (default: the next one): vLLM's start, update and finish calls with the
+        Sender's buckets, verification and commit, vLLM's weight version set to `str(version)`, then its
+        prefix cache reset. Returns the sender's RefitStats (None on other ranks)."""
+        version = self.next_version if version is None else version
+        if not self.is_sender:
+            for _ in self.source:
+                pass
+            self.next_version = version + 1
+            return None
+        assert self.driver is not None  # trainer_init makes every sender with one
+        stream = self.driver.sender.source
+        stream.begin_round()
+        committed = False
+        try:
+            self.last_stats = self.driver.refit(version)
+            committed = True
+        finally:
+            stream.end_round(drain=not committed)
+        self.next_version = version + 1
+        return self.last_stats
+
+    def shutdown(self) -> None:
+        """Close the Sender, then release vLLM's side (`shutdown_weight_transfer_engine`) where the client can."""
+        if self.driver is not None:
+            self.driver.close()
+            self.driver = None
+        release = getattr(self.client, "shutdown_weight_transfer_engine", None)
+        if self.is_sender and callable(release):
+            release()
+
+
+def register_trainer() -> None:
+    """Make backend 'refit' known to `WeightTransferTrainerFactory` (done when this module is imported, and
+    by the `vllm.general_plugins` entry point in every vLLM process)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, RefitTrainerWeightTransferEngine)
+
+
+register_trainer()
