@@ -86,6 +86,30 @@ def test_send_weights_through_vllms_http_client_is_a_verified_refit_with_vllms_v
         assert (first.version, second.version) == (1, 2)
         assert first.handshake and not second.handshake and second.num_buckets > 3  # handshake once
         engine.shutdown()
+        _refused_manifest_keeps_version_and_weights(base, model_dir, model, prompt, after)
+
+
+def _refused_manifest_keeps_version_and_weights(base: str, model_dir: str, model, prompt, served) -> None:  # noqa: ANN001
+    """A trainer whose source sends a name vLLM lacks: send_weights raises HandshakeError, nothing is loaded,
+    and vLLM's version still reads the last committed one."""
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+
+    from refit import HandshakeError
+    from refit.integrations.vllm import RefitTrainerInitInfo
+
+    model.register_parameter("bogus", torch.nn.Parameter(torch.zeros(2)))
+    info = RefitTrainerInitInfo(rank=0, transport="shm", settings=Settings(bucket_bytes=1 << 20))
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=HTTPVLLMWeightSyncClient(base), source=ModuleSource(model)
+    )
+    with pytest.raises(HandshakeError, match=r"1 unexpected \(sender sends, engine lacks\): bogus"):
+        engine.send_weights()
+    del model.bogus
+    assert engine.next_version == 1  # a refused round is retried as the same version
+    assert _get(base, "weight_info") == {"weight_version": "2"}
+    assert _served(base, model_dir, prompt) == served
+    _engine_matches_trainer(base, model)
+    engine.shutdown()
 
 
 def test_trainer_init_without_a_source_says_what_to_pass() -> None:
