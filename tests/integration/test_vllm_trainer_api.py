@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_server import serving  # noqa: E402
+from vllm_server import free_port, serving  # noqa: E402
 
 from refit import Settings  # noqa: E402
 from refit.integrations.vllm import expected_fingerprints  # noqa: E402
@@ -67,6 +67,12 @@ def test_send_weights_through_vllms_http_client_is_a_verified_refit_with_vllms_v
     ids = torch.tensor([tok(TEXT)["input_ids"][:64]])
     with serving(model_dir, "--worker-extension-cls", "refit.integrations.vllm.RefitWorkerExtension") as base:
         assert _get(base, "weight_info") == {"weight_version": "default"}
+        with pytest.raises(ValueError, match=r"has 1 workers \(TP x PP\), each a receiver: set num_receivers=1"):
+            WeightTransferTrainerFactory.trainer_init(
+                RefitTrainerInitInfo(rank=0, num_receivers=2),
+                client=HTTPVLLMWeightSyncClient(base),
+                source=ModuleSource(model),
+            )
         info = RefitTrainerInitInfo(rank=0, transport="shm", settings=Settings(bucket_bytes=1 << 20),
                                     verify="fingerprint")  # fmt: skip
         engine = WeightTransferTrainerFactory.trainer_init(
@@ -120,4 +126,17 @@ def test_trainer_init_without_a_source_says_what_to_pass() -> None:
     with pytest.raises(ValueError, match=r"pass source= \(vLLM's ModuleSource\(model\)"):
         WeightTransferTrainerFactory.trainer_init(
             RefitTrainerInitInfo(rank=0), client=HTTPVLLMWeightSyncClient("http://127.0.0.1:1")
+        )
+
+
+def test_trainer_init_against_an_unreachable_server_says_what_to_check() -> None:
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+
+    from refit import RefitError
+    from refit.integrations.vllm import RefitTrainerInitInfo
+
+    client = HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(RefitError, match=r"cannot ask the vLLM server .* VLLM_SERVER_DEV_MODE=1"):
+        WeightTransferTrainerFactory.trainer_init(
+            RefitTrainerInitInfo(rank=0), client=client, source=ModuleSource(torch.nn.Linear(2, 2))
         )

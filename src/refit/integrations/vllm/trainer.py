@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Self
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
+from refit.errors import RefitError
 from refit.integrations.vllm.driver import HttpEngine, VllmRefit
 from refit.integrations.vllm.engine import BACKEND, VllmOptions
 from refit.integrations.vllm.weight_source import StreamSource
@@ -32,8 +33,8 @@ class RefitTrainerInitInfo(TrainerInitInfo):
 
     transport: str = "shm"
     """refit transport: 'shm' (same host, CPU), 'gloo' (CPU across hosts), 'cuda-ipc', 'nccl'."""
-    num_receivers: int = 1
-    """vLLM's workers (TP x PP): each is a receiver."""
+    num_receivers: int | None = None
+    """vLLM's workers (TP x PP), each a receiver; None: asked from the server (vLLM's HTTP client), else 1."""
     settings: Settings | None = None
     """refit's Settings (bucket size, timeouts, token, listen host); None: from the environment."""
     verify: str | None = None
@@ -44,7 +45,7 @@ class RefitTrainerInitInfo(TrainerInitInfo):
     """How each worker loads (`VllmOptions`)."""
 
     def __post_init__(self) -> None:
-        if self.num_receivers < 1:
+        if self.num_receivers is not None and self.num_receivers < 1:
             raise ValueError(f"num_receivers ({self.num_receivers}) must be >= 1: one per vLLM worker (TP x PP)")
 
 
@@ -126,7 +127,7 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
         sender = Sender(
             StreamSource(source),
             transport=init_info.transport,
-            num_receivers=init_info.num_receivers,
+            num_receivers=_num_receivers(init_info.num_receivers, client),
             settings=init_info.settings,
             verify=init_info.verify,
         )
@@ -164,6 +165,33 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
         release = getattr(self.client, "shutdown_weight_transfer_engine", None)
         if self.is_sender and callable(release):
             release()
+
+
+def _num_receivers(stated: int | None, client: Any) -> int:
+    """The receivers to wait for: vLLM's workers (TP x PP) where the server can say (its /get_world_size),
+    checked against what the init info states; else the stated number, or 1."""
+    base_url = getattr(client, "base_url", None)
+    if not isinstance(base_url, str):
+        return stated or 1
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = f"{base_url}/get_world_size?include_dp=false"
+    try:
+        with urllib.request.urlopen(url, timeout=float(getattr(client, "timeout", 60.0))) as resp:  # noqa: S310 - vLLM's own client URL
+            workers = int(json.loads(resp.read())["world_size"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+        raise RefitError(
+            f"cannot ask the vLLM server at {base_url} for its workers ({e}): is it up, and started with "
+            "VLLM_SERVER_DEV_MODE=1 (which enables its weight-transfer routes)?"
+        ) from None
+    if stated is not None and stated != workers:
+        raise ValueError(
+            f"the vLLM server at {base_url} has {workers} workers (TP x PP), each a receiver: "
+            f"set num_receivers={workers} (or leave it None), not {stated}"
+        )
+    return workers
 
 
 def register_trainer() -> None:
