@@ -240,3 +240,23 @@ def test_per_rank_a_worker_failing_its_staged_check_leaves_every_worker_on_n() -
         for w in workers:
             w.wait()
         assert codes == [0, 0]
+
+
+def test_refit_plan_shows_the_staging_bytes_a_real_staging_allocates(capsys) -> None:
+    import json
+
+    from refit.tools.bench.presets import PRESETS, specs
+    from refit.tools.cli import main
+
+    assert main(["plan", "--preset", "tiny", "--json", "-"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    model = specs(PRESETS["tiny"], torch.bfloat16)
+    state: dict[str, torch.Tensor] = {}
+    for s in model:
+        state[s.name] = torch.ones(s.shape, dtype=s.dtype)
+        state.update({a: state[s.name] for a in s.aliases})
+    staging = Staging(ModuleEngine(state), device=torch.device("cpu"))
+    staging.specs()
+    staging.begin(1)
+    staging.load([(n, state[s.name]) for s in model for n in s.names])
+    assert shown["staging_bytes_per_engine"] == staging.nbytes > 0
