@@ -260,3 +260,47 @@ def test_refit_plan_shows_the_staging_bytes_a_real_staging_allocates(capsys) -> 
     staging.begin(1)
     staging.load([(n, state[s.name]) for s in model for n in s.names])
     assert shown["staging_bytes_per_engine"] == staging.nbytes > 0
+
+
+# -- M:N -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_m_to_n_workers_stage_their_slices_and_apply_them_bitwise() -> None:
+    """A 2-rank FSDP2 trainer feeds two tensor-parallel workers with staged MeshReceivers (fingerprint on):
+    after each refit a worker still holds the previous version, and after apply_staged exactly its slices of
+    the trainer's live tensors."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    helpers = os.path.dirname(os.path.abspath(__file__)).replace("protocol", "helpers")
+    ranks = start({"kind": "mlp", "workers": 2, "transport": "gloo", "steps": 3, "verify": "fingerprint"},
+                  script="mesh_trainer.py")  # fmt: skip
+    info = line(ranks[0])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([helpers, *sys.path])}
+    workers = [
+        subprocess.Popen([sys.executable, os.path.join(helpers, "mesh_worker.py"), json.dumps(
+            {"rendezvous": info, "kind": "mlp", "worker": w, "workers": 2, "staged": True})],
+            env=env, text=True, stdout=subprocess.PIPE)
+        for w in range(2)
+    ]  # fmt: skip
+    try:
+        previous = None
+        for version in (1, 2, 3):
+            out = line(ranks[0])
+            assert "error" not in out, out
+            for w, p in enumerate(workers):
+                assert p.stdout is not None
+                got = json.loads(p.stdout.readline())
+                before = got["before"]
+                assert (before["version"], before["staged"]) == (version - 1 if version > 1 else None, version)
+                if previous is not None:
+                    assert before["fingerprints"] == previous[w]  # the live engine was not touched
+                assert got["applied"] is True and got["state"] == "current"
+                assert got["fingerprints"] == out["expected"][w], f"worker {w} differs at version {version}"
+            previous = out["expected"]
+    finally:
+        assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+        assert [p.wait(timeout=120) for p in workers] == [0, 0]

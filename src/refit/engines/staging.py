@@ -55,12 +55,17 @@ class Staging(Engine):
         """What `apply()` loads into `live`: every name as the receive path gave it, in order (one list
         object, so an engine that caches copy plans per list, like ModuleEngine, replays one plan)."""
         self._ready: int | None = None
+        self._shards: dict[str, torch.Tensor] = {}
+        """M:N: staging for the engine's shard targets (`shard_target`), copied into them by `apply()`."""
+        self._shard_loads: dict[str, torch.Tensor] = {}
+        """M:N: staging for the slices an engine takes through `load_shards`, replayed by `apply()`."""
+        self._shard_plan: tuple[tuple, CopyPlan] | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes of staging memory allocated now."""
-        seen = {id(t): t.numel() * t.element_size() for t in self._tensors.values()}
-        return sum(seen.values())
+        every = [*self._tensors.values(), *self._shards.values(), *self._shard_loads.values()]
+        return sum({id(t): t.numel() * t.element_size() for t in every}.values())
 
     @property
     def ready(self) -> int | None:
@@ -116,6 +121,26 @@ class Staging(Engine):
             self._apply = list(self._tensors.items())
         return CopyPlan(dst, src), changed
 
+    def shard_target(self, name: str) -> torch.Tensor | None:
+        """M:N: a staging tensor shaped and typed as the engine's own target for `name` (stable across refits)."""
+        live = self.live.shard_target(name)
+        if live is None:
+            return None
+        have = self._shards.get(name)
+        if have is None or have.shape != live.shape or have.dtype != live.dtype:
+            have = self._shards[name] = torch.empty(live.shape, dtype=live.dtype, device=live.device)
+        return have
+
+    def load_shards(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in tensors:
+            have = self._shard_loads.get(name)
+            if have is None or have.shape != t.shape or have.dtype != t.dtype:
+                have = self._shard_loads[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
+            have.copy_(t)
+
+    def held_shard(self, name: str) -> torch.Tensor | None:
+        return self._shards.get(name, self._shard_loads.get(name))
+
     def held(self, name: str) -> tuple[torch.Tensor, Region | None] | None:
         """The staging tensor: the fingerprint check proves what `apply()` will load."""
         t = self._tensors.get(name)
@@ -145,7 +170,7 @@ class Staging(Engine):
             live = self.live
             live.begin(version)
             try:
-                live.load(self._apply)
+                self._load_live()
                 live.commit(version)
             except Exception as e:  # noqa: BLE001 - any engine error fails the apply, kept as the cause
                 live.fail(version, f"applying staged version {version} failed: {type(e).__name__}: {e}")
@@ -154,6 +179,22 @@ class Staging(Engine):
             self._ready = None
         log.info("applied staged version %d", version)
         return version
+
+    def _load_live(self) -> None:
+        """The final copy: every staged tensor into the live engine, by the engine's own loaders."""
+        if self._apply:
+            self.live.load(self._apply)
+        if self._shards:
+            targets = [self.live.shard_target(n) for n in self._shards]
+            if any(t is None for t in targets):
+                raise RefitError("the engine no longer has a target for a staged M:N slice")
+            key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in targets)  # type: ignore[union-attr]
+            if self._shard_plan is None or self._shard_plan[0] != key:
+                self._shard_plan = (key, CopyPlan(targets, list(self._shards.values())))  # type: ignore[arg-type]
+            with torch.no_grad():
+                self._shard_plan[1].run()
+        if self._shard_loads:
+            self.live.load_shards(list(self._shard_loads.items()))
 
     def release_buffers(self) -> None:
         """Drop the copy plans into the receive buffers; the staging tensors (own memory) stay applicable."""
