@@ -11,7 +11,10 @@ Measured in the engine's loop, per refit:
   over that window, against the steps/s of the same loop with no refit (measured just before);
 - the floor: one local copy of the model (`torch._foreach_copy_` of every parameter into a same-dtype
   tensor), timed right after the pause. Ratios are taken per refit, then their median. After the last refit the engine's live weights are compared,
-bitwise, with the trainer's live weights. Prints one JSON object of medians (and writes it with --out).
+bitwise, with the trainer's live weights. Also reported, to explain the throughput: the CPU seconds
+the trainer spent on each step and refit, and the engine's CPU seconds in the window beyond what its
+steps took at the no-refit rate (its receiving). Prints one JSON
+object of medians (and writes it with --out).
 
     PYTHONPATH=src python benchmarks/staged_pause.py --refits 7 --out benchmarks/results/staged_pause.json
 """
@@ -55,11 +58,13 @@ def _trainer(args: argparse.Namespace) -> int:
         version = int(text.split()[1]) if text.startswith("refit ") else None
         if version is None:
             break
+        cpu = time.process_time()
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1e-3 * version)
         stats = sender.refit(version)
-        print(json.dumps({"version": version, "total_s": stats.seconds["total"]}), flush=True)
+        cpu = time.process_time() - cpu
+        print(json.dumps({"version": version, "total_s": stats.seconds["total"], "cpu_s": cpu}), flush=True)
     print(json.dumps({"digests": _digests(model)}), flush=True)
     sender.close()
     return 0
@@ -80,12 +85,13 @@ class Floor:
         return time.perf_counter() - t
 
 
-def _steps_per_s(step, seconds: float) -> float:  # type: ignore[no-untyped-def]
-    n, t0 = 0, time.perf_counter()
+def _steps_per_s(step, seconds: float) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(steps/s, this process's CPU seconds per step) with no refit."""
+    n, t0, cpu = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - t0 < seconds:
         step()
         n += 1
-    return n / (time.perf_counter() - t0)
+    return n / (time.perf_counter() - t0), (time.process_time() - cpu) / n
 
 
 def _refit_once(version: int, step, receiver: Receiver, child: subprocess.Popen, floor: Floor,  # type: ignore[no-untyped-def]
@@ -93,16 +99,16 @@ def _refit_once(version: int, step, receiver: Receiver, child: subprocess.Popen,
     """Generate with no refit for `baseline_s`; request a refit, generate until its version is staged, then
     until `apply_staged()` applies it; then time the floor copy."""
     assert child.stdin is not None and child.stdout is not None
-    base = _steps_per_s(step, baseline_s)
+    base, step_cpu = _steps_per_s(step, baseline_s)
     engine = receiver.staging.live if receiver.staging is not None else receiver.engine
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), time.process_time()
     child.stdin.write(f"refit {version}\n")
     child.stdin.flush()
     steps = 0
     while engine.weights.staged != version:
         step()
         steps += 1
-    window = time.perf_counter() - t0
+    window, cpu = time.perf_counter() - t0, time.process_time() - cpu
     while True:  # the next step boundary applies it
         t = time.perf_counter()
         applied = receiver.apply_staged()
@@ -112,7 +118,8 @@ def _refit_once(version: int, step, receiver: Receiver, child: subprocess.Popen,
     copy = floor.time()
     sent = json.loads(child.stdout.readline())
     return {"pause_s": pause, "floor_s": copy, "no_refit_steps_per_s": base, "staging_steps_per_s": steps / window,
-            "window_s": window, "steps": steps, "trainer_refit_s": sent["total_s"]}  # fmt: skip
+            "window_s": window, "steps": steps, "trainer_refit_s": sent["total_s"], "trainer_cpu_s": sent["cpu_s"],
+            "receive_cpu_s": cpu - steps * step_cpu}  # fmt: skip
 
 
 def main() -> int:
@@ -124,12 +131,16 @@ def main() -> int:
     p.add_argument(
         "--baseline-s", type=float, default=3.0, help="seconds of generation with no refit before each refit"
     )
+    p.add_argument("--threads", type=int, help="torch threads in each process (default: torch's own)")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.trainer:
         return _trainer(args)
     argv = [sys.executable, __file__, "--trainer", "--layers", str(args.layers), "--hidden", str(args.hidden)]
+    argv += ["--threads", str(args.threads)] if args.threads else []
     child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None and child.stdin is not None
     rendezvous = json.loads(child.stdout.readline())
@@ -171,6 +182,8 @@ def main() -> int:
         "staging_window_s": med["window_s"],
         "steps_in_window": med["steps"],
         "trainer_refit_s": med["trainer_refit_s"],
+        "trainer_cpu_s": med["trainer_cpu_s"],
+        "receive_cpu_s": med["receive_cpu_s"],
         "per_refit": runs,
         "bitwise": bitwise,
         "torch_threads": torch.get_num_threads(),
