@@ -10,7 +10,8 @@ Measured in the engine's loop, per refit:
 - throughput while staging: steps completed from the refit's request until its version was staged,
   over that window, against the steps/s of the same loop with no refit (measured just before);
 - the floor: one local copy of the model (`torch._foreach_copy_` of every parameter into a same-dtype
-  tensor), timed right after the pause. Ratios are taken per refit, then their median. After the last refit the engine's live weights are compared,
+  tensor), timed right after the pause. Ratios are taken per refit, then their median. The first refit
+  (--warmup) connects, handshakes and allocates the staging memory: it runs but is not counted. After the last refit the engine's live weights are compared,
 bitwise, with the trainer's live weights. Also reported, to explain the throughput: the CPU seconds
 the trainer spent on each step and refit, and the engine's CPU seconds in the window beyond what its
 steps took at the no-refit rate (its receiving). Prints one JSON
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -131,7 +133,9 @@ def main() -> int:
     p.add_argument(
         "--baseline-s", type=float, default=3.0, help="seconds of generation with no refit before each refit"
     )
+    p.add_argument("--warmup", type=int, default=1, help="refits run first and not counted (the first connects)")
     p.add_argument("--threads", type=int, help="torch threads in each process (default: torch's own)")
+    p.add_argument("--trainer-nice", type=int, default=0, help="niceness of the trainer process (it shares the cores)")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -141,7 +145,8 @@ def main() -> int:
         return _trainer(args)
     argv = [sys.executable, __file__, "--trainer", "--layers", str(args.layers), "--hidden", str(args.hidden)]
     argv += ["--threads", str(args.threads)] if args.threads else []
-    child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    nice = (lambda: os.nice(args.trainer_nice)) if args.trainer_nice else None
+    child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=nice)  # noqa: PLW1509
     assert child.stdout is not None and child.stdin is not None
     rendezvous = json.loads(child.stdout.readline())
     model = _model(args)
@@ -159,20 +164,22 @@ def main() -> int:
             model(tokens)
 
     floor = Floor(model)
-    runs = [_refit_once(v, step, receiver, child, floor, args.baseline_s) for v in range(1, args.refits + 1)]
+    versions = range(1, args.warmup + args.refits + 1)
+    runs = [_refit_once(v, step, receiver, child, floor, args.baseline_s) for v in versions][args.warmup :]
     child.stdin.write("stop\n")
     child.stdin.flush()
     trainer = json.loads(child.stdout.readline())["digests"]
     thread.join()
     receiver.close()
     assert child.wait() == 0
-    assert commits == list(range(1, args.refits + 1)), commits
+    assert commits == list(versions), commits
     bitwise = trainer == _digests(model)
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     out = {
         "model_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
         "staging_bytes": receiver.staging.nbytes if receiver.staging is not None else 0,
         "refits": args.refits,
+        "warmup_refits": args.warmup,
         "floor_copy_s": med["floor_s"],
         "pause_s": med["pause_s"],
         "pause_over_floor": statistics.median(r["pause_s"] / r["floor_s"] for r in runs),
@@ -187,6 +194,7 @@ def main() -> int:
         "per_refit": runs,
         "bitwise": bitwise,
         "torch_threads": torch.get_num_threads(),
+        "trainer_nice": args.trainer_nice,
     }
     print(json.dumps(out, indent=2))
     if args.out:
