@@ -1,7 +1,9 @@
 """A staged-refit engine process: peer.py's recording engine behind `Receiver(..., staged=True)`.
 
-Its JSON argument is peer.py's plus "actions", a list of "receive" (one refit into staging) and "apply"
-(`receiver.apply_staged()`), each answered by one report line: the live engine's state, version, staged
+Its JSON argument is peer.py's plus "actions", a list of "receive" (one refit into staging), "apply"
+(`receiver.apply_staged()`) and "generate K" (K refits received in a background thread while the main
+thread loops as an engine does: `apply_staged()`, `ensure_current()`, a read of every live tensor; then
+one last apply), each answered by one report line: the live engine's state, version, staged
 version and fingerprints, the staging tensors' fingerprints, and the versions `on_commit` saw so far.
 "corrupt_staging" {"version", "name"} changes one staged element after that version's first load holding
 the name (before the fingerprint check), once. With "index", "rendezvous" is every trainer rank's (per-rank, as rank_worker.py).
@@ -13,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import torch
 from peer import MARK, RecordingEngine, make_tensors
@@ -56,6 +59,30 @@ def _report(engine: RecordingEngine, receiver: Receiver, commits: list[int], **e
     }
 
 
+def _generate(engine: RecordingEngine, receiver: Receiver, refits: int) -> dict:
+    """Receive `refits` refits in a thread while this thread applies and reads the live weights."""
+    done = threading.Event()
+
+    def serve() -> None:
+        try:
+            for _ in range(refits):
+                receiver.receive()
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    steps = applied = 0
+    while not done.is_set():
+        applied += receiver.apply_staged()
+        engine.ensure_current()  # never mixed: the live weights are one committed version at every step
+        sum(float(t.float().sum()) for t in engine.module.values())
+        steps += 1
+    thread.join()
+    applied += receiver.apply_staged()
+    return {"steps": steps, "applied": applied}
+
+
 def main() -> int:
     args = json.loads(sys.argv[1])
     engine = RecordingEngine(make_tensors(args["specs"], args.get("seed", 99)), args.get("fault"))
@@ -73,7 +100,9 @@ def main() -> int:
         for action in args["actions"]:
             extra: dict = {"action": action}
             try:
-                if action == "receive":
+                if action.startswith("generate "):
+                    extra.update(_generate(engine, receiver, int(action.split()[1])))
+                elif action == "receive":
                     stats = receiver.receive()
                     extra["event"] = "closed" if stats is None else "refit"
                     extra["unverified"] = None if stats is None else stats.unverified

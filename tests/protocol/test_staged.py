@@ -86,7 +86,7 @@ def test_a_staged_refit_keeps_n_current_until_apply_staged_then_holds_n_plus_1_b
 
 
 def test_a_refit_arriving_before_the_apply_replaces_the_staged_version() -> None:
-    with staged_session("gloo", ["receive", "receive", "apply", "apply"]) as (sender, tensors, peer):
+    with staged_session("shm", ["receive", "receive", "apply", "apply"]) as (sender, tensors, peer):
         _step(tensors, 1)
         sender.refit(1)
         v1 = _live(tensors)
@@ -125,7 +125,24 @@ def test_a_staged_copy_failing_the_fingerprint_is_never_applied_and_the_retry_is
         assert got["applied"] is True and got["version"] == 1 and got["fingerprints"] == _live(tensors)
 
 
-def test_over_staging_bytes_the_refit_is_unstaged_and_on_commit_still_fires(caplog) -> None:
+@pytest.mark.slow
+def test_refits_staged_while_the_engine_loop_applies_them_leave_it_on_the_last_version_bitwise() -> None:
+    """Real concurrency: refits arrive in the engine's background thread while its main thread calls
+    apply_staged() and ensure_current() between reads of the live weights, as an engine loop does."""
+    with staged_session("gloo", ["generate 6"]) as (sender, tensors, peer):
+        for version in range(1, 7):
+            _step(tensors, version)
+            sender.refit(version)
+        got = peer.report()
+        assert "error" not in got.get("event", ""), got
+        assert (got["state"], got["version"], got["staged"]) == ("current", 6, None)
+        assert got["fingerprints"] == _live(tensors)
+        commits = got["commits"]
+        assert commits == sorted(set(commits)) and commits[-1] == 6 and got["applied"] == len(commits)
+
+
+@pytest.mark.slow
+def test_over_staging_bytes_the_refit_is_unstaged_and_on_commit_still_fires() -> None:
     with staged_session("shm", ["receive", "apply"], staging_bytes=1024) as (sender, tensors, peer):
         _step(tensors, 1)
         sender.refit(1)
