@@ -323,14 +323,14 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         "of bucket bytes)"
     )
     console.print(
-        f"staged refit (Receiver(staged=True)): {r['staging_bytes_per_engine'] / 2**20:.1f} MiB more per engine "
-        "(one staging copy of what it loads, in this wire dtype; an engine holding a wider dtype stages in that)"
-    )
-    console.print(
         f"manifest digest {r['digest']} (the layout too: a run's equals it when --bucket-bytes is given or "
         "the model fits one bucket), "
         f"specs digest {r['specs_digest']} (names, shapes, dtypes); JSON {r['manifest_json_bytes']} bytes "
         f"(sent once per epoch); per refit {r['control_bytes_per_refit']} control bytes per receiver"
+    )
+    console.print(
+        f"staged refit (Receiver(staged=True)): {r['staging_bytes_per_engine'] / 2**20:.1f} MiB more per engine "
+        "(one staging copy of what it loads, in this wire dtype; an engine holding a wider dtype stages in that)"
     )
     if "paths" in r:
         _show_paths(r["paths"], console)
