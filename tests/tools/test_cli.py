@@ -88,9 +88,10 @@ def test_plan_in_a_pipe_keeps_every_line_whole() -> None:
     result = _run("plan", "--preset", "qwen2-7b", "--bucket-bytes", str(1 << 30))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 4, lines
+    assert len(lines) == 5, lines
     assert lines[1].startswith("buckets: 16 of capacity 1024.0 MiB") and "spanning buckets: " in lines[1]
     assert lines[3].startswith("manifest digest ") and lines[3].endswith("control bytes per receiver")
+    assert lines[4].startswith("staged refit (Receiver(staged=True)): ") and "MiB more per engine" in lines[4]
 
 
 def test_doctor_in_a_pipe_keeps_every_row_on_one_line() -> None:

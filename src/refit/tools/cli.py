@@ -248,6 +248,7 @@ def plan_report(args: argparse.Namespace) -> dict:
     import torch
 
     from refit.dtypes import dtype_from_name
+    from refit.engines.staging import staging_nbytes
     from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes, needed_bytes
     from refit.layout.planner import forecast, plan, specs_digest
     from refit.settings import Settings
@@ -301,6 +302,7 @@ def plan_report(args: argparse.Namespace) -> dict:
         "specs_digest": specs_digest(spec_list),
         "manifest_json_bytes": len(m.to_json()),
         "control_bytes_per_refit": 64 * (3 + 2 * m.num_buckets),
+        "staging_bytes_per_engine": staging_nbytes(spec_list),
     }
 
 
@@ -325,6 +327,10 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         "the model fits one bucket), "
         f"specs digest {r['specs_digest']} (names, shapes, dtypes); JSON {r['manifest_json_bytes']} bytes "
         f"(sent once per epoch); per refit {r['control_bytes_per_refit']} control bytes per receiver"
+    )
+    console.print(
+        f"staged refit (Receiver(staged=True)): {r['staging_bytes_per_engine'] / 2**20:.1f} MiB more per engine "
+        "(one staging copy of what it loads, in this wire dtype; an engine holding a wider dtype stages in that)"
     )
     if "paths" in r:
         _show_paths(r["paths"], console)
