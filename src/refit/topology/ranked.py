@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from refit.dtypes import dtype_name
-from refit.errors import RefitError
+from refit.errors import PeerError, RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.planner import plan
 from refit.log import get_logger
@@ -39,6 +39,19 @@ from refit.topology.stats import RefitStats
 from refit.transports import device as devices
 
 NO_LIMIT = 1 << 62
+
+
+def departed(error: Exception, worker: str) -> Exception:
+    """A lost peer in a per-rank or M:N refit, said as such: its shard has no other holder, so the refit
+    fails on every worker (they keep their last committed weights, state 'failed')."""
+    if not isinstance(error, PeerError) or "broke earlier" in str(error):
+        return error
+    out = PeerError(
+        f"{worker} departed or failed ({error}); its shard has no other holder, so this refit fails on every "
+        "worker (they report state 'failed'); restart that worker and start a new session"
+    )
+    out.__cause__ = error
+    return out
 
 
 def pick(rendezvous: Sequence[dict] | dict, device: torch.device, *, index: int) -> dict:
@@ -65,6 +78,11 @@ class RankedRefit:
     """Drives one trainer rank's Sender in a per-rank refit; call every method on every rank."""
 
     def __init__(self, sender, *, group: dist.ProcessGroup | None = None) -> None:
+        if getattr(sender, "elastic", False):
+            raise ValueError(
+                "a per-rank refit cannot use an elastic Sender: each worker holds its rank's shard, which no "
+                "other worker has, so a departed worker must fail the refit; build the Sender with elastic=False"
+            )
         self.sender = sender
         self.group = group
         self.rank = dist.get_rank(group)
@@ -133,7 +151,7 @@ class RankedRefit:
         if not self._voted:  # this rank's refit broke off before its Sender's vote: vote for it
             self._vote(f"{type(error).__name__}: {error}" if error is not None else "")
         if error is not None:
-            raise error
+            raise departed(error, f"the engine worker of trainer rank {self.rank}")
         assert stats is not None
         return stats
 

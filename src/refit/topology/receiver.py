@@ -18,7 +18,7 @@ from refit.layout.manifest import Manifest
 from refit.log import get_logger
 from refit.protocol import auth
 from refit.protocol.store import AuthenticatedStores
-from refit.protocol.wire import MAX_HELLO_BYTES, Channel, Header, Kind, parse_json
+from refit.protocol.wire import MAX_HELLO_BYTES, MAX_REASON_CHARS, Channel, Header, Kind, parse_json
 from refit.settings import Settings
 from refit.topology.receive_path import ReceivePath
 from refit.topology.stats import RefitStats
@@ -328,6 +328,15 @@ class Receiver:
         except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
         return None
+
+    def leave(self, reason: str = "the engine is shutting down") -> None:
+        """Leave the session on purpose, between refits: the sender is told LEAVE with `reason` (an elastic
+        sender drops this receiver and names it in `RefitStats.departed`; any other fails its next refit
+        saying so), then everything is closed as by `close`."""
+        if self.channel is not None and not self._broken:
+            with contextlib.suppress(PeerError):
+                self.channel.send(Header(Kind.LEAVE), {"reason": str(reason)[:MAX_REASON_CHARS]})
+        self.close()
 
     def close(self) -> None:
         """End the session: close the channel and transport, and drop every view into the receive buffers
