@@ -121,7 +121,7 @@ class Membership:
         unasked) goes to `lost`."""
         for ch in [c for c in channels if _readable(c)]:
             try:
-                header, _ = ch.recv("waiting between refits")
+                header, _ = ch.recv("the wait between refits")
                 raise PeerError(f"{ch.peer} sent {header.kind.name} between refits")
             except (PeerError, IntegrityError) as e:
                 lost(ch, e)
