@@ -202,3 +202,43 @@ def test_a_receiver_killed_between_refits_is_named_and_a_restart_under_a_new_ran
         _assert_current(b.report(), sender, tensors, 4)
         _assert_current(again.report(), sender, tensors, 4)
     assert b.wait() == 0 and again.wait() == 0
+
+
+def test_a_per_rank_refit_refuses_an_elastic_sender() -> None:
+    from refit.topology.ranked import RankedRefit
+
+    with Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", elastic=True) as sender:
+        with pytest.raises(ValueError, match="per-rank refit cannot use an elastic Sender.*no other worker has"):
+            RankedRefit(sender)
+
+
+@pytest.mark.slow
+def test_a_departed_per_rank_worker_fails_the_refit_saying_its_shard_has_no_other_holder() -> None:
+    from fsdp_trainer import build
+    from rank_worker import RankWorker
+    from trainer_ranks import line, start
+
+    from refit.dtypes import dtype_name
+
+    bucket = 16384
+    specs = [[n, list(t.shape), dtype_name(torch.float32)] for n, t in sorted(build(0).state_dict().items())]
+    ranks = start({"mode": "ranked", "bucket_bytes": bucket, "model": "fsdp", "transport": "shm", "steps": 2,
+                   "dtype_change_at": 99, "timeout_s": TIMEOUT_S})  # fmt: skip
+    infos = line(ranks[0])
+    faults = [{}, {"fault": {"kind": "die", "version": 2, "at_load": 1}}]
+    workers = [
+        RankWorker({"rendezvous": infos, "index": i, "specs": specs, "bucket_bytes": bucket, **faults[i]})
+        for i in range(2)
+    ]
+    try:
+        assert "error" not in line(ranks[0])
+        assert all(w.report()["state"] == "current" for w in workers)
+        failed = line(ranks[0])["error"]
+        assert "the engine worker of trainer rank 1 departed or failed" in failed
+        assert "its shard has no other holder" in failed
+        report = workers[0].report()
+        assert (report["event"], report["state"], report["target"]) == ("error", "failed", 2)
+    finally:
+        codes = [p.wait(timeout=120) for p in ranks]
+        assert [w.wait() for w in workers] == [0, 9]
+    assert codes == [0, 0]

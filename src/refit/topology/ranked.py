@@ -144,14 +144,14 @@ class RankedRefit:
             if error is None:
                 stats = self.sender.refit(version)
         except Exception as e:  # noqa: BLE001 - whatever broke this rank's refit, the other ranks wait for its vote
-            error = e
+            error = departed(e, f"the engine worker of trainer rank {self.rank}")
         finally:
             if gathers:
                 source.end(drain=True)
         if not self._voted:  # this rank's refit broke off before its Sender's vote: vote for it
             self._vote(f"{type(error).__name__}: {error}" if error is not None else "")
         if error is not None:
-            raise departed(error, f"the engine worker of trainer rank {self.rank}")
+            raise error
         assert stats is not None
         return stats
 
