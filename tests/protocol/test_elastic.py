@@ -26,12 +26,14 @@ TIMEOUT_S = 60.0
 
 
 @contextlib.contextmanager
-def elastic(receivers: int = 1, *, is_elastic: bool = True) -> Iterator[tuple[Sender, dict, dict]]:
+def elastic(
+    receivers: int = 1, *, is_elastic: bool = True, transport: str = "shm"
+) -> Iterator[tuple[Sender, dict, dict]]:
     """A sender over deterministic tensors (elastic unless told), and the arguments a peer needs."""
     tensors = make_tensors(SPECS, seed=1)
     sender = Sender(
         ModuleSource(tensors),
-        transport="shm",
+        transport=transport,
         num_receivers=receivers,
         settings=Settings(bucket_bytes=4096, timeout_s=TIMEOUT_S),
         elastic=is_elastic,
@@ -56,10 +58,10 @@ def _assert_current(report: dict, sender: Sender, tensors: dict, version: int) -
     return report["rank"]
 
 
-def test_elastic_needs_a_transport_without_a_fixed_group() -> None:
+def test_elastic_refuses_zero_copy_and_await_receivers_needs_elastic() -> None:
     tensors = make_tensors(SPECS, seed=1)
-    with pytest.raises(ValueError, match=r"elastic=True works over the shm and cuda-ipc transports.*gloo"):
-        Sender(ModuleSource(tensors), transport="gloo", elastic=True)
+    with pytest.raises(ValueError, match=r"elastic=True cannot be combined with zero_copy"):
+        Sender(ModuleSource(tensors), transport="cuda-ipc", elastic=True, zero_copy=True)
     with pytest.raises(ValueError, match="await_receivers is for an elastic Sender"):
         with Sender(ModuleSource(tensors), transport="shm") as sender:
             sender.await_receivers(2, timeout_s=1)
@@ -242,3 +244,28 @@ def test_a_departed_per_rank_worker_fails_the_refit_saying_its_shard_has_no_othe
         codes = [p.wait(timeout=120) for p in ranks]
         assert [w.wait() for w in workers] == [0, 9]
     assert codes == [0, 0]
+
+
+@pytest.mark.slow
+def test_over_gloo_a_join_or_a_departure_forms_a_new_group_between_refits() -> None:
+    with elastic(transport="gloo") as (sender, tensors, args):
+        a = ElasticPeer(args)
+        sender.refit(1)
+        rank_a = _assert_current(a.report(), sender, tensors, 1)
+        b = ElasticPeer({**args, "seed": 7, "leave_after": 2, "reason": "scaled down"})
+        assert sender.await_receivers(2, timeout_s=TIMEOUT_S)
+        _step(tensors)
+        second = sender.refit(2)  # a group of three, and a new epoch's handshake on the new group
+        assert second.handshake and second.receivers == sorted([rank_a, rank_a + 1])
+        _assert_current(a.report(), sender, tensors, 2)
+        rank_b = _assert_current(b.report(), sender, tensors, 2)
+        assert b.report() == {"event": "left"} and b.wait() == 0
+        _step(tensors)
+        third = sender.refit(3)  # a group of two again
+        assert third.departed == [{"receiver": rank_b, "reason": "scaled down"}] and third.receivers == [rank_a]
+        _assert_current(a.report(), sender, tensors, 3)
+        _step(tensors)
+        assert sender.refit(4).receivers == [rank_a] and not sender.refit(5).handshake
+        _assert_current(a.report(), sender, tensors, 4)
+        _assert_current(a.report(), sender, tensors, 5)
+    assert a.wait() == 0

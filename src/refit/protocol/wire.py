@@ -44,6 +44,7 @@ class Kind(IntEnum):
     VERIFY = 15  # sender -> receiver, after the last bucket: fingerprints of the live source tensors
     AUTH = 16  # both ways, after HELLO: sender's nonce and proof, then the receiver's proof (refit.protocol.auth)
     LEAVE = 17  # receiver -> sender: it closes on purpose, JSON {"reason": ...}; the sender drops it (elastic)
+    REGROUP = 18  # sender -> receiver, elastic gloo/nccl between refits: join a new group (JSON as WELCOME, MAC'd)
 
 
 WITH_PAYLOAD = {
@@ -59,6 +60,7 @@ WITH_PAYLOAD = {
     Kind.VERIFY,
     Kind.AUTH,
     Kind.LEAVE,
+    Kind.REGROUP,
 }
 MAX_REASON_CHARS = 500
 """Longest LEAVE reason kept (a reason is for a log line and RefitStats, not a document)."""

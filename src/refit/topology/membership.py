@@ -32,9 +32,14 @@ MAX_WAITING = 64
 class Membership:
     """Who joins at the next refit (`waiting`), and who left since the last one (`departed`)."""
 
-    def __init__(self, *, capacity: int, transport: str, info: dict, heartbeat_s: float, timeout_s: float) -> None:
+    def __init__(
+        self, *, capacity: int, transport: str, info: dict | None, heartbeat_s: float, timeout_s: float
+    ) -> None:
+        """`info`: the transport setup every joiner gets in its WELCOME at once; None for a group transport,
+        whose joiners are welcomed by the Sender when it forms the next group (they wait, with heartbeats)."""
         self.capacity = capacity
-        self._welcome = {"capacity": capacity, "transport": transport, "info": info, "heartbeat_s": heartbeat_s}
+        self.info = info
+        self._welcome = {"capacity": capacity, "transport": transport, "heartbeat_s": heartbeat_s}
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -64,9 +69,9 @@ class Membership:
             rank = self._next_rank
         ch = Channel(arrival.sock, peer=f"receiver {rank} ({arrival.addr})", timeout_s=self._timeout_s)
         ch.key, ch.rank = arrival.key, rank
-        data = json.dumps({"rank": rank, **self._welcome}).encode()
         try:
-            ch.send(Header(Kind.WELCOME, digest=auth.tag(ch.key, b"WELCOME", data)), data)
+            if self.info is not None:
+                self.welcome(ch, Kind.WELCOME, self.info)
         except PeerError as e:
             log.warning("a joining receiver %d went away before its WELCOME: %s", rank, e)
             ch.close()
@@ -75,6 +80,11 @@ class Membership:
             self._waiting.append(ch)
             self._arrived.notify_all()
         log.info("receiver %d joined (%s); it takes part from the next refit", rank, arrival.addr)
+
+    def welcome(self, ch: Channel, kind: Kind, info: dict) -> None:
+        """WELCOME (or REGROUP) with the transport setup `info`, bound to `ch`'s session by its MAC."""
+        data = json.dumps({**self._welcome, "rank": ch.rank, "info": info}).encode()
+        ch.send(Header(kind, digest=auth.tag(ch.key, kind.name.encode(), data)), data)
 
     def waiting(self) -> list[Channel]:
         """Joiners welcomed but not yet in a refit (they get heartbeats meanwhile)."""
@@ -89,7 +99,7 @@ class Membership:
             with self._lock:
                 self._arrived.wait_for(lambda: len(self._waiting) >= count, max(0.0, deadline - time.monotonic()))
                 waiting = list(self._waiting)
-            unready = [ch for ch in waiting if not _readable(ch)]
+            unready = [ch for ch in waiting if not self._ready(ch)]
             ready = len(waiting) - len(unready)
             remaining = deadline - time.monotonic()
             if ready >= count or remaining <= 0:
@@ -104,17 +114,25 @@ class Membership:
             candidates = list(self._waiting)
         ready = []
         for ch in candidates:
-            if not _readable(ch):
+            if not self._ready(ch):
                 continue
             with self._lock:
                 self._waiting.remove(ch)
             try:
-                ch.expect(Kind.READY, "joining the session")
+                if self.info is not None:
+                    ch.expect(Kind.READY, "joining the session")
+                elif _readable(ch):  # waiting for its WELCOME, it has nothing to say: it closed, or broke the protocol
+                    header, _ = ch.recv("joining the session")
+                    raise PeerError(f"{ch.peer} sent {header.kind.name} before its WELCOME")
             except (PeerError, IntegrityError) as e:
                 self.drop(ch, e)
                 continue
             ready.append(ch)
         return ready
+
+    def _ready(self, ch: Channel) -> bool:
+        """A joiner can take the next refit: its READY arrived, or (group transport) it is welcomed then."""
+        return self.info is None or _readable(ch)
 
     def sweep(self, channels: list[Channel], lost: Callable[[Channel, Exception], None]) -> None:
         """Between refits: each receiver that said LEAVE, closed or sent anything at all (nothing arrives

@@ -91,12 +91,20 @@ class Receiver:
         )
         ch.set_timeout(self.settings.connect_timeout_s)  # the sender admits every receiver first; they start slowly
         self._authenticate(ch, limit)
-        header, raw = ch.recv("rendezvous (waiting for every receiver to connect)", max_payload=MAX_WELCOME_BYTES)
+        # idle: an elastic gloo/nccl sender welcomes a joiner when it forms its next group, beating meanwhile
+        header, raw = ch.recv(
+            "rendezvous (waiting for every receiver to connect)", idle=True, max_payload=MAX_WELCOME_BYTES
+        )
         if header.kind != Kind.WELCOME:
             raise PeerError(f"{ch.peer} sent {header.kind.name} during rendezvous, expected WELCOME")
-        if not auth.check_tag(ch.key, b"WELCOME", raw, header.digest):
-            raise IntegrityError(f"{ch.peer}'s WELCOME is not bound to this session (its MAC is wrong); not trusted")
-        welcome = parse_json(raw, "WELCOME")
+        self._setup(ch, header, raw, limit)
+
+    def _setup(self, ch: Channel, header: Header, raw: bytes, limit: int) -> None:
+        """Join the transport WELCOME (or, elastic gloo/nccl, REGROUP) describes, once its MAC checks out."""
+        what = header.kind.name
+        if not auth.check_tag(ch.key, what.encode(), raw, header.digest):
+            raise IntegrityError(f"{ch.peer}'s {what} is not bound to this session (its MAC is wrong); not trusted")
+        welcome = parse_json(raw, what)
         ch.set_timeout(self.settings.timeout_s)
         rank, capacity, info = welcome.get("rank"), welcome.get("capacity"), welcome.get("info")
         beat = welcome.get("heartbeat_s")
@@ -182,10 +190,30 @@ class Receiver:
                 self._path.open_sources(payload)
             elif header.kind == Kind.BEGIN:
                 return self._refit(header)
+            elif header.kind == Kind.REGROUP:
+                self._regroup(header, payload)
             elif header.kind == Kind.CLOSE:
                 return None
             else:
                 raise PeerError(f"sender sent {header.kind.name} between refits")
+
+    def _regroup(self, header: Header, payload: bytes) -> None:
+        """Elastic gloo/nccl: the sender formed a new group (someone joined or left): leave the old one, join
+        the new one, say READY; the new epoch's manifest follows (this side's receive path was on the old group)."""
+        assert self.channel is not None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        release = getattr(self.engine, "release_buffers", None)
+        if callable(release):
+            release()
+        self.manifest, self._path = None, None
+        limit = bucket_capacity(
+            bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio, free=free_bytes(self.device)
+        )
+        self._setup(self.channel, header, payload, limit)
+        self.channel.send(Header(Kind.READY), self.statement)
+        log.info("joined the sender's new group")
 
     def serve(self) -> int:
         """Receive refits until the sender closes; returns how many were committed."""

@@ -151,11 +151,8 @@ class Sender:
             raise ValueError(f"num_slots ({num_slots}) must be >= 1 (2 overlaps packing with transfer)")
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-        if elastic and (zero_copy or transports.get(transport).uses_store):
-            raise ValueError(
-                f"elastic=True works over the shm and cuda-ipc transports without zero_copy ({transport!r}, "
-                f"zero_copy={zero_copy} given); a {transport} group has a fixed size: use elastic=False"
-            )
+        if elastic and zero_copy:
+            raise ValueError("elastic=True cannot be combined with zero_copy (a joiner would need the source handles)")
         if zero_copy and (transport != "cuda-ipc" or not source.stable_tensors):
             raise ValueError(
                 f"zero_copy needs the cuda-ipc transport ({transport!r} given) and a source whose "
@@ -186,6 +183,8 @@ class Sender:
         self._path: SendPath | None = None
         self._epoch = 0
         self._generation = 0
+        self._group: list[Channel] = []
+        """Elastic gloo/nccl: the receivers the transport's group was formed with (a change means a new group)."""
         self._begun = False
         self.statements: list[bytes] = []
         """What each receiver sent with READY: M:N shard statements (JSON; refit.topology.mesh), else empty."""
@@ -290,12 +289,13 @@ class Sender:
             members = Membership(
                 capacity=self.capacity,
                 transport=self.transport_name,
-                info=info,
+                info=None if uses_store else info,  # a group's joiners are welcomed into the next group
                 heartbeat_s=interval,
                 timeout_s=self.settings.timeout_s,
             )
             members.start(first_rank=self.num_receivers)
             self._session.members = members
+            self._group = list(self.channels)
             self._session.lobby.serve_late(members.arrive)
         else:
             transport.joined()
@@ -414,6 +414,36 @@ class Sender:
                 self.channels.append(ch)
         self._digests = self._path.digests = self._digest_plan()
 
+    def _regroup(self, joiners: list[Channel]) -> None:
+        """Elastic gloo/nccl, between refits: a new group of the receivers still here and the joiners (a fixed-size
+        group cannot shrink or grow), then a new epoch's handshake for all (their receive paths were on the old one)."""
+        members = self._session.members
+        assert members is not None
+        everyone = [*self.channels, *joiners]
+        if self._session.transport is not None:
+            self._session.transport.close()
+            self._session.transport = None
+        self._path, self.manifest, self._group = None, None, []
+        if not everyone:  # the next joiner forms the next group
+            return
+        transport, info = self._transport_cls.offer(
+            capacity=self.capacity,
+            num_slots=self.num_slots,
+            num_receivers=max(1, len(everyone)),
+            device=self.device,
+            settings=self.settings,
+            store=AuthenticatedStores(self.settings.token, self.settings),
+        )
+        self._session.transport = transport
+        for g, ch in enumerate(everyone, start=1):
+            members.welcome(ch, Kind.WELCOME if ch in joiners else Kind.REGROUP, {**info, "group_rank": g})
+        transport.establish()  # every member joins the new group, or this raises (the session is over)
+        for ch in everyone:
+            ch.expect(Kind.READY, "joining the new group")
+        self.channels[:] = everyone
+        self._group = list(everyone)
+        log.info("formed a new %s group of %d receiver(s)", self.transport_name, len(everyone))
+
     def _drop(self, ch: Channel, error: Exception) -> None:
         """Elastic: `ch` left (LEAVE, closed, died or broke the protocol): the refit goes on without it."""
         if ch in self.channels:
@@ -486,6 +516,12 @@ class Sender:
         if members is not None:  # elastic: who left since the last refit, who is ready to join
             members.sweep(self.channels, self._drop)
             joiners = members.take_ready()
+            if self._transport_cls.uses_store and (joiners or self.channels != self._group):
+                self._regroup(joiners)
+                joiners = []
+            if not self.channels and not joiners:
+                log.warning("refit of version %d reached no receiver: none is connected", version)
+                return RefitStats(version=version, epoch=self._epoch, departed=members.take_departed())
         signature = self.source.signature()
         moved = signature != self._signature
         handshake = self.manifest is None or (moved and self._changed())
@@ -582,8 +618,6 @@ class Sender:
         stats.receivers = sorted(ch.rank for ch in committed if ch in self.channels)
         if self._session.members is not None:
             stats.departed = self._session.members.take_departed()
-            if not self.channels:
-                log.warning("refit of version %d reached no receiver: none is connected", version)
 
     def _two_phase(self) -> bool:
         """Receivers hold their commit open until told the verdict: per-rank refits, and strict

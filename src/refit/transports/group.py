@@ -70,10 +70,11 @@ class BroadcastTransport(Transport):
         if store is None:
             raise ValueError(f"the {cls.name} transport needs a store provider (refit.protocol.store), none given")
         host, port, size, capacity, slots = (info.get(k) for k in ("host", "port", "size", "capacity", "slots"))
+        rank = info.get("group_rank", rank)  # an elastic session's group ranks are 1..n whatever the receivers' ranks
         if not (
             isinstance(host, str)
             and 0 < len(host) <= 253
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in (port, size, capacity, slots))
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in (port, size, capacity, slots, rank))
             and 0 < port < 65536
             and 1 < size <= 65536
             and 0 < rank < size
