@@ -269,3 +269,25 @@ def test_over_gloo_a_join_or_a_departure_forms_a_new_group_between_refits() -> N
         _assert_current(a.report(), sender, tensors, 4)
         _assert_current(a.report(), sender, tensors, 5)
     assert a.wait() == 0
+
+
+@pytest.mark.slow
+def test_over_gloo_a_receiver_dying_mid_refit_breaks_the_group_which_is_formed_again_and_the_refit_retried() -> None:
+    with elastic(receivers=2, transport="gloo") as (sender, tensors, args):
+        a = ElasticPeer(args)
+        b = ElasticPeer({**args, "fault": {"kind": "die", "version": 2, "at_load": 3}})
+        sender.refit(1)
+        rank_a = _assert_current(a.report(), sender, tensors, 1)
+        rank_b = _assert_current(b.report(), sender, tensors, 1)
+        _step(tensors)
+        second = sender.refit(2)  # B dies at its third bucket; the group of three breaks; retried in a group of two
+        assert second.receivers == [rank_a] and [d["receiver"] for d in second.departed] == [rank_b]
+        assert second.handshake  # the retry's new group came with a new epoch
+        report = a.report()
+        _assert_current(report, sender, tensors, 2)
+        assert report["events"].count("begin 2") == 2  # the broken attempt, then the retry
+        assert b.wait() == 9
+        _step(tensors)
+        assert sender.refit(3).receivers == [rank_a]
+        _assert_current(a.report(), sender, tensors, 3)
+    assert a.wait() == 0

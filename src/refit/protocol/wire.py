@@ -134,6 +134,8 @@ class Channel:
         """This session's key once both sides proved the token (refit.protocol.auth)."""
         self.rank = 0
         """The receiver's rank in its session (the sender's channels), else 0."""
+        self.stray: tuple[Header, bytes] | None = None
+        """The last message `expect` refused (another kind than expected), for a caller that can still use it."""
         self._send_lock = threading.Lock()
         sock.settimeout(timeout_s)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -195,6 +197,7 @@ class Channel:
     def expect(self, kind: Kind, stage: str) -> tuple[Header, bytes]:
         header, payload = self.recv(stage)
         if header.kind != kind:
+            self.stray = (header, payload)
             raise PeerError(f"{self.peer} sent {header.kind.name} during {stage}, expected {kind.name}")
         return header, payload
 

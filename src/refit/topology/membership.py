@@ -39,7 +39,7 @@ class Membership:
         whose joiners are welcomed by the Sender when it forms the next group (they wait, with heartbeats)."""
         self.capacity = capacity
         self.info = info
-        self._welcome = {"capacity": capacity, "transport": transport, "heartbeat_s": heartbeat_s}
+        self._welcome = {"capacity": capacity, "transport": transport, "heartbeat_s": heartbeat_s, "elastic": True}
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -121,7 +121,7 @@ class Membership:
             try:
                 if self.info is not None:
                     ch.expect(Kind.READY, "joining the session")
-                elif _readable(ch):  # waiting for its WELCOME, it has nothing to say: it closed, or broke the protocol
+                elif readable(ch):  # waiting for its WELCOME, it has nothing to say: it closed, or broke the protocol
                     header, _ = ch.recv("joining the session")
                     raise PeerError(f"{ch.peer} sent {header.kind.name} before its WELCOME")
             except (PeerError, IntegrityError) as e:
@@ -132,12 +132,12 @@ class Membership:
 
     def _ready(self, ch: Channel) -> bool:
         """A joiner can take the next refit: its READY arrived, or (group transport) it is welcomed then."""
-        return self.info is None or _readable(ch)
+        return self.info is None or readable(ch)
 
     def sweep(self, channels: list[Channel], lost: Callable[[Channel, Exception], None]) -> None:
         """Between refits: each receiver that said LEAVE, closed or sent anything at all (nothing arrives
         unasked) goes to `lost`."""
-        for ch in [c for c in channels if _readable(c)]:
+        for ch in [c for c in channels if readable(c)]:
             try:
                 header, _ = ch.recv("the wait between refits")
                 raise PeerError(f"{ch.peer} sent {header.kind.name} between refits")
@@ -164,7 +164,7 @@ class Membership:
             ch.close()
 
 
-def _readable(ch: Channel) -> bool:
+def readable(ch: Channel) -> bool:
     """Whether `ch` has bytes (or its end) to read now, without waiting."""
     try:
         return bool(select.select([ch.sock], [], [], 0)[0])

@@ -59,6 +59,8 @@ class Receiver:
         self._idle_timeout_s = self.settings.timeout_s
         self.warn_unverified = True
         """Log the tensors the fingerprint cannot read back (once per epoch); M:N logs it for one pair only."""
+        self._regroups = False
+        """Elastic gloo/nccl (WELCOME says elastic): a broken group is re-formed by the sender, not the end."""
         self.statement: dict | None = None
         """M:N: what this worker keeps (refit.topology.mesh), sent with READY for the trainer's plan."""
 
@@ -123,6 +125,7 @@ class Receiver:
             raise IntegrityError(
                 f"WELCOME's transport setup sizes buffers of {info.get('capacity')!r:.40}, not {capacity}"
             )
+        self._regroups = welcome.get("elastic") is True and self._transport_cls.uses_store
         token = str(self.rendezvous.get("token") or "")
         store = {"store": AuthenticatedStores(token, self.settings)} if self._transport_cls.uses_store else {}
         self.transport = self._transport_cls.join(info, rank=rank, device=self.device, settings=self.settings, **store)
@@ -196,6 +199,29 @@ class Receiver:
                 return None
             else:
                 raise PeerError(f"sender sent {header.kind.name} between refits")
+
+    def _after_broken_group(self, version: int, error: PeerError) -> RefitStats | None:
+        """Elastic gloo/nccl: the group broke mid-refit (a member died). The sender forms a new group and retries
+        the version: wait for its REGROUP (skipping what is left of the broken refit), join it and go on."""
+        ch = self.channel
+        assert ch is not None
+        stray, ch.stray = ch.stray, None
+        stage = f"the sender's new group (refit {version} broke: {error})"
+        header, payload = stray if stray is not None else ch.recv(stage)
+        while header.kind in (Kind.BUCKET, Kind.VERIFY, Kind.COMMIT):
+            header, payload = ch.recv(stage)
+        if header.kind == Kind.CLOSE:
+            return None
+        if header.kind != Kind.REGROUP:
+            raise PeerError(f"{ch.peer} sent {header.kind.name} after refit {version} broke, expected REGROUP")
+        log.warning(
+            "refit %d broke in the %s group (%s); joining the sender's new group",
+            version,
+            self._transport_cls.name,
+            error,
+        )
+        self._regroup(header, payload)
+        return self._receive()
 
     def _regroup(self, header: Header, payload: bytes) -> None:
         """Elastic gloo/nccl: the sender formed a new group (someone joined or left): leave the old one, join
@@ -300,6 +326,8 @@ class Receiver:
                 )
         except RefitError as e:
             self.engine.fail(version, str(e))
+            if isinstance(e, PeerError) and self._regroups:
+                return self._after_broken_group(version, e)
             raise
         t = time.perf_counter()
         self._flush(version)

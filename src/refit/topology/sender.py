@@ -27,7 +27,7 @@ from refit.protocol.store import AuthenticatedStores
 from refit.protocol.wire import Channel, Header, Kind, parse_json
 from refit.settings import Settings
 from refit.sources.base import Source
-from refit.topology.membership import Membership
+from refit.topology.membership import Membership, readable
 from refit.topology.send_path import SendPath, each, share_sources
 from refit.topology.stats import RefitStats
 from refit.topology.verification import DigestPlan, parse_regions
@@ -280,6 +280,7 @@ class Sender:
                 "transport": self.transport_name,
                 "info": info,
                 "heartbeat_s": interval,
+                **({"elastic": True} if self.elastic else {}),
             }
             data = json.dumps(welcome).encode()
             ch.send(Header(Kind.WELCOME, digest=auth.tag(ch.key, b"WELCOME", data)), data)
@@ -439,7 +440,7 @@ class Sender:
             members.welcome(ch, Kind.WELCOME if ch in joiners else Kind.REGROUP, {**info, "group_rank": g})
         transport.establish()  # every member joins the new group, or this raises (the session is over)
         for ch in everyone:
-            ch.expect(Kind.READY, "joining the new group")
+            _expect_ready(ch)
         self.channels[:] = everyone
         self._group = list(everyone)
         log.info("formed a new %s group of %d receiver(s)", self.transport_name, len(everyone))
@@ -510,11 +511,39 @@ class Sender:
         return self._refit_connected(version, t_connect)
 
     def _refit_connected(self, version: int, t_connect: float) -> RefitStats:
+        try:
+            return self._refit_once(version, t_connect)
+        except PeerError as e:
+            if not (self.elastic and self._transport_cls.uses_store and self._begun):
+                raise
+            # A member died mid-refit and broke the group for everyone: drop it, form a new group, retry once.
+            log.warning(
+                "the %s group broke during refit %d (%s); retrying it once in a new group",
+                self.transport_name,
+                version,
+                e,
+            )
+            self._settle()
+            self._group, self._begun = [], False
+            return self._refit_once(version, t_connect, retry=True)
+
+    def _settle(self) -> None:
+        """After a broken group: drop each receiver whose connection ended; read (and forget) what the rest said
+        of the broken refit so far."""
+        for ch in list(self.channels):
+            try:
+                while readable(ch):
+                    ch.recv("the refit the group broke in")
+            except (PeerError, IntegrityError) as e:
+                self._drop(ch, e)
+
+    def _refit_once(self, version: int, t_connect: float, *, retry: bool = False) -> RefitStats:
         t0 = time.perf_counter()
         members = self._session.members
         joiners = []
         if members is not None:  # elastic: who left since the last refit, who is ready to join
-            members.sweep(self.channels, self._drop)
+            if not retry:  # (a retry's receivers may still be acknowledging the broken attempt: _settle saw to them)
+                members.sweep(self.channels, self._drop)
             joiners = members.take_ready()
             if self._transport_cls.uses_store and (joiners or self.channels != self._group):
                 self._regroup(joiners)
@@ -658,6 +687,16 @@ class Sender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _expect_ready(ch: Channel) -> None:
+    """READY for a new group, after whatever is left of a broken refit (acknowledgements, a DONE)."""
+    while True:
+        header, _ = ch.recv("joining the new group")
+        if header.kind == Kind.READY:
+            return
+        if header.kind not in (Kind.ACK, Kind.DONE):
+            raise PeerError(f"{ch.peer} sent {header.kind.name} while joining the new group, expected READY")
 
 
 def _set_unverified_names(stats: RefitStats, names: list[str]) -> None:
