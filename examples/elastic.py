@@ -132,7 +132,7 @@ def run(transport: str) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transport", default="shm", choices=["shm"], help="the elastic transport")
+    parser.add_argument("--transport", default="shm", choices=["shm", "gloo"], help="the elastic transport")
     parser.add_argument("--engine", metavar="RENDEZVOUS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:

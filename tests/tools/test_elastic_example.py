@@ -14,10 +14,15 @@ pytest.importorskip("transformers")
 
 
 @pytest.mark.slow
-def test_the_elastic_example_exits_0_with_one_verified_line_per_refit() -> None:
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_the_elastic_example_exits_0_with_one_verified_line_per_refit(transport: str) -> None:
     env = {**os.environ, "PYTHONPATH": pythonpath()}
     done = subprocess.run(
-        [sys.executable, os.path.join(EXAMPLES, "elastic.py")], capture_output=True, text=True, env=env, check=False
+        [sys.executable, os.path.join(EXAMPLES, "elastic.py"), "--transport", transport],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()

@@ -1,12 +1,12 @@
 """Membership: an elastic Sender's joiners and departures.
 
-A receiver that proves the token after `connect` (the lobby's background thread hands it over) is
-welcomed at once: WELCOME with a fresh rank and the transport's setup, which for shm and cuda-ipc is
-fixed for the session. It takes part from the next refit on: that refit first reads its READY, sends it
-the current manifest alone (no other receiver re-validates), and then streams to it with the others;
-until then its engine is empty, and an engine that never committed is not current. A receiver that
-says LEAVE, closes, dies or stops answering is dropped, with who and why kept for the refit's stats
-and said once at WARNING.
+A receiver that proves the token after `connect` (the lobby's background thread hands it over) gets a
+fresh rank. Over shm and cuda-ipc, whose setup is fixed for the session, it is welcomed at once; over
+gloo and nccl the Sender welcomes it into the next group it forms (it waits, with heartbeats). It takes
+part from the next refit on: that refit sends it the current manifest (alone, or with everyone in a new
+group's epoch) and then streams to it with the others; until then its engine is empty, and an engine
+that never committed is not current. A receiver that says LEAVE, closes, dies or stops answering is
+dropped, with who and why kept for the refit's stats and said once at WARNING.
 """
 
 from __future__ import annotations
