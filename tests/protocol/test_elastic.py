@@ -206,14 +206,6 @@ def test_a_receiver_killed_between_refits_is_named_and_a_restart_under_a_new_ran
     assert b.wait() == 0 and again.wait() == 0
 
 
-def test_a_per_rank_refit_refuses_an_elastic_sender() -> None:
-    from refit.topology.ranked import RankedRefit
-
-    with Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", elastic=True) as sender:
-        with pytest.raises(ValueError, match="per-rank refit cannot use an elastic Sender.*no other worker has"):
-            RankedRefit(sender)
-
-
 @pytest.mark.slow
 def test_a_departed_per_rank_worker_fails_the_refit_saying_its_shard_has_no_other_holder() -> None:
     from fsdp_trainer import build
@@ -291,3 +283,38 @@ def test_over_gloo_a_receiver_dying_mid_refit_breaks_the_group_which_is_formed_a
         assert sender.refit(3).receivers == [rank_a]
         _assert_current(a.report(), sender, tensors, 3)
     assert a.wait() == 0
+
+
+@pytest.mark.slow
+def test_an_elastic_per_rank_session_fails_the_refit_a_worker_departs_in_and_goes_on_with_its_replacement() -> None:
+    from fsdp_trainer import build
+    from rank_worker import RankWorker
+    from trainer_ranks import line, start
+
+    from refit.dtypes import dtype_name
+
+    bucket = 16384
+    specs = [[n, list(t.shape), dtype_name(torch.float32)] for n, t in sorted(build(0).state_dict().items())]
+    ranks = start({"mode": "ranked", "bucket_bytes": bucket, "model": "fsdp", "transport": "shm", "steps": 3,
+                   "dtype_change_at": 99, "timeout_s": TIMEOUT_S, "elastic": True})  # fmt: skip
+    infos = line(ranks[0])
+    args = {"rendezvous": infos, "specs": specs, "bucket_bytes": bucket}
+    workers = [RankWorker({**args, "index": 0}), RankWorker({**args, "index": 1, "fault": {"kind": "die", "version": 2, "at_load": 1}})]  # fmt: skip
+    try:
+        assert "error" not in line(ranks[0])
+        assert all(w.report()["state"] == "current" for w in workers)
+        failed = line(ranks[0])["error"]
+        assert "its engine worker departed during the refit" in failed and "no other holder" in failed
+        report = workers[0].report()
+        assert (report["event"], report["state"], report["target"]) == ("error", "failed", 2)
+        assert workers[1].wait() == 9
+        workers[1] = RankWorker({**args, "index": 1})  # the replacement, under the same worker index
+        sent = line(ranks[0])
+        assert "error" not in sent, sent
+        for w in workers:
+            got = w.report()
+            assert (got["state"], got["version"]) == ("current", 3) and got["fingerprints"] == sent["fingerprints"]
+    finally:
+        codes = [p.wait(timeout=120) for p in ranks]
+        assert [w.wait() for w in workers] == [0, 0]
+    assert codes == [0, 0]

@@ -78,11 +78,6 @@ class RankedRefit:
     """Drives one trainer rank's Sender in a per-rank refit; call every method on every rank."""
 
     def __init__(self, sender, *, group: dist.ProcessGroup | None = None) -> None:
-        if getattr(sender, "elastic", False):
-            raise ValueError(
-                "a per-rank refit cannot use an elastic Sender: each worker holds its rank's shard, which no "
-                "other worker has, so a departed worker must fail the refit; build the Sender with elastic=False"
-            )
         self.sender = sender
         self.group = group
         self.rank = dist.get_rank(group)
@@ -142,7 +137,7 @@ class RankedRefit:
             source.begin(layout=self._layout(), sender=self.sender)
         try:
             if error is None:
-                stats = self.sender.refit(version)
+                stats = self._refit(version)
         except Exception as e:  # noqa: BLE001 - whatever broke this rank's refit, the other ranks wait for its vote
             error = departed(e, f"the engine worker of trainer rank {self.rank}")
         finally:
@@ -153,6 +148,18 @@ class RankedRefit:
         if error is not None:
             raise error
         assert stats is not None
+        return stats
+
+    def _refit(self, version: int) -> RefitStats:
+        """This rank's Sender's refit. An elastic Sender first waits (up to the connect timeout) for its worker:
+        a replacement under the same worker index takes the place of one that departed."""
+        sender = self.sender
+        if not getattr(sender, "elastic", False):
+            return sender.refit(version)
+        sender.await_receivers(1, timeout_s=sender.settings.connect_timeout_s)
+        stats = sender.refit(version)
+        if not stats.receivers:  # no worker took part, so no vote was cast: the shard went nowhere
+            raise PeerError(f"no engine worker of trainer rank {self.rank} is connected (none replaced the last)")
         return stats
 
     def _agree(self) -> None:

@@ -226,8 +226,10 @@ class Sender:
         if not self.elastic:
             raise ValueError("await_receivers is for an elastic Sender (Sender(..., elastic=True))")
         self.connect()
-        members = self._session.members
-        assert members is not None
+        members, pulse = self._session.members, self._session.pulse
+        assert members is not None and pulse is not None
+        with pulse.lock:  # who left since the last refit does not count
+            members.sweep(self.channels, self._drop)
         need = count - len(self.channels)
         return need <= 0 or members.await_ready(need, timeout_s) >= need
 
@@ -628,6 +630,11 @@ class Sender:
         stats.add("commit", time.perf_counter() - t)
         _set_unverified_names(stats, sorted(names))
         self._record_members(stats, committed, version)
+        if self.verdict is not None and self.elastic and not committed and not failures:
+            failures.append(
+                f"its engine worker departed during the refit ({_named(stats.departed)}); its shard has no other "
+                "holder, so no worker commits; a replacement under the same worker index takes the next refit"
+            )
         if self.verify == "strict" and names and not failures and not errors:
             failures.append(_strict_failure(sorted(names)))
         if failures or errors:
@@ -687,6 +694,10 @@ class Sender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _named(departed: list[dict]) -> str:
+    return "; ".join(f"receiver {d['receiver']}: {d['reason']}" for d in departed) or "no receiver"
 
 
 def _expect_ready(ch: Channel) -> None:
