@@ -62,11 +62,13 @@ class Membership:
             )
             return
         with self._lock:
-            if len(self._waiting) >= MAX_WAITING:
-                answer(arrival.sock, f"{MAX_WAITING} receivers are already waiting to join; try again after a refit")
-                return
-            self._next_rank += 1
-            rank = self._next_rank
+            full = len(self._waiting) >= MAX_WAITING
+            if not full:
+                self._next_rank += 1
+                rank = self._next_rank
+        if full:
+            answer(arrival.sock, f"{MAX_WAITING} receivers are already waiting to join; try again after a refit")
+            return
         ch = Channel(arrival.sock, peer=f"receiver {rank} ({arrival.addr})", timeout_s=self._timeout_s)
         ch.key, ch.rank = arrival.key, rank
         try:
