@@ -10,6 +10,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 
 import torch
 
@@ -417,25 +418,29 @@ class Sender:
                 self.channels.append(ch)
         self._digests = self._path.digests = self._digest_plan()
 
-    def _regroup(self, joiners: list[Channel]) -> None:
+    def _regroup(self, joiners: list[Channel], *, after_break: bool = False) -> None:
         """Elastic gloo/nccl, between refits: a new group of the receivers still here and the joiners (a fixed-size
-        group cannot shrink or grow), then a new epoch's handshake for all (their receive paths were on the old one)."""
+        group cannot shrink or grow), then a new epoch's handshake for all (their receive paths were on the old one).
+        `after_break`: a receiver may still be blocked in the broken group's last operation until its timeout
+        (aborting the group here does not reach it), so the new group waits twice REFIT_TIMEOUT for it."""
         members = self._session.members
         assert members is not None
         everyone = [*self.channels, *joiners]
-        if self._session.transport is not None:
-            self._session.transport.close()
+        old = self._session.transport
+        if old is not None:  # abort: a member still blocked in the old group (a broken refit) fails at once
+            getattr(old, "abort", old.close)()
             self._session.transport = None
         self._path, self.manifest, self._group = None, None, []
         if not everyone:  # the next joiner forms the next group
             return
+        settings = replace(self.settings, timeout_s=2 * self.settings.timeout_s) if after_break else self.settings
         transport, info = self._transport_cls.offer(
             capacity=self.capacity,
             num_slots=self.num_slots,
             num_receivers=max(1, len(everyone)),
             device=self.device,
-            settings=self.settings,
-            store=AuthenticatedStores(self.settings.token, self.settings),
+            settings=settings,
+            store=AuthenticatedStores(self.settings.token, settings),
         )
         self._session.transport = transport
         for g, ch in enumerate(everyone, start=1):
@@ -548,7 +553,7 @@ class Sender:
                 members.sweep(self.channels, self._drop)
             joiners = members.take_ready()
             if self._transport_cls.uses_store and (joiners or self.channels != self._group):
-                self._regroup(joiners)
+                self._regroup(joiners, after_break=retry)
                 joiners = []
             if not self.channels and not joiners:
                 log.warning("refit of version %d reached no receiver: none is connected", version)

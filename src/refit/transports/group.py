@@ -4,6 +4,7 @@ token), and one broadcast per bucket from the sender (rank 0)."""
 
 from __future__ import annotations
 
+import contextlib
 from abc import abstractmethod
 
 import torch
@@ -107,6 +108,15 @@ class BroadcastTransport(Transport):
 
     def recv(self, slot: int, nbytes: int) -> Pending:
         return self._broadcast(slot, nbytes, f"{self.name} receive of {nbytes} bytes from the sender")
+
+    def abort(self) -> None:
+        """Break the group now, so that every peer still blocked in it fails at once instead of waiting out its
+        timeout (an elastic sender leaving a group a dead member broke), then close."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            with contextlib.suppress(Exception):  # a group already broken may refuse; it is dropped either way
+                pg.abort()
+        self.close()
 
     def close(self) -> None:
         self._pg = None
