@@ -121,7 +121,12 @@ def main() -> int:
     sender = driver = None
     if ranked:
         sender = Sender(
-            source, transport=args["transport"], settings=settings, device=device, verify=args.get("verify")
+            source,
+            transport=args["transport"],
+            settings=settings,
+            device=device,
+            verify=args.get("verify"),
+            elastic=args.get("elastic", False),
         )
         driver = RankedRefit(sender)
         infos = driver.rendezvous()

@@ -52,3 +52,25 @@ def test_channel_times_out_naming_the_peer_and_stage() -> None:
     with pytest.raises(PeerError, match=r"sender \(x\) did not answer within 0.2s during bucket 3"):
         rx.recv("bucket 3")
     a.close()
+
+
+def test_leave_has_kind_17_and_its_reason_reaches_the_reader_bounded() -> None:
+    from refit.protocol.wire import MAX_REASON_CHARS, Left
+
+    a, b = socket.socketpair()
+    tx, rx = Channel(a, peer="receiver 3", timeout_s=2), Channel(b, peer="receiver 3", timeout_s=2)
+    tx.send(Header(Kind.LEAVE), {"reason": "drained"})
+    data = b.recv(64, socket.MSG_PEEK)
+    assert data[:5] == b"RFT1\x11" and struct.unpack_from("<Q", data, 40) == (len(b'{"reason":"drained"}'),)
+    with pytest.raises(Left, match="receiver 3 left the session: drained") as info:
+        rx.recv("the wait between refits")
+    assert isinstance(info.value, PeerError) and info.value.reason == "drained"
+    tx.send(Header(Kind.LEAVE), {"reason": "x" * 10_000})
+    with pytest.raises(Left) as info:
+        rx.recv("the wait between refits")
+    assert info.value.reason == "x" * MAX_REASON_CHARS
+    tx.send(Header(Kind.LEAVE), b"not json")
+    with pytest.raises(Left, match=r"\(unreadable reason\)"):
+        rx.recv("the wait between refits")
+    a.close()
+    b.close()

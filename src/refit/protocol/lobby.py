@@ -15,6 +15,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from refit.errors import IntegrityError, PeerError
@@ -102,9 +103,14 @@ class Lobby:
     def refuse_late(self, num_receivers: int) -> None:
         """From now on answer every connection at once with ERROR, in a background thread, until `close`."""
         message = f"this sender already has its {num_receivers} receiver(s); start another Sender"
+        self.serve_late(lambda arrival: answer(arrival.sock, message))
+
+    def serve_late(self, on_arrival: Callable[[Arrival], None]) -> None:
+        """From now on hand every connection that proves the token to `on_arrival` (an elastic sender's
+        joiners), in a background thread, until `close`; the rest are refused as during `admit`."""
 
         def late(arrival: Arrival) -> bool:
-            _answer(arrival.sock, message)
+            on_arrival(arrival)
             return False
 
         self._thread = threading.Thread(target=self._serve, args=(late, None), name="refit-lobby", daemon=True)
@@ -161,7 +167,7 @@ class Lobby:
             sel.unregister(p.sock)
             self.refused += 1
             log.warning("refused a connection from %s: %s", p.addr, e)
-            _answer(p.sock, str(e))
+            answer(p.sock, str(e))
             return None
         except (OSError, IntegrityError) as e:
             del pending[fd]
@@ -200,9 +206,9 @@ class Lobby:
 
     def _check_proof(self, p: _Pending) -> bytes:
         """The receiver's AUTH read: its proof of the token, or _Refused."""
-        answer = _parse_step(bytes(p.data), Kind.AUTH)
+        reply = _parse_step(bytes(p.data), Kind.AUTH)
         receiver_nonce, sender_nonce = p.nonces
-        if not auth.verify(self._token, auth.RECEIVER, receiver_nonce, sender_nonce, answer.get("proof")):
+        if not auth.verify(self._token, auth.RECEIVER, receiver_nonce, sender_nonce, reply.get("proof")):
             raise _Refused(WRONG_TOKEN)
         return auth.session_key(self._token, receiver_nonce, sender_nonce)
 
@@ -243,7 +249,7 @@ def _parse_hello(data: bytes) -> dict:
     return _parse_step(data, Kind.HELLO)
 
 
-def _answer(sock: socket.socket, message: str) -> None:
+def answer(sock: socket.socket, message: str) -> None:
     """Tell a refused peer why, without letting it hold us up, then close."""
     ch = Channel(sock, peer="refused peer", timeout_s=2.0)
     try:

@@ -43,6 +43,8 @@ class Kind(IntEnum):
     HEARTBEAT = 14  # sender -> receiver, between refits: the sender is alive
     VERIFY = 15  # sender -> receiver, after the last bucket: fingerprints of the live source tensors
     AUTH = 16  # both ways, after HELLO: sender's nonce and proof, then the receiver's proof (refit.protocol.auth)
+    LEAVE = 17  # receiver -> sender: it closes on purpose, JSON {"reason": ...}; the sender drops it (elastic)
+    REGROUP = 18  # sender -> receiver, elastic gloo/nccl between refits: join a new group (JSON as WELCOME, MAC'd)
 
 
 WITH_PAYLOAD = {
@@ -57,7 +59,19 @@ WITH_PAYLOAD = {
     Kind.SOURCES,
     Kind.VERIFY,
     Kind.AUTH,
+    Kind.LEAVE,
+    Kind.REGROUP,
 }
+MAX_REASON_CHARS = 500
+"""Longest LEAVE reason kept (a reason is for a log line and RefitStats, not a document)."""
+
+
+class Left(PeerError):
+    """The peer said LEAVE: it closed on purpose; `reason` is what it said."""
+
+    def __init__(self, peer: str, reason: str) -> None:
+        super().__init__(f"{peer} left the session: {reason}")
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +132,10 @@ class Channel:
         self.heartbeats = 0
         self.key = b""
         """This session's key once both sides proved the token (refit.protocol.auth)."""
+        self.rank = 0
+        """The receiver's rank in its session (the sender's channels), else 0."""
+        self.stray: tuple[Header, bytes] | None = None
+        """The last message `expect` refused (another kind than expected), for a caller that can still use it."""
         self._send_lock = threading.Lock()
         sock.settimeout(timeout_s)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -172,11 +190,14 @@ class Channel:
             self.bytes_received += HEADER.size + len(payload)
             if header.kind == Kind.ERROR:
                 raise PeerError(f"{self.peer} failed: {_message(payload)}")
+            if header.kind == Kind.LEAVE:
+                raise Left(self.peer, leave_reason(payload))
             return header, payload
 
     def expect(self, kind: Kind, stage: str) -> tuple[Header, bytes]:
         header, payload = self.recv(stage)
         if header.kind != kind:
+            self.stray = (header, payload)
             raise PeerError(f"{self.peer} sent {header.kind.name} during {stage}, expected {kind.name}")
         return header, payload
 
@@ -219,6 +240,16 @@ def _message(payload: bytes) -> str:
     except IntegrityError:
         return "(unreadable error message)"
     return str(obj.get("message", obj)) if isinstance(obj, dict) else str(obj)
+
+
+def leave_reason(payload: bytes) -> str:
+    """The reason in a LEAVE, bounded; a malformed one still counts as leaving (the peer is gone either way)."""
+    try:
+        obj = load_json(payload, "LEAVE", max_bytes=64 << 10)
+    except IntegrityError:
+        return "(unreadable reason)"
+    reason = obj.get("reason") if isinstance(obj, dict) else None
+    return str(reason)[:MAX_REASON_CHARS] if reason else "(no reason given)"
 
 
 def load_json(payload: bytes, what: str, *, max_bytes: int = MAX_JSON_BYTES) -> object:

@@ -48,6 +48,7 @@ from refit.settings import Settings
 from refit.sources.base import Source
 from refit.sources.pieces import PieceSource
 from refit.topology.collective import Collective
+from refit.topology.ranked import departed
 from refit.topology.receiver import Receiver
 from refit.topology.sender import Sender
 from refit.topology.stats import RefitStats
@@ -216,9 +217,10 @@ class MeshRefit:
         return self._stats(version, futures)
 
     def _stats(self, version: int, futures: Sequence[Future]) -> RefitStats:
-        errors = [f.exception() for f in futures if f.exception() is not None]
+        errors = [(w, f.exception()) for w, f in enumerate(futures) if f.exception() is not None]
         if errors:
-            raise next((e for e in errors if isinstance(e, PeerError)), errors[0])
+            w, e = next(((w, e) for w, e in errors if isinstance(e, PeerError)), errors[0])
+            raise departed(e, f"engine worker {w} (fed by trainer rank {self.rank})")
         pairs = [f.result() for f in futures]
         assert self.plan is not None
         stats = RefitStats(version=version, epoch=self.epoch, handshake=any(p.handshake for p in pairs))

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from refit.dtypes import dtype_name
-from refit.errors import RefitError
+from refit.errors import PeerError, RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.planner import plan
 from refit.log import get_logger
@@ -39,6 +39,19 @@ from refit.topology.stats import RefitStats
 from refit.transports import device as devices
 
 NO_LIMIT = 1 << 62
+
+
+def departed(error: Exception, worker: str) -> Exception:
+    """A lost peer in a per-rank or M:N refit, said as such: its shard has no other holder, so the refit
+    fails on every worker (they keep their last committed weights, state 'failed')."""
+    if not isinstance(error, PeerError) or "broke earlier" in str(error):
+        return error
+    out = PeerError(
+        f"{worker} departed or failed ({error}); its shard has no other holder, so this refit fails on every "
+        "worker (they report state 'failed'); restart that worker and start a new session"
+    )
+    out.__cause__ = error
+    return out
 
 
 def pick(rendezvous: Sequence[dict] | dict, device: torch.device, *, index: int) -> dict:
@@ -124,9 +137,9 @@ class RankedRefit:
             source.begin(layout=self._layout(), sender=self.sender)
         try:
             if error is None:
-                stats = self.sender.refit(version)
+                stats = self._refit(version)
         except Exception as e:  # noqa: BLE001 - whatever broke this rank's refit, the other ranks wait for its vote
-            error = e
+            error = departed(e, f"the engine worker of trainer rank {self.rank}")
         finally:
             if gathers:
                 source.end(drain=True)
@@ -135,6 +148,18 @@ class RankedRefit:
         if error is not None:
             raise error
         assert stats is not None
+        return stats
+
+    def _refit(self, version: int) -> RefitStats:
+        """This rank's Sender's refit. An elastic Sender first waits (up to the connect timeout) for its worker:
+        a replacement under the same worker index takes the place of one that departed."""
+        sender = self.sender
+        if not getattr(sender, "elastic", False):
+            return sender.refit(version)
+        sender.await_receivers(1, timeout_s=sender.settings.connect_timeout_s)
+        stats = sender.refit(version)
+        if not stats.receivers:  # no worker took part, so no vote was cast: the shard went nowhere
+            raise PeerError(f"no engine worker of trainer rank {self.rank} is connected (none replaced the last)")
         return stats
 
     def _agree(self) -> None:

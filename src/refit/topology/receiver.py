@@ -20,7 +20,7 @@ from refit.layout.manifest import Manifest
 from refit.log import get_logger
 from refit.protocol import auth
 from refit.protocol.store import AuthenticatedStores
-from refit.protocol.wire import MAX_HELLO_BYTES, Channel, Header, Kind, parse_json
+from refit.protocol.wire import MAX_HELLO_BYTES, MAX_REASON_CHARS, Channel, Header, Kind, parse_json
 from refit.settings import Settings
 from refit.topology.receive_path import ReceivePath
 from refit.topology.stats import RefitStats
@@ -69,6 +69,8 @@ class Receiver:
         self._idle_timeout_s = self.settings.timeout_s
         self.warn_unverified = True
         """Log the tensors the fingerprint cannot read back (once per epoch); M:N logs it for one pair only."""
+        self._regroups = False
+        """Elastic gloo/nccl (WELCOME says elastic): a broken group is re-formed by the sender, not the end."""
         self.statement: dict | None = None
         """M:N: what this worker keeps (refit.topology.mesh), sent with READY for the trainer's plan."""
         self.on_commit = on_commit
@@ -106,12 +108,20 @@ class Receiver:
         )
         ch.set_timeout(self.settings.connect_timeout_s)  # the sender admits every receiver first; they start slowly
         self._authenticate(ch, limit)
-        header, raw = ch.recv("rendezvous (waiting for every receiver to connect)", max_payload=MAX_WELCOME_BYTES)
+        # idle: an elastic gloo/nccl sender welcomes a joiner when it forms its next group, beating meanwhile
+        header, raw = ch.recv(
+            "rendezvous (waiting for every receiver to connect)", idle=True, max_payload=MAX_WELCOME_BYTES
+        )
         if header.kind != Kind.WELCOME:
             raise PeerError(f"{ch.peer} sent {header.kind.name} during rendezvous, expected WELCOME")
-        if not auth.check_tag(ch.key, b"WELCOME", raw, header.digest):
-            raise IntegrityError(f"{ch.peer}'s WELCOME is not bound to this session (its MAC is wrong); not trusted")
-        welcome = parse_json(raw, "WELCOME")
+        self._setup(ch, header, raw, limit)
+
+    def _setup(self, ch: Channel, header: Header, raw: bytes, limit: int) -> None:
+        """Join the transport WELCOME (or, elastic gloo/nccl, REGROUP) describes, once its MAC checks out."""
+        what = header.kind.name
+        if not auth.check_tag(ch.key, what.encode(), raw, header.digest):
+            raise IntegrityError(f"{ch.peer}'s {what} is not bound to this session (its MAC is wrong); not trusted")
+        welcome = parse_json(raw, what)
         ch.set_timeout(self.settings.timeout_s)
         rank, capacity, info = welcome.get("rank"), welcome.get("capacity"), welcome.get("info")
         beat = welcome.get("heartbeat_s")
@@ -130,6 +140,7 @@ class Receiver:
             raise IntegrityError(
                 f"WELCOME's transport setup sizes buffers of {info.get('capacity')!r:.40}, not {capacity}"
             )
+        self._regroups = welcome.get("elastic") is True and self._transport_cls.uses_store
         token = str(self.rendezvous.get("token") or "")
         store = {"store": AuthenticatedStores(token, self.settings)} if self._transport_cls.uses_store else {}
         self.transport = self._transport_cls.join(info, rank=rank, device=self.device, settings=self.settings, **store)
@@ -217,10 +228,53 @@ class Receiver:
                 self._path.open_sources(payload)
             elif header.kind == Kind.BEGIN:
                 return self._refit(header)
+            elif header.kind == Kind.REGROUP:
+                self._regroup(header, payload)
             elif header.kind == Kind.CLOSE:
                 return None
             else:
                 raise PeerError(f"sender sent {header.kind.name} between refits")
+
+    def _after_broken_group(self, version: int, error: PeerError) -> RefitStats | None:
+        """Elastic gloo/nccl: the group broke mid-refit (a member died). The sender forms a new group and retries
+        the version: wait for its REGROUP (skipping what is left of the broken refit), join it and go on."""
+        ch = self.channel
+        assert ch is not None
+        stray, ch.stray = ch.stray, None
+        stage = f"the sender's new group (refit {version} broke: {error})"
+        header, payload = stray if stray is not None else ch.recv(stage)
+        while header.kind in (Kind.BUCKET, Kind.VERIFY, Kind.COMMIT):
+            header, payload = ch.recv(stage)
+        if header.kind == Kind.CLOSE:
+            return None
+        if header.kind != Kind.REGROUP:
+            raise PeerError(f"{ch.peer} sent {header.kind.name} after refit {version} broke, expected REGROUP")
+        log.warning(
+            "refit %d broke in the %s group (%s); joining the sender's new group",
+            version,
+            self._transport_cls.name,
+            error,
+        )
+        self._regroup(header, payload)
+        return self._receive()
+
+    def _regroup(self, header: Header, payload: bytes) -> None:
+        """Elastic gloo/nccl: the sender formed a new group (someone joined or left): leave the old one, join
+        the new one, say READY; the new epoch's manifest follows (this side's receive path was on the old group)."""
+        assert self.channel is not None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        release = getattr(self.engine, "release_buffers", None)
+        if callable(release):
+            release()
+        self.manifest, self._path = None, None
+        limit = bucket_capacity(
+            bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio, free=free_bytes(self.device)
+        )
+        self._setup(self.channel, header, payload, limit)
+        self.channel.send(Header(Kind.READY), self.statement)
+        log.info("joined the sender's new group")
 
     def serve(self) -> int:
         """Receive refits until the sender closes; returns how many were committed."""
@@ -307,6 +361,8 @@ class Receiver:
                 )
         except RefitError as e:
             self.engine.fail(version, str(e))
+            if isinstance(e, PeerError) and self._regroups:
+                return self._after_broken_group(version, e)
             raise
         t = time.perf_counter()
         self._flush(version)
@@ -363,6 +419,15 @@ class Receiver:
         except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
         return None
+
+    def leave(self, reason: str = "the engine is shutting down") -> None:
+        """Leave the session on purpose, between refits: the sender is told LEAVE with `reason` (an elastic
+        sender drops this receiver and names it in `RefitStats.departed`; any other fails its next refit
+        saying so), then everything is closed as by `close`."""
+        if self.channel is not None and not self._broken:
+            with contextlib.suppress(PeerError):
+                self.channel.send(Header(Kind.LEAVE), {"reason": str(reason)[:MAX_REASON_CHARS]})
+        self.close()
 
     def close(self) -> None:
         """End the session: close the channel and transport, and drop every view into the receive buffers

@@ -11,11 +11,12 @@ step this path calls: it digests each tensor as it is packed, and sends the dige
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 from refit.checks.checksum import checksum
-from refit.errors import PeerError
+from refit.errors import IntegrityError, PeerError
 from refit.layout.manifest import Manifest
 from refit.layout.packing import Packer, copy_share
 from refit.log import get_logger
@@ -27,6 +28,19 @@ from refit.topology.verification import DigestPlan
 from refit.transports.base import Pending, Transport
 
 log = get_logger("sender")
+Lost = Callable[[Channel, Exception], None]
+"""What an elastic session does with a receiver lost mid-refit (drops it); None: the loss fails the refit."""
+
+
+def each(channels: list[Channel], step: Callable[[Channel], None], on_lost: Lost | None) -> None:
+    """`step` for every channel; a peer lost on the way goes to `on_lost` (elastic), else its error is raised."""
+    for ch in list(channels):
+        try:
+            step(ch)
+        except (PeerError, IntegrityError) as e:
+            if on_lost is None:
+                raise
+            on_lost(ch, e)
 
 
 class SendPath:
@@ -53,24 +67,37 @@ class SendPath:
         self.digests = digests
         self.packer = Packer(manifest, transport.buffers)
         self.bucket_names = [[manifest.entries[s.entry].name for s in segs] for segs in manifest.segments]
+        self.on_lost: Lost | None = None
 
     def buffer(self, b: int) -> torch.Tensor:
         """The slot buffer bucket `b` is packed into."""
         return self.transport.buffers[b % self.num_slots]
 
     def send(
-        self, source: Source, version: int, stats: RefitStats, generation: int, *, verify_checksum: bool
+        self,
+        source: Source,
+        version: int,
+        stats: RefitStats,
+        generation: int,
+        *,
+        verify_checksum: bool,
+        on_lost: Lost | None = None,
     ) -> list[str]:
         """`source`'s tensors as `version`: every bucket (none in zero-copy mode; each with its checksum when
-        `verify_checksum`), then the digests; returns receivers' per-bucket errors."""
-        digests = self.digests
-        if digests is not None:
-            digests.reset()
-        with copy_share(self.transport.name):
-            errors = [] if self.zero_copy else self._stream(source, version, stats, generation, verify_checksum)
-        if digests is not None and not errors:
-            self._send_digests(source, version, stats, digests)
-        return errors
+        `verify_checksum`), then the digests; returns receivers' per-bucket errors. A receiver lost on the
+        way goes to `on_lost` (elastic: dropped, the rest go on), or its error is raised."""
+        self.on_lost = on_lost
+        try:
+            digests = self.digests
+            if digests is not None:
+                digests.reset()
+            with copy_share(self.transport.name):
+                errors = [] if self.zero_copy else self._stream(source, version, stats, generation, verify_checksum)
+            if digests is not None and not errors:
+                self._send_digests(source, version, stats, digests)
+            return errors
+        finally:
+            self.on_lost = None  # it refers to the Sender: holding it would keep an unclosed one alive
 
     def _stream(
         self, source: Source, version: int, stats: RefitStats, generation: int, verify_checksum: bool
@@ -101,8 +128,7 @@ class SendPath:
                 checksum=crc,
                 status=int(verify_checksum),
             )
-            for ch in self.channels:
-                ch.send(header)
+            each(self.channels, lambda ch, h=header: ch.send(h), self.on_lost)
             inflight[slot] = self.transport.send(slot, nbytes)
             stats.add("send", time.perf_counter() - t)
             log.debug("bucket %d of %d (%d bytes) sent from slot %d", b, m.num_buckets, nbytes, slot)
@@ -128,12 +154,15 @@ class SendPath:
         stage = f"refit {version}, bucket {b}"
         if pending is not None:
             pending.wait(self.settings.timeout_s)
-        for ch in self.channels:
+
+        def ack(ch: Channel) -> None:
             header, _ = ch.expect(Kind.ACK, stage)
             if header.index != b:
                 raise PeerError(f"{ch.peer} acknowledged bucket {header.index} during {stage}")
             if header.status:
                 errors.append(f"{ch.peer} failed at bucket {b}")
+
+        each(self.channels, ack, self.on_lost)
         stats.add("wait", time.perf_counter() - t)
 
     def _send_digests(self, source: Source, version: int, stats: RefitStats, digests: DigestPlan) -> None:
@@ -142,8 +171,9 @@ class SendPath:
         m = self.manifest
         if self.zero_copy:
             digests.take_all(source)
-        for ch, payload in zip(self.channels, digests.payloads()):
-            ch.send(Header(Kind.VERIFY, epoch=m.epoch, version=version, digest=m.digest), {"digests": payload})
+        verify = Header(Kind.VERIFY, epoch=m.epoch, version=version, digest=m.digest)
+        sends = dict(zip(map(id, self.channels), digests.payloads()))
+        each(self.channels, lambda ch: ch.send(verify, {"digests": sends[id(ch)]}), self.on_lost)
         stats.add("verify", time.perf_counter() - t)
 
 

@@ -10,6 +10,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 
 import torch
 
@@ -27,7 +28,8 @@ from refit.protocol.store import AuthenticatedStores
 from refit.protocol.wire import Channel, Header, Kind, parse_json
 from refit.settings import Settings
 from refit.sources.base import Source
-from refit.topology.send_path import SendPath, share_sources
+from refit.topology.membership import Membership, readable
+from refit.topology.send_path import SendPath, each, share_sources
 from refit.topology.stats import RefitStats
 from refit.topology.verification import DigestPlan, parse_regions
 from refit.transports import address
@@ -45,8 +47,12 @@ class _Pulse:
     """Heartbeats to every receiver between refits, from a thread that holds no reference to the Sender
     (so an unclosed Sender can still be collected). A refit holds `lock`; heartbeats never interleave with it."""
 
-    def __init__(self, channels: list[Channel], interval_s: float) -> None:
+    def __init__(
+        self, channels: list[Channel], interval_s: float, waiting: Callable[[], list[Channel]] | None = None
+    ) -> None:
         self.channels = channels
+        self.waiting = waiting
+        """Elastic: the joiners welcomed but not yet in a refit, which must not time out either."""
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(interval_s,), name="refit-heartbeat", daemon=True)
@@ -57,11 +63,10 @@ class _Pulse:
             if not self.lock.acquire(blocking=False):
                 continue
             try:
-                for ch in self.channels:
+                for ch in self.channels + (self.waiting() if self.waiting else []):
                     if ch.unsent_bytes() < UNREAD_LIMIT:
-                        ch.send(Header(Kind.HEARTBEAT))
-            except PeerError:
-                pass  # the next refit reports the dead peer with its stage
+                        with contextlib.suppress(PeerError):  # the next refit reports the dead peer with its stage
+                            ch.send(Header(Kind.HEARTBEAT))
             finally:
                 self.lock.release()
 
@@ -80,6 +85,7 @@ class _Session:
         self.pulse: _Pulse | None = None
         self.channels: list[Channel] = []
         self.transport: Transport | None = None
+        self.members: Membership | None = None
 
     def drop_peers(self) -> None:
         """After a failed connect: close every channel and the transport (the lobby stays until `close`)."""
@@ -95,6 +101,8 @@ class _Session:
             self.pulse.stop()
             self.pulse = None
         self.lobby.close()
+        if self.members is not None:
+            self.members.close()
         for ch in self.channels:
             with contextlib.suppress(PeerError):
                 ch.send(Header(Kind.CLOSE))
@@ -126,6 +134,7 @@ class Sender:
         num_slots: int = NUM_SLOTS,
         zero_copy: bool = False,
         port: int = 0,
+        elastic: bool = False,
     ) -> None:
         """`verify="fingerprint"`: after the last bucket, each receiver compares a digest of what its
         engine now holds with a digest of the trainer's live tensors (after the wire cast), and the
@@ -133,13 +142,18 @@ class Sender:
         back are reported (`RefitStats.unverified_names`) but accepted. `verify="strict"` verifies the
         same way and fails the refit (committed on no receiver) when any tensor went unverified.
         `zero_copy` (cuda-ipc only): receivers copy straight from the source tensors, whose IPC handles
-        are exported once per epoch; the source must hold contiguous device tensors in their wire dtype."""
+        are exported once per epoch; the source must hold contiguous device tensors in their wire dtype.
+        `elastic`: receivers beyond the first `num_receivers` may join at any time (they take part from
+        the next refit), and one that leaves or dies is dropped while the refit goes on with the rest
+        (`RefitStats.departed` names it); without it any lost receiver fails the refit and the session."""
         if num_receivers < 1:
             raise ValueError(f"num_receivers ({num_receivers}) must be >= 1")
         if num_slots < 1:
             raise ValueError(f"num_slots ({num_slots}) must be >= 1 (2 overlaps packing with transfer)")
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if elastic and zero_copy:
+            raise ValueError("elastic=True cannot be combined with zero_copy (a joiner would need the source handles)")
         if zero_copy and (transport != "cuda-ipc" or not source.stable_tensors):
             raise ValueError(
                 f"zero_copy needs the cuda-ipc transport ({transport!r} given) and a source whose "
@@ -148,6 +162,7 @@ class Sender:
         self.num_slots = num_slots
         self.zero_copy = zero_copy
         self.verify = verify
+        self.elastic = elastic
         self._broken = ""
         self._connected = False
         self.source = source
@@ -162,12 +177,15 @@ class Sender:
         self._finalizer = weakref.finalize(self, self._session.close)
         self.capacity = 0
         self.manifest: Manifest | None = None
-        self._regions: list[dict[str, list[int]]] = []
+        self._regions: dict[int, dict] = {}
+        """Per receiver rank: the regions (shards) it named at its handshake (fingerprint check)."""
         self._digests: DigestPlan | None = None
         self._signature: Hashable = None
         self._path: SendPath | None = None
         self._epoch = 0
         self._generation = 0
+        self._group: list[Channel] = []
+        """Elastic gloo/nccl: the receivers the transport's group was formed with (a change means a new group)."""
         self._begun = False
         self.statements: list[bytes] = []
         """What each receiver sent with READY: M:N shard statements (JSON; refit.topology.mesh), else empty."""
@@ -179,6 +197,11 @@ class Sender:
     @property
     def channels(self) -> list[Channel]:
         return self._session.channels
+
+    @property
+    def _lost(self) -> Callable[[Channel, Exception], None] | None:
+        """Elastic: what to do with a receiver lost mid-refit (drop it); else None: the loss fails the refit."""
+        return self._drop if self.elastic else None
 
     @property
     def transport(self) -> Transport | None:
@@ -197,6 +220,19 @@ class Sender:
         host, port = self._session.lobby.address()
         host = address.advertised(host, self.settings)  # a wildcard is no address to dial
         return {"host": host, "port": port, "token": self.settings.token, "transport": self.transport_name}
+
+    def await_receivers(self, count: int, *, timeout_s: float) -> bool:
+        """Elastic: wait until `count` receivers take part in the next refit (those in the session, plus
+        joiners whose READY arrived), at most `timeout_s`; True when they do. Connects first if needed."""
+        if not self.elastic:
+            raise ValueError("await_receivers is for an elastic Sender (Sender(..., elastic=True))")
+        self.connect()
+        members, pulse = self._session.members, self._session.pulse
+        assert members is not None and pulse is not None
+        with pulse.lock:  # who left since the last refit does not count
+            members.sweep(self.channels, self._drop)
+        need = count - len(self.channels)
+        return need <= 0 or members.await_ready(need, timeout_s) >= need
 
     # -- session setup ---------------------------------------------------------------------------
 
@@ -247,14 +283,29 @@ class Sender:
                 "transport": self.transport_name,
                 "info": info,
                 "heartbeat_s": interval,
+                **({"elastic": True} if self.elastic else {}),
             }
             data = json.dumps(welcome).encode()
             ch.send(Header(Kind.WELCOME, digest=auth.tag(ch.key, b"WELCOME", data)), data)
         transport.establish()
         self.statements = [ch.expect(Kind.READY, "transport setup")[1] for ch in self.channels]
-        transport.joined()
-        self._session.lobby.refuse_late(self.num_receivers)
-        self._session.pulse = _Pulse(self._session.channels, interval)
+        if self.elastic:  # the buffers stay open to later joiners (shm keeps its memfds until close)
+            members = Membership(
+                capacity=self.capacity,
+                transport=self.transport_name,
+                info=None if uses_store else info,  # a group's joiners are welcomed into the next group
+                heartbeat_s=interval,
+                timeout_s=self.settings.timeout_s,
+            )
+            members.start(first_rank=self.num_receivers)
+            self._session.members = members
+            self._group = list(self.channels)
+            self._session.lobby.serve_late(members.arrive)
+        else:
+            transport.joined()
+            self._session.lobby.refuse_late(self.num_receivers)
+        waiting = self._session.members.waiting if self._session.members else None
+        self._session.pulse = _Pulse(self._session.channels, interval, waiting)
         log.info(
             "connected %d receiver(s) over %s, buckets of %d bytes",
             self.num_receivers,
@@ -268,7 +319,7 @@ class Sender:
         limits = []
         for rank, a in enumerate(arrivals, start=1):
             ch = Channel(a.sock, peer=f"receiver {rank} ({a.addr})", timeout_s=self.settings.timeout_s)
-            ch.key = a.key
+            ch.key, ch.rank = a.key, rank
             self.channels.append(ch)
             limit = a.hello.get("capacity")
             if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
@@ -299,24 +350,14 @@ class Sender:
     def _handshake(self) -> None:
         self._epoch += 1
         manifest = plan(self.source.specs(), capacity=self.capacity, epoch=self._epoch)
-        payload = manifest.to_json()
-        for ch in self.channels:  # each receiver's copy is bound to its session: digest is a MAC under its key
-            binding = auth.tag(ch.key, b"MANIFEST", manifest_binding(manifest.epoch, manifest.digest))
-            ch.send(Header(Kind.MANIFEST, epoch=manifest.epoch, digest=binding, status=int(bool(self.verify))), payload)
-        failures, regions = [], []
-        for rank, ch in enumerate(self.channels, start=1):
-            obj = parse_json(ch.expect(Kind.REPORT, "handshake")[1], "REPORT")
-            report = Report.from_json(obj)
-            regions.append(parse_regions(obj.get("regions"), manifest) if self.verify else {})
-            if not report.ok:
-                failures.append(f"receiver {rank}: {report.message()}")
+        failures = self._offer_manifest(manifest, self.channels)
         if failures:
             self.manifest, self._signature = None, None
             raise HandshakeError(" | ".join(failures))
         if self.zero_copy:
             share_sources(self.source, manifest, self.channels)
-        self.manifest, self._regions = manifest, regions
-        self._digests = DigestPlan(manifest, regions) if self.verify else None
+        self.manifest = manifest
+        self._digests = self._digest_plan()
         assert self.transport is not None
         self._path = SendPath(
             manifest,
@@ -335,6 +376,92 @@ class Sender:
             manifest.num_buckets,
             manifest.capacity,
         )
+
+    def _offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]:
+        """Send `manifest` to `channels` and read each REPORT (keeping its regions); returns their refusals."""
+        payload = manifest.to_json()
+
+        def offer(ch: Channel) -> None:  # each receiver's copy is bound to its session: digest is a MAC under its key
+            binding = auth.tag(ch.key, b"MANIFEST", manifest_binding(manifest.epoch, manifest.digest))
+            ch.send(Header(Kind.MANIFEST, epoch=manifest.epoch, digest=binding, status=int(bool(self.verify))), payload)
+
+        failures: list[str] = []
+
+        def report(ch: Channel) -> None:
+            obj = parse_json(ch.expect(Kind.REPORT, "handshake")[1], "REPORT")
+            report = Report.from_json(obj)
+            self._regions[ch.rank] = parse_regions(obj.get("regions"), manifest) if self.verify else {}
+            if not report.ok:
+                failures.append(f"receiver {ch.rank}: {report.message()}")
+
+        each(channels, offer, self._lost)
+        each(channels, report, self._lost)
+        return failures
+
+    def _digest_plan(self) -> DigestPlan | None:
+        """The fingerprint plan for the current manifest and receivers (regions in channel order)."""
+        if not self.verify or self.manifest is None:
+            return None
+        return DigestPlan(self.manifest, [self._regions.get(ch.rank, {}) for ch in self.channels])
+
+    def _admit_joiners(self, joiners: list[Channel]) -> None:
+        """Elastic, at refit start: each joiner validates the current manifest alone (no other receiver sees it
+        again); one that refuses it is told why and dropped, and the refit goes on without it."""
+        assert self.manifest is not None and self._path is not None
+        for ch in joiners:
+            refused = self._offer_manifest(self.manifest, [ch])
+            if refused:
+                with contextlib.suppress(PeerError):
+                    ch.send(Header(Kind.ERROR), {"message": f"this engine does not fit the session: {refused[0]}"})
+                self._drop(ch, HandshakeError(refused[0]))
+            elif ch.rank in self._regions:  # a joiner lost during its handshake has no regions
+                self.channels.append(ch)
+        self._digests = self._path.digests = self._digest_plan()
+
+    def _regroup(self, joiners: list[Channel], *, after_break: bool = False) -> None:
+        """Elastic gloo/nccl, between refits: a new group of the receivers still here and the joiners (a fixed-size
+        group cannot shrink or grow), then a new epoch's handshake for all (their receive paths were on the old one).
+        `after_break`: a receiver may still be blocked in the broken group's last operation until its timeout
+        (aborting the group here does not reach it), so the new group waits twice REFIT_TIMEOUT for it."""
+        members = self._session.members
+        assert members is not None
+        everyone = [*self.channels, *joiners]
+        old = self._session.transport
+        if old is not None:  # abort: a member still blocked in the old group (a broken refit) fails at once
+            getattr(old, "abort", old.close)()
+            self._session.transport = None
+        self._path, self.manifest, self._group = None, None, []
+        if not everyone:  # the next joiner forms the next group
+            return
+        settings = replace(self.settings, timeout_s=2 * self.settings.timeout_s) if after_break else self.settings
+        transport, info = self._transport_cls.offer(
+            capacity=self.capacity,
+            num_slots=self.num_slots,
+            num_receivers=max(1, len(everyone)),
+            device=self.device,
+            settings=settings,
+            store=AuthenticatedStores(self.settings.token, settings),
+        )
+        self._session.transport = transport
+        for g, ch in enumerate(everyone, start=1):
+            members.welcome(ch, Kind.WELCOME if ch in joiners else Kind.REGROUP, {**info, "group_rank": g})
+        transport.establish()  # every member joins the new group, or this raises (the session is over)
+        for ch in everyone:
+            _expect_ready(ch)
+        self.channels[:] = everyone
+        self._group = list(everyone)
+        log.info("formed a new %s group of %d receiver(s)", self.transport_name, len(everyone))
+
+    def _drop(self, ch: Channel, error: Exception) -> None:
+        """Elastic: `ch` left (LEAVE, closed, died or broke the protocol): the refit goes on without it."""
+        if ch in self.channels:
+            i = self.channels.index(ch)
+            del self.channels[i]
+            if self._digests is not None and i < len(self._digests.regions):
+                del self._digests.regions[i]
+        self._regions.pop(ch.rank, None)
+        assert self._session.members is not None
+        self._session.members.drop(ch, error)
 
     def _changed(self) -> bool:
         """The cheap signature moved: does that need a new epoch? Yes if any spec or alias changed, and in
@@ -391,12 +518,54 @@ class Sender:
         return self._refit_connected(version, t_connect)
 
     def _refit_connected(self, version: int, t_connect: float) -> RefitStats:
+        try:
+            return self._refit_once(version, t_connect)
+        except PeerError as e:
+            if not (self.elastic and self._transport_cls.uses_store and self._begun):
+                raise
+            # A member died mid-refit and broke the group for everyone: drop it, form a new group, retry once.
+            log.warning(
+                "the %s group broke during refit %d (%s); retrying it once in a new group",
+                self.transport_name,
+                version,
+                e,
+            )
+            self._settle()
+            self._group, self._begun = [], False
+            return self._refit_once(version, t_connect, retry=True)
+
+    def _settle(self) -> None:
+        """After a broken group: drop each receiver whose connection ended; read (and forget) what the rest said
+        of the broken refit so far."""
+        for ch in list(self.channels):
+            try:
+                while readable(ch):
+                    ch.recv("the refit the group broke in")
+            except (PeerError, IntegrityError) as e:
+                self._drop(ch, e)
+
+    def _refit_once(self, version: int, t_connect: float, *, retry: bool = False) -> RefitStats:
         t0 = time.perf_counter()
+        members = self._session.members
+        joiners = []
+        if members is not None:  # elastic: who left since the last refit, who is ready to join
+            if not retry:  # (a retry's receivers may still be acknowledging the broken attempt: _settle saw to them)
+                members.sweep(self.channels, self._drop)
+            joiners = members.take_ready()
+            if self._transport_cls.uses_store and (joiners or self.channels != self._group):
+                self._regroup(joiners, after_break=retry)
+                joiners = []
+            if not self.channels and not joiners:
+                log.warning("refit of version %d reached no receiver: none is connected", version)
+                return RefitStats(version=version, epoch=self._epoch, departed=members.take_departed())
         signature = self.source.signature()
         moved = signature != self._signature
         handshake = self.manifest is None or (moved and self._changed())
         if handshake:
+            self.channels.extend(joiners)
             self._handshake()
+        elif joiners:
+            self._admit_joiners(joiners)
         if moved or not self.source.signature_covers_layout:
             self._generation += 1  # cached copy plans must check their tensors' layout again
         self._signature = signature
@@ -418,13 +587,14 @@ class Sender:
         )
         if self.zero_copy:  # the optimizer's writes must be done before receivers read the tensors
             torch.cuda.current_stream(self.device).synchronize()
-        for ch in self.channels:
-            ch.send(begin)
+        each(self.channels, lambda ch: ch.send(begin), self._lost)
         self._begun = True
         assert self._path is not None
-        errors = self._path.send(self.source, version, stats, self._generation, verify_checksum=self.verify_checksum)
+        errors = self._path.send(
+            self.source, version, stats, self._generation, verify_checksum=self.verify_checksum, on_lost=self._lost
+        )
         self._commit(m, version, stats, errors)
-        stats.control_bytes = self._control_bytes() - ctrl0
+        stats.control_bytes = max(0, self._control_bytes() - ctrl0)  # a receiver dropped mid-refit takes its count
         stats.seconds["total"] = time.perf_counter() - t0
         log.info(
             "committed version %d: %d bytes in %d bucket(s), %.1f ms",
@@ -437,28 +607,39 @@ class Sender:
 
     def _commit(self, m: Manifest, version: int, stats: RefitStats, errors: list[str]) -> None:
         t = time.perf_counter()
-        for ch in self.channels:
-            ch.send(Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest))
-        failures, committed, names = [], [], set()
-        for ch in self.channels:  # every DONE is read, whatever it says, so the next refit starts in step
+        commit = Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest)
+        each(self.channels, lambda ch: ch.send(commit), self._lost)
+        failures: list[str] = []
+        committed: list[Channel] = []
+        names: set[str] = set()
+
+        def done(ch: Channel) -> None:  # every DONE is read, whatever it says, so the next refit starts in step
             header, payload = ch.expect(Kind.DONE, f"commit of version {version}")
             try:
-                done = parse_json(payload, "DONE") if payload else {}
+                answer = parse_json(payload, "DONE") if payload else {}
             except IntegrityError as e:
                 failures.append(f"{ch.peer}: {e}")
-                continue
+                return
             if header.status:
-                failures.append(f"{ch.peer}: {done.get('message', 'unknown error')}")
+                failures.append(f"{ch.peer}: {answer.get('message', 'unknown error')}")
             else:
                 committed.append(ch)
-            unverified = done.get("unverified")
+            unverified = answer.get("unverified")
             if isinstance(unverified, int) and not isinstance(unverified, bool):
                 stats.unverified = max(stats.unverified, unverified)
-            listed = done.get("unverified_names")
+            listed = answer.get("unverified_names")
             if isinstance(listed, list):
                 names.update(str(n) for n in listed[:100_000])
+
+        each(self.channels, done, self._lost)
         stats.add("commit", time.perf_counter() - t)
         _set_unverified_names(stats, sorted(names))
+        self._record_members(stats, committed, version)
+        if self.verdict is not None and self.elastic and not committed and not failures:
+            failures.append(
+                f"its engine worker departed during the refit ({_named(stats.departed)}); its shard has no other "
+                "holder, so no worker commits; a replacement under the same worker index takes the next refit"
+            )
         if self.verify == "strict" and names and not failures and not errors:
             failures.append(_strict_failure(sorted(names)))
         if failures or errors:
@@ -473,6 +654,12 @@ class Sender:
         if own:
             raise RefitError(own)
 
+    def _record_members(self, stats: RefitStats, committed: list[Channel], version: int) -> None:
+        """Who took this refit, and (elastic) who departed since the last one's stats."""
+        stats.receivers = sorted(ch.rank for ch in committed if ch in self.channels)
+        if self._session.members is not None:
+            stats.departed = self._session.members.take_departed()
+
     def _two_phase(self) -> bool:
         """Receivers hold their commit open until told the verdict: per-rank refits, and strict
         verification (whose verdict needs every receiver's list of unverified tensors)."""
@@ -481,11 +668,9 @@ class Sender:
     def _decide(self, m: Manifest, version: int, own: str, committed: list[Channel]) -> str:
         """Agree with the other trainer ranks (per-rank refit), then tell the receivers that committed."""
         verdict = self.verdict(own) if self.verdict is not None else own
-        for ch in committed:
-            ch.send(
-                Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest, status=int(bool(verdict))),
-                {"message": verdict},
-            )
+        told = Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest, status=int(bool(verdict)))
+        still = [ch for ch in committed if ch in self.channels]
+        each(still, lambda ch: ch.send(told, {"message": verdict}), self._lost)
         return own or (
             f"refit of version {version} failed on another trainer rank; every worker reports state 'failed': {verdict}"
             if verdict
@@ -514,6 +699,20 @@ class Sender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _named(departed: list[dict]) -> str:
+    return "; ".join(f"receiver {d['receiver']}: {d['reason']}" for d in departed) or "no receiver"
+
+
+def _expect_ready(ch: Channel) -> None:
+    """READY for a new group, after whatever is left of a broken refit (acknowledgements, a DONE)."""
+    while True:
+        header, _ = ch.recv("joining the new group")
+        if header.kind == Kind.READY:
+            return
+        if header.kind not in (Kind.ACK, Kind.DONE):
+            raise PeerError(f"{ch.peer} sent {header.kind.name} while joining the new group, expected READY")
 
 
 def _set_unverified_names(stats: RefitStats, names: list[str]) -> None:

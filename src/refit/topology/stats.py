@@ -26,6 +26,11 @@ class RefitStats:
     """M:N: bytes of the whole model on the wire (what one worker of a broadcast receives)."""
     worker_bytes: list[int] = field(default_factory=list)
     """M:N: tensor bytes each engine worker received (a trainer rank: from it; a worker: [its own])."""
+    receivers: list[int] = field(default_factory=list)
+    """Sender: the ranks of the receivers that committed this version."""
+    departed: list[dict] = field(default_factory=list)
+    """Sender, elastic: `{"receiver": rank, "reason": why}` for each receiver dropped since the last refit's
+    stats (it said LEAVE with that reason, closed, died or stopped answering); the refit went on without it."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Time per stage: sender pack/send/wait/commit, receiver recv/verify/load/commit; 'total' is wall time."""
 

@@ -4,6 +4,7 @@ token), and one broadcast per bucket from the sender (rank 0)."""
 
 from __future__ import annotations
 
+import contextlib
 from abc import abstractmethod
 
 import torch
@@ -70,10 +71,11 @@ class BroadcastTransport(Transport):
         if store is None:
             raise ValueError(f"the {cls.name} transport needs a store provider (refit.protocol.store), none given")
         host, port, size, capacity, slots = (info.get(k) for k in ("host", "port", "size", "capacity", "slots"))
+        rank = info.get("group_rank", rank)  # an elastic session's group ranks are 1..n whatever the receivers' ranks
         if not (
             isinstance(host, str)
             and 0 < len(host) <= 253
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in (port, size, capacity, slots))
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in (port, size, capacity, slots, rank))
             and 0 < port < 65536
             and 1 < size <= 65536
             and 0 < rank < size
@@ -106,6 +108,15 @@ class BroadcastTransport(Transport):
 
     def recv(self, slot: int, nbytes: int) -> Pending:
         return self._broadcast(slot, nbytes, f"{self.name} receive of {nbytes} bytes from the sender")
+
+    def abort(self) -> None:
+        """Break the group now, so that every peer still blocked in it fails at once instead of waiting out its
+        timeout (an elastic sender leaving a group a dead member broke), then close."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            with contextlib.suppress(Exception):  # a group already broken may refuse; it is dropped either way
+                pg.abort()
+        self.close()
 
     def close(self) -> None:
         self._pg = None

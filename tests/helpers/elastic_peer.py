@@ -1,0 +1,77 @@
+"""An engine process for the elastic tests: peer.py's recording engine behind a Receiver that may leave.
+
+Run as `python tests/helpers/elastic_peer.py '<json>'` with peer.py's arguments plus `leave_after` (a
+version: after committing it, the receiver says LEAVE with `reason` and exits 0). Reports JSON lines on
+stdout as peer.py does (event "refit", "error" or "left").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from peer import MARK, RecordingEngine, _report, make_tensors
+
+from refit import PeerError, Receiver, RefitError, Settings
+
+
+def main() -> int:
+    args = json.loads(sys.argv[1])
+    engine = RecordingEngine(make_tensors(args["specs"], args.get("seed", 99)), args.get("fault"))
+    settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 60.0))
+    rendezvous = {**args["rendezvous"], **args.get("override", {})}
+    receiver = Receiver(engine, rendezvous, settings=settings, device=torch.device("cpu"))
+    try:
+        while True:
+            try:
+                stats = receiver.receive()
+            except RefitError as e:
+                report = _report(engine, receiver, event="error", type=type(e).__name__, message=str(e))
+                print(MARK + json.dumps(report), flush=True)
+                if isinstance(e, PeerError):
+                    return 3
+                continue
+            if stats is None:
+                return 0
+            print(
+                MARK + json.dumps(_report(engine, receiver, event="refit", rank=receiver.rank, stats=stats.to_json())),
+                flush=True,
+            )
+            engine.events = []
+            if stats.version == args.get("leave_after"):
+                receiver.leave(args.get("reason", "leaving"))
+                print(MARK + json.dumps({"event": "left"}), flush=True)
+                return 0
+    finally:
+        receiver.close()
+
+
+class ElasticPeer:
+    """Starts this script as a child process and reads its reports."""
+
+    def __init__(self, args: dict) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE, text=True, env=env
+        )
+
+    def report(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+        raise AssertionError(f"elastic peer exited with {self.proc.wait()} before reporting")
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
