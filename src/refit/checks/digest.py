@@ -44,7 +44,7 @@ ROWS = int(os.environ.get("REFIT_DIGEST_ROWS", 8))
 COLS = int(os.environ.get("REFIT_DIGEST_COLS", 1024))
 """A kernel tile: ROWS x COLS words (64 KiB) per loop step, each thread holding whole columns of two words."""
 NUM_WARPS = int(os.environ.get("REFIT_DIGEST_WARPS", 16))
-_NBYTES, _DTYPE = operator.attrgetter("nbytes"), operator.attrgetter("dtype")
+_NBYTES, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("nbytes", "dtype", "device"))
 
 if triton is not None:
     import triton.language as tl
@@ -146,11 +146,43 @@ def digests(tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None = Non
     if offsets is not None and len(offsets) != len(tensors):
         raise ValueError(f"{len(offsets)} offsets for {len(tensors)} tensors: give one word offset per tensor")
     device = tensors[0].device
+    if available(device):
+        fast = _digests_cached(tensors, offsets, device)
+        if fast is not None:
+            return fast
     s0, s1 = _sums(tensors, device)
     if offsets is not None and any(offsets):
         s1 = s1 + torch.tensor(offsets, dtype=torch.int64, device=device) * s0
     nbytes = torch.tensor(list(map(_NBYTES, tensors)), dtype=torch.int64, device=device)
     return s1 * STEP + s0 + nbytes
+
+
+def _digests_cached(
+    tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None, device: torch.device
+) -> torch.Tensor | None:
+    """The digests of regular tensors (`_regular`) on CUDA through a plan cached per layout: per call, a few
+    passes over the tensors' attributes in C and three launches, no host-to-device copy. None where a
+    tensor is not regular (the general path takes the call)."""
+    T = torch.Tensor
+    if not all(map(T.is_contiguous, tensors)) or any(map(T.is_neg, tensors)) or any(map(T.is_conj, tensors)):
+        return None
+    ptrs, nbytes = tuple(map(T.data_ptr, tensors)), tuple(map(_NBYTES, tensors))
+    key = ("digest", device, ptrs, nbytes, None if offsets is None else tuple(offsets))
+    plan = _plan(key, lambda: _digest_plan(ptrs, nbytes, offsets, device))
+    if plan is None:
+        return None
+    sums = torch.zeros(len(ptrs), 2, dtype=torch.int64, device=device)
+    if plan.num_chunks:
+        out = torch.empty(plan.num_chunks, 2, dtype=torch.int64, device=device)
+        with _on(device):
+            _digest_chunks[(plan.num_chunks,)](
+                plan.table, plan.anchors[0], out, ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS
+            )
+        sums.index_add_(0, plan.owner, out)
+    s0, s1 = sums[:, 0], sums[:, 1]
+    if plan.offsets is not None:
+        s1 = s1 + plan.offsets * s0
+    return s1 * STEP + s0 + plan.nbytes
 
 
 def _sums(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,7 +296,11 @@ def _sums_table(ptrs: list[int], num_words: list[int], device: torch.device) -> 
     s1 = torch.zeros(len(ptrs), dtype=torch.int64, device=device)
     if sum(num_words) == 0:
         return s0, s1
-    plan = _plan(("digest", device, tuple(ptrs), tuple(num_words)), lambda: _digest_plan(ptrs, num_words, device))
+    plan = _plan(
+        ("words", device, tuple(ptrs), tuple(num_words)),
+        lambda: _digest_plan(ptrs, num_words, None, device, words=True),
+    )
+    assert plan is not None  # whole words at 8-byte addresses, as the callers guarantee
     out = torch.empty(plan.num_chunks, 2, dtype=torch.int64, device=device)
     with _on(device):
         _digest_chunks[(plan.num_chunks,)](plan.table, plan.anchors[0], out, ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS)
@@ -281,14 +317,20 @@ class ChunkPlan:
     anchors: tuple[torch.Tensor, ...]
     """Small tensors whose addresses the table's offsets count from (held, so they stay put)."""
     num_chunks: int
+    nbytes: torch.Tensor | None = None
+    """Each tensor's byte length, on the device (the digest's last term)."""
+    offsets: torch.Tensor | None = None
+    """Each tensor's global word offset, on the device, where given."""
+    rest: tuple[int, ...] = ()
+    """Tensors the kernel does not take (the fused copy's fallback)."""
 
 
-_PLANS: OrderedDict[tuple, ChunkPlan] = OrderedDict()
+_PLANS: OrderedDict[tuple, ChunkPlan | None] = OrderedDict()
 _PLANS_KEPT = 16
 """Layouts whose tables are kept: a refit digests a few tensor lists (the model, its buckets) over and over."""
 
 
-def _plan(key: tuple, build: Callable[[], ChunkPlan]) -> ChunkPlan:
+def _plan(key: tuple, build: Callable[[], ChunkPlan | None]) -> ChunkPlan | None:
     """The cached plan for `key` (the device, the addresses and the sizes: all a table depends on)."""
     plan = _PLANS.get(key)
     if plan is None:
@@ -300,11 +342,25 @@ def _plan(key: tuple, build: Callable[[], ChunkPlan]) -> ChunkPlan:
     return plan
 
 
-def _digest_plan(ptrs: list[int], num_words: list[int], device: torch.device) -> ChunkPlan:
+def _digest_plan(
+    ptrs: Sequence[int],
+    sizes: Sequence[int],
+    offsets: Sequence[int] | None,
+    device: torch.device,
+    *,
+    words: bool = False,
+) -> ChunkPlan | None:
+    """The table of runs at `ptrs`, `sizes` long (in words if `words`, else in bytes: then None unless every
+    run is whole words at an 8-byte address)."""
+    if not words and any(p % 8 or n % 8 for p, n in zip(ptrs, sizes)):
+        return None
+    num_words = torch.tensor(sizes, dtype=torch.int64) // (1 if words else 8)
     anchor = torch.zeros(2, dtype=torch.int64, device=device)
     starts = (torch.tensor(ptrs, dtype=torch.int64) - anchor.data_ptr()) // 8
-    rows, owner = chunk_rows([starts], torch.tensor(num_words, dtype=torch.int64))
-    return ChunkPlan(rows.to(device), owner.to(device), (anchor,), len(rows))
+    rows, owner = chunk_rows([starts], num_words)
+    nbytes = None if words else torch.tensor(sizes, dtype=torch.int64).to(device)
+    where = None if offsets is None or not any(offsets) else torch.tensor(offsets, dtype=torch.int64).to(device)
+    return ChunkPlan(rows.to(device), owner.to(device), (anchor,), len(rows), nbytes, where)
 
 
 def chunk_rows(starts: list[torch.Tensor], sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,7 +397,7 @@ class Pending:
     """Digests computed on their devices, not yet read back (so no host synchronisation until `hexes`)."""
 
     def __init__(self) -> None:
-        self._parts: list[tuple[list[int], torch.Tensor]] = []
+        self._parts: list[tuple[Sequence[int], torch.Tensor]] = []
         self.count = 0
 
     def add(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None = None) -> None:
@@ -349,7 +405,11 @@ class Pending:
         if offsets is not None and len(offsets) != len(tensors):
             raise ValueError(f"{len(offsets)} offsets for {len(tensors)} tensors: give one word offset per tensor")
         base, self.count = self.count, self.count + len(tensors)
-        for device in {t.device for t in tensors}:
+        devices = set(map(_DEVICE, tensors))
+        if len(devices) == 1:  # the usual case: no per-tensor indexing
+            self._parts.append((range(base, self.count), digests(tensors, offsets)))
+            return
+        for device in devices:
             idx = [i for i, t in enumerate(tensors) if t.device == device]
             some = None if offsets is None else [offsets[i] for i in idx]
             self._parts.append(([base + i for i in idx], digests([tensors[i] for i in idx], some)))
