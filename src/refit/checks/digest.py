@@ -326,19 +326,21 @@ class ChunkPlan:
 
 
 _PLANS: OrderedDict[tuple, ChunkPlan | None] = OrderedDict()
-_PLANS_KEPT = 16
-"""Layouts whose tables are kept: a refit digests a few tensor lists (the model, its buckets) over and over."""
+_ROWS_KEPT = 1 << 20
+"""Chunk rows of the plans kept (32 MiB of tables at most): a refit digests and copies a few lists of tensors
+(the model, each bucket) over and over, each with its own plan; the least recently used go first."""
 
 
 def _plan(key: tuple, build: Callable[[], ChunkPlan | None]) -> ChunkPlan | None:
     """The cached plan for `key` (the device, the addresses and the sizes: all a table depends on)."""
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = build()
-        if len(_PLANS) > _PLANS_KEPT:
-            _PLANS.popitem(last=False)
-    else:
+    if key in _PLANS:
         _PLANS.move_to_end(key)
+        return _PLANS[key]
+    plan = _PLANS[key] = build()
+    rows = lambda p: p.num_chunks if p is not None else 0  # noqa: E731
+    total = sum(map(rows, _PLANS.values()))
+    while total > _ROWS_KEPT and len(_PLANS) > 1:
+        total -= rows(_PLANS.popitem(last=False)[1])
     return plan
 
 

@@ -4,8 +4,9 @@ and digest, against a flat copy and a flat read of as many bytes, at several ker
     python -m refit.tools.bench.digestbench --preset qwen2-7b,moe --tunings 8x1024x16x131072,4x1024x8x131072
 
 A tuning is ROWSxCOLSxWARPSxCHUNK_WORDS (refit.checks.digest); each runs in a process of its own, since
-they are read at import. Times are medians of CUDA-event spans (`device`) and of wall-clock spans of the
-whole call, host work included (`wall`), and of the call's return (`host`: the Python work and launches), after two untimed calls (compiling, building the cached tables).
+they are read at import. Times are medians of CUDA-event spans (`device`), of wall-clock spans of the whole
+call, host work included (`wall`), and until the call returns (`host`: its Python work and launches), after
+two untimed calls (compiling, building the cached tables).
 """
 
 from __future__ import annotations
