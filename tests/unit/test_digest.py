@@ -327,7 +327,7 @@ bf = torch.randn(4001, generator=g).to(torch.bfloat16)
 # whole tiles, masked tails, several chunks, runs at odd words (a peeled first word), one word, empty,
 # a partial last word, a view at a non-word offset, a transposed source
 srcs = [store[1:], store[2:3001], store[:1], store[1:2], store[:256], store[1:513], store[:0],
-        bf[:37], bf[3:803], torch.randn(9, 9, generator=g).t()]
+        bf[:37], bf[3:803], torch.randn(9, 9, generator=g).t(), torch.randn(301, generator=g)]
 ok = [int(v) & t.MASK for v in digest.digests(srcs)] == [t._reference_value(s) for s in srcs]
 out = torch.zeros(20000, dtype=torch.int64)
 dsts, at = [], 1
@@ -335,10 +335,10 @@ for s in srcs:  # int64 destinations at odd and even words of one buffer; others
     if s.dtype == torch.int64:
         dsts.append(out[at : at + s.numel()])
         at += s.numel() + 1
-    else:
-        dsts.append(torch.empty(s.shape, dtype=s.dtype))
+    else:  # the last, float32, into bfloat16: cast by torch
+        dsts.append(torch.empty(s.shape, dtype=torch.bfloat16 if s is srcs[-1] else s.dtype))
 sums = copy_digest_cuda(dsts, srcs)
-ok = ok and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+ok = ok and all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dsts, srcs))
 ok = ok and [int(v) & t.MASK for v in sums] == [t._reference_value(d) for d in dsts]
 ok = ok and torch.equal(sums, digest.digests(dsts)) and torch.equal(copy_digest_cuda(dsts, srcs), sums)
 for p, bit in ((0, 0), (1, 63), (255, 7), (2998, 31)):  # a flipped bit of the source changes the copy's digest
@@ -366,7 +366,15 @@ def test_copy_digest_cuda_refuses_mismatched_pairs() -> None:
 
     with pytest.raises(ValueError, match="as many destinations"):
         copy_digest_cuda([torch.zeros(4)], [])
-    with pytest.raises(ValueError, match="same|dtype and element count"):
+    with pytest.raises(ValueError, match="element count"):
         copy_digest_cuda([torch.zeros(4)], [torch.zeros(5)])
     with pytest.raises(ValueError, match="contiguous destinations"):
         copy_digest_cuda([torch.zeros(4, 4).t()], [torch.zeros(4, 4)])
+
+
+def test_copy_digest_cuda_casts_a_pair_of_two_dtypes_and_digests_what_it_wrote() -> None:
+    from refit.checks.fused_cuda import copy_digest_cuda
+
+    src, dst = torch.randn(33, generator=torch.Generator().manual_seed(9)), torch.zeros(33, dtype=torch.bfloat16)
+    out = copy_digest_cuda([dst], [src])
+    assert torch.equal(dst, src.to(torch.bfloat16)) and torch.equal(out, digests([dst]))

@@ -62,9 +62,10 @@ if triton is not None:
 
 
 def copy_digest_cuda(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Copy srcs[i] into dsts[i] (contiguous, same dtype and element count) and return the digest of each
-    destination's bytes, as an int64 tensor on the destinations' device: equal to `digests(dsts)` bit for
-    bit. No host synchronisation; the kernel's table is cached per layout (addresses and sizes)."""
+    """Copy srcs[i] into dsts[i] (contiguous, same element count; a pair of two dtypes is cast by torch) and
+    return the digest of each destination's bytes, as an int64 tensor on the destinations' device: equal to
+    `digests(dsts)` bit for bit. No host synchronisation; the kernel's table is cached per layout (addresses
+    and sizes)."""
     _check(dsts, srcs)
     if not dsts:
         return torch.zeros(0, dtype=torch.int64)
@@ -114,24 +115,26 @@ def _check(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
     if len(dsts) != len(srcs):
         raise ValueError(f"copy_digest_cuda needs as many destinations ({len(dsts)}) as sources ({len(srcs)})")
     T = torch.Tensor
-    same = list(map(_DTYPE, dsts)) == list(map(_DTYPE, srcs)) and list(map(T.numel, dsts)) == list(map(T.numel, srcs))
-    if same and all(map(T.is_contiguous, dsts)) and len(set(map(_DEVICE, dsts))) <= 1:
+    numels_match = list(map(T.numel, dsts)) == list(map(T.numel, srcs))
+    if numels_match and all(map(T.is_contiguous, dsts)) and len(set(map(_DEVICE, dsts))) <= 1:
         return
     for k, (d, s) in enumerate(zip(dsts, srcs)):
-        if d.dtype != s.dtype or d.numel() != s.numel() or not d.is_contiguous():
+        if d.numel() != s.numel() or not d.is_contiguous():
             raise ValueError(
-                f"pair {k}: destination {d.dtype} x {d.numel()} (contiguous: {d.is_contiguous()}) and source "
-                f"{s.dtype} x {s.numel()}: give contiguous destinations of the sources' dtype and element count"
+                f"pair {k}: destination of {d.numel()} elements (contiguous: {d.is_contiguous()}), source of "
+                f"{s.numel()}: give contiguous destinations of the sources' element count"
             )
         if d.device != dsts[0].device:
             raise ValueError(f"pair {k}: destinations on {d.device} and {dsts[0].device}: give one device per call")
 
 
 def _uniform(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], device: torch.device) -> bool:
-    """Every source contiguous on `device`, no lazy views: then only addresses and sizes decide (the plan)."""
+    """Every pair of one dtype, every source contiguous on `device`, no lazy views: then only addresses and
+    sizes decide (the plan)."""
     T = torch.Tensor
     return (
-        all(map(T.is_contiguous, srcs))
+        list(map(_DTYPE, dsts)) == list(map(_DTYPE, srcs))
+        and all(map(T.is_contiguous, srcs))
         and set(map(_DEVICE, srcs)) == {device}
         and not any(map(T.is_neg, chain(dsts, srcs)))
         and not any(map(T.is_conj, chain(dsts, srcs)))
@@ -139,12 +142,20 @@ def _uniform(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], device:
 
 
 def _fusable(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], device: torch.device) -> list[bool]:
-    """Per pair: the kernel takes it (whole words at 8-byte addresses of one parity, no lazy views)."""
+    """Per pair: the kernel takes it (one dtype, whole words at 8-byte addresses of one parity, no lazy views)."""
     T = torch.Tensor
     return [
-        sd == device and sc and not (sn or sj or dn or dj) and nb % 8 == 0 and sp % 8 == 0 and (dp - sp) % 16 == 0
-        for sd, sc, sn, sj, dn, dj, nb, sp, dp in zip(
+        sd == device
+        and st == dt
+        and sc
+        and not (sn or sj or dn or dj)
+        and nb % 8 == 0
+        and sp % 8 == 0
+        and (dp - sp) % 16 == 0
+        for sd, st, dt, sc, sn, sj, dn, dj, nb, sp, dp in zip(
             map(_DEVICE, srcs),
+            map(_DTYPE, srcs),
+            map(_DTYPE, dsts),
             map(T.is_contiguous, srcs),
             map(T.is_neg, srcs),
             map(T.is_conj, srcs),
