@@ -60,8 +60,26 @@ def _line(rep: dict) -> str:
         f"{rep['tuning']} {rep['preset']} ({rep['tensors']} tensors, {rep['nbytes'] / 1e9:.2f} GB): copy "
         f"{ms('copy')}; read {ms('read')} x{rep['read_x_copy']:.2f}; digest {ms('digest')} "
         f"x{rep['digest_x_copy']:.2f}; copy+digest {ms('copy_digest')} x{rep['copy_digest_x_copy']:.2f}; "
-        f"equal={rep['bitwise_equal']}"
+        f"kernels alone: digest {ms('digest_kernel')} x{rep['digest_kernel_x_copy']:.2f}, copy+digest "
+        f"{ms('copy_digest_kernel')} x{rep['copy_digest_kernel_x_copy']:.2f}; equal={rep['bitwise_equal']}"
     )
+
+
+def _kernels(dst: list[torch.Tensor], src: list[torch.Tensor], repeats: int) -> tuple[dict, dict]:
+    """The two kernels alone, launched from their cached plans: no Python per tensor, no reduction."""
+    from refit.checks import digest
+    from refit.checks.fused_cuda import _copy_digest_chunks
+
+    T = torch.Tensor
+    ptrs, nbytes, dptrs = tuple(map(T.data_ptr, src)), tuple(t.nbytes for t in src), tuple(map(T.data_ptr, dst))
+    plan = digest._plan(("digest", src[0].device, ptrs, nbytes, None), lambda: None)
+    copy = digest._plan(("copy", src[0].device, dptrs, ptrs, nbytes), lambda: None)
+    assert plan is not None and copy is not None, "measure() runs both calls first: their plans are cached"
+    out = torch.empty(max(plan.num_chunks, copy.num_chunks), 2, dtype=torch.int64, device=src[0].device)
+    kw = {"ROWS": digest.ROWS, "COLS": digest.COLS, "num_warps": digest.NUM_WARPS}
+    one = partial(digest._digest_chunks[(plan.num_chunks,)], plan.table, plan.anchors[0], out, **kw)
+    both = partial(_copy_digest_chunks[(copy.num_chunks,)], copy.table, *copy.anchors, out, **kw)
+    return _time(one, repeats), _time(both, repeats)
 
 
 def measure(preset: str, repeats: int) -> dict:
@@ -82,7 +100,8 @@ def measure(preset: str, repeats: int) -> dict:
     out["bitwise_equal"] = bool(
         torch.equal(copy_digest_cuda(dst, src), expected) and all(torch.equal(d, s) for d, s in zip(dst, src))
     )
-    for k in ("read", "digest", "copy_digest"):
+    out["digest_kernel"], out["copy_digest_kernel"] = _kernels(dst, src, repeats)
+    for k in ("read", "digest", "copy_digest", "digest_kernel", "copy_digest_kernel"):
         out[f"{k}_x_copy"] = out[k]["device"] / out["copy"]["device"]
     return out
 
