@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -331,17 +332,22 @@ _ROWS_KEPT = 1 << 20
 (the model, each bucket) over and over, each with its own plan; the least recently used go first."""
 
 
+_PLANS_LOCK = threading.Lock()
+"""The cache is shared by every thread of the process that digests or copies."""
+
+
 def _plan(key: tuple, build: Callable[[], ChunkPlan | None]) -> ChunkPlan | None:
     """The cached plan for `key` (the device, the addresses and the sizes: all a table depends on)."""
-    if key in _PLANS:
-        _PLANS.move_to_end(key)
-        return _PLANS[key]
-    plan = _PLANS[key] = build()
-    rows = lambda p: p.num_chunks if p is not None else 0  # noqa: E731
-    total = sum(map(rows, _PLANS.values()))
-    while total > _ROWS_KEPT and len(_PLANS) > 1:
-        total -= rows(_PLANS.popitem(last=False)[1])
-    return plan
+    with _PLANS_LOCK:
+        if key in _PLANS:
+            _PLANS.move_to_end(key)
+            return _PLANS[key]
+        plan = _PLANS[key] = build()
+        rows = lambda p: p.num_chunks if p is not None else 0  # noqa: E731
+        total = sum(map(rows, _PLANS.values()))
+        while total > _ROWS_KEPT and len(_PLANS) > 1:
+            total -= rows(_PLANS.popitem(last=False)[1])
+        return plan
 
 
 def _digest_plan(
