@@ -12,10 +12,15 @@ positions offset + i, so the digests of disjoint ranges add up (mod 2^64) to the
 wrap identically in any order and on any device, so a trainer's GPU and an engine's CPU agree bit for
 bit. It is a check against mistakes, not against an adversary.
 
-On CUDA with Triton, all tensors of one call are cut into chunks listed in one table and summed by
-one kernel launch (one reading pass, no temporaries). Elsewhere each tensor's words are summed as
-rows of a matrix times the vector of positions: one reading pass too. Every path computes the same
-two sums, sum(w_p) and sum(p * w_p); the weights are applied once, at the end.
+On CUDA with Triton, all tensors of one call are cut into 1 MiB chunks listed in one table (built once
+per layout of addresses and sizes, and cached) and summed by one kernel launch in tiles of ROWS x COLS
+words with 16-byte loads: per word, additions and one multiply by its row in the tile (0 to ROWS - 1),
+never by its position (column sums and running sums give the positions' products once per chunk); it
+reads at the memory-read floor on an H200 (BENCHMARKS.md).
+Elsewhere each tensor's words are summed as rows of a matrix times the vector of positions: one reading
+pass too. Every path computes the same two sums, sum(w_p) and sum(p * w_p); the weights are applied
+once, at the end. The REFIT_DIGEST_* variables override the kernel's tuning (for
+`refit.tools.bench.digestbench` sweeps).
 """
 
 from __future__ import annotations
