@@ -191,6 +191,20 @@ def _digests_cached(
     return s1 * STEP + s0 + plan.nbytes
 
 
+def kernel(tensors: Sequence[torch.Tensor]) -> Callable[[], object]:
+    """For benchmarks: a callable that launches the kernel alone over `tensors`' cached table (no Python per
+    tensor, no reduction). Tensors as `digests`' cached path takes them: contiguous, whole words, 8-byte
+    addresses, on one CUDA device (or Triton's interpreter)."""
+    device = tensors[0].device
+    ptrs, nbytes = tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(_NBYTES, tensors))
+    plan = _plan(("digest", device, ptrs, nbytes, None), lambda: _digest_plan(ptrs, nbytes, None, device))
+    if plan is None or not plan.num_chunks or not available(device):
+        raise ValueError("the digest kernel alone needs Triton and whole-word tensors at 8-byte addresses")
+    out = torch.empty(plan.num_chunks, 2, dtype=torch.int64, device=device)
+    launch = _digest_chunks[(plan.num_chunks,)]
+    return lambda: launch(plan.table, plan.anchors[0], out, ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS)
+
+
 def _sums(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum w_p, sum p * w_p) of each tensor's words, positions counted from its first word."""
     if not available(device):

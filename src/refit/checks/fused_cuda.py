@@ -13,7 +13,7 @@ values, one more read.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 
 import torch
@@ -98,6 +98,20 @@ def copy_digest_cuda(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor])
         result.index_copy_(0, torch.tensor(idx, dtype=torch.int64, device=device), fused)
     rest = sorted({*(taken[r] for r in plan.rest), *(set(range(len(dsts))) - set(taken))})
     return _by_torch(dsts, srcs, rest, result)
+
+
+def kernel(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> Callable[[], object]:
+    """For benchmarks: a callable that launches the fused kernel alone over the pairs' cached table (no
+    Python per pair, no reduction). Pairs as the usual case of `copy_digest_cuda` takes them."""
+    device = dsts[0].device
+    T = torch.Tensor
+    dptrs, sptrs, nbytes = tuple(map(T.data_ptr, dsts)), tuple(map(T.data_ptr, srcs)), tuple(map(_NBYTES, dsts))
+    plan = digest._plan(("copy", device, dptrs, sptrs, nbytes), lambda: _copy_plan(dptrs, sptrs, nbytes, device))
+    if plan is None or plan.rest or not plan.num_chunks or not available(device):
+        raise ValueError("the fused kernel alone needs Triton and whole-word pairs at 8-byte addresses of one parity")
+    out = torch.empty(plan.num_chunks, 2, dtype=torch.int64, device=device)
+    launch = _copy_digest_chunks[(plan.num_chunks,)]
+    return lambda: launch(plan.table, *plan.anchors, out, ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS)
 
 
 def _by_torch(
