@@ -130,3 +130,67 @@ def test_m_to_n_cuda_ipc_pairs_on_one_gpu_two_ranks_into_two_workers_bitwise() -
 
     sent = run_sliced_ranks("cuda-ipc", "cuda")
     assert max(sent[0]["planned"]) < 0.55 * sent[0]["stats"]["model_bytes"]
+
+
+# -- the fingerprint's kernels: the digest and the fused copy and digest, bitwise against the CPU digest ------
+
+
+def _odd_tensors(device: str) -> list[torch.Tensor]:
+    """Many small tensors, odd sizes, partial last words, views at odd and non-word offsets, several chunks
+    (the same values on every device; tensors 600 to 602 views of one run of words)."""
+    from refit.checks.digest import CHUNK_WORDS
+
+    g = torch.Generator().manual_seed(21)
+    words = torch.randint(-(2**62), 2**62, (2 * CHUNK_WORDS + 9001,), generator=g).to(device)
+    sizes = torch.randint(1, 700, (600,), generator=g).tolist()
+    small = [torch.randn(n, generator=g).to(torch.bfloat16).to(device) for n in sizes]
+    return [
+        *small,  # many small ones, most with a partial last word
+        words,  # whole tiles in several chunks and a masked tail
+        words[1:],  # a run at an odd word: its first word peeled
+        words[3 : CHUNK_WORDS + 4],
+        torch.randn(4001, generator=g).to(torch.bfloat16).to(device)[3:2003],  # 6 bytes into its storage
+        torch.randn(37, 5, generator=g).to(device).t(),  # not contiguous
+        torch.zeros(0, device=device),
+        torch.tensor(3.0, device=device),
+    ]
+
+
+@needs_cuda
+def test_cuda_digest_kernel_equals_the_cpu_digest_on_many_small_odd_and_offset_tensors() -> None:
+    from refit.checks.digest import digests
+
+    expected = digests(_odd_tensors("cpu"))
+    on_gpu = _odd_tensors("cuda")
+    assert torch.equal(digests(on_gpu).cpu(), expected)
+    assert torch.equal(digests(on_gpu).cpu(), expected)  # the cached chunk table gives the same
+    on_gpu[600].view(torch.int64)[1000] ^= 1 << 40  # a flipped bit in the big run, seen through its views
+    again = digests(on_gpu).cpu()
+    changed = [i for i in range(len(on_gpu)) if again[i] != expected[i]]
+    assert changed == [600, 601, 602]
+
+
+@needs_cuda
+def test_cuda_fused_copy_digest_equals_a_copy_and_the_digest_of_the_copy() -> None:
+    from refit.checks.digest import digests
+    from refit.checks.fused_cuda import copy_digest_cuda
+
+    srcs = _odd_tensors("cuda")
+    whole = sum(t.nbytes // 8 + 2 for t in srcs)
+    pool = torch.zeros(whole, dtype=torch.int64, device="cuda")
+    dsts, at = [], 1  # int64 destinations at odd and even words of one buffer (some of another parity)
+    for s in srcs:
+        if s.dtype == torch.int64:
+            dsts.append(pool[at : at + s.numel()])
+            at += s.numel() + (1 if len(dsts) % 2 else 2)
+        else:
+            dsts.append(torch.full(s.shape, float("nan"), dtype=s.dtype, device="cuda"))
+    sums = copy_digest_cuda(dsts, srcs)
+    assert all(
+        torch.equal(d.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8)) for d, s in zip(dsts, srcs)
+    )
+    assert torch.equal(sums, digests(dsts))
+    assert torch.equal(sums.cpu(), digests([s.cpu() for s in srcs]))
+    srcs[600].mul_(3)  # new values at the same addresses: the cached plan copies and digests them
+    sums = copy_digest_cuda(dsts, srcs)
+    assert torch.equal(dsts[600], srcs[600]) and torch.equal(sums, digests(dsts))

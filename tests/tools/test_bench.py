@@ -51,12 +51,22 @@ def test_quick_bench_reports_every_method_and_refit_beats_per_tensor_metadata(tm
             "refit",
             "checksum",
             "fingerprint",
+            "digest",
             "serial",
             "per_tensor",
             "per_tensor_meta",
         }
         for res in r["results"].values():
             assert res["median_s"] > 0 and res["gbps"] > 0 and res["ratio_to_floor"] > 0 and len(res["times"]) == 3
+        # verified beside unverified, whatever the library's default; the digest probe beside its own floors
+        results = r["results"]
+        assert results["fingerprint"]["ratio_to_unverified"] == pytest.approx(
+            results["fingerprint"]["median_s"] / results["refit"]["median_s"]
+        )
+        assert "ratio_to_unverified" not in results["refit"]
+        digest = results["digest"]
+        assert set(digest["floors"]) == {"copy_floor", "read_floor"} and all(v > 0 for v in digest["floors"].values())
+        assert digest["ratio_to_copy_floor"] == pytest.approx(digest["median_s"] / digest["floors"]["copy_floor"])
         stages = set(r["results"]["refit"]["stages"])
         assert {"handshake", "pack", "send", "wait", "commit", "recv.load", "recv.commit"} <= stages
         memory = r["results"]["refit"]["memory"]
@@ -75,6 +85,29 @@ def test_quick_bench_reports_every_method_and_refit_beats_per_tensor_metadata(tm
     stage_cells = r"│ handshake [0-9.]+ pack [0-9.]+ send .* recv\.commit [0-9.]+ +│"
     assert re.search(r"refit \(pipelined buckets\) .*" + stage_cells, out)
     assert "scaling with the tensor count" in out
+    assert re.search(
+        r"refit \+ end-to-end fingerprint check +│ +[0-9.]+ │ +[0-9.-]+ │ +[0-9.]+ │ +[0-9.]+ │ +[0-9.]+ │", out
+    )
+    assert re.search(r"probe: digest of the tensors alone .*│ copy [0-9.]+ \(x[0-9.]+\) read [0-9.]+ \(x[0-9.]+\)", out)
+
+
+def test_bench_passes_verify_explicitly_to_every_refit_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`refit` and `zero_copy` stay unverified and the fingerprint methods verified whatever Sender's default."""
+    from refit.tools.bench import runner
+
+    seen: dict[str, dict] = {}
+    monkeypatch.setattr(runner, "_refit", lambda *a, name, **kw: seen.setdefault(name, kw))
+    cfg = runner.BenchConfig(preset="tiny", transport="shm")
+    for m in ("refit", "serial", "checksum", "fingerprint"):
+        runner._method(m, None, None, {}, [], cfg, None, 0)  # type: ignore[arg-type]
+    cfg.transport = "cuda-ipc"  # (zero-copy methods apply to cuda-ipc only; nothing is started here)
+    for m in ("zero_copy", "zero_copy_fingerprint"):
+        runner._method(m, None, None, {}, [], cfg, None, 0)  # type: ignore[arg-type]
+    assert {m: kw["verify"] for m, kw in seen.items()} == {
+        "refit": None, "serial": None, "checksum": None, "fingerprint": "fingerprint",
+        "zero_copy": None, "zero_copy_fingerprint": "fingerprint",
+    }  # fmt: skip
+    assert seen["zero_copy"]["zero_copy"] and seen["zero_copy_fingerprint"]["zero_copy"]
 
 
 @pytest.mark.parametrize("preset", ["qwen2-7b", "moe"])

@@ -310,3 +310,71 @@ def test_digest_of_a_view_at_an_offset_that_is_not_a_whole_word_equals_the_diges
     base = torch.arange(16, dtype=torch.float32)
     for view in (base[3:5], base[1:7], base[3:16], torch.randn(999).bfloat16()[3:803]):
         assert torch.equal(digests([view]), digests([view.clone()]))
+
+
+# -- the Triton kernels (digest, fused copy and digest) under the interpreter, with small tiles -------------
+
+_TILED = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import test_digest as t
+from refit.checks import digest
+from refit.checks.fused_cuda import copy_digest_cuda
+assert digest.available(torch.device("cpu")) and (digest.ROWS, digest.COLS, digest.CHUNK_WORDS) == (4, 64, 1024)
+g = torch.Generator().manual_seed(8)
+store = torch.randint(-(2**62), 2**62, (9000,), generator=g)
+bf = torch.randn(4001, generator=g).to(torch.bfloat16)
+# whole tiles, masked tails, several chunks, runs at odd words (a peeled first word), one word, empty,
+# a partial last word, a view at a non-word offset, a transposed source
+srcs = [store[1:], store[2:3001], store[:1], store[1:2], store[:256], store[1:513], store[:0],
+        bf[:37], bf[3:803], torch.randn(9, 9, generator=g).t(), torch.randn(301, generator=g)]
+ok = [int(v) & t.MASK for v in digest.digests(srcs)] == [t._reference_value(s) for s in srcs]
+out = torch.zeros(20000, dtype=torch.int64)
+dsts, at = [], 1
+for s in srcs:  # int64 destinations at odd and even words of one buffer; others fresh
+    if s.dtype == torch.int64:
+        dsts.append(out[at : at + s.numel()])
+        at += s.numel() + 1
+    else:  # the last, float32, into bfloat16: cast by torch
+        dsts.append(torch.empty(s.shape, dtype=torch.bfloat16 if s is srcs[-1] else s.dtype))
+sums = copy_digest_cuda(dsts, srcs)
+ok = ok and all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dsts, srcs))
+ok = ok and [int(v) & t.MASK for v in sums] == [t._reference_value(d) for d in dsts]
+ok = ok and torch.equal(sums, digest.digests(dsts)) and torch.equal(copy_digest_cuda(dsts, srcs), sums)
+for p, bit in ((0, 0), (1, 63), (255, 7), (2998, 31)):  # a flipped bit of the source changes the copy's digest
+    src = store[2:3001].clone()
+    t._flip(src, p, bit)
+    dst = torch.empty_like(src)
+    ok = ok and int(copy_digest_cuda([dst], [src])[0]) & t.MASK == t._reference_value(src) != t._reference_value(store[2:3001])
+print("OK" if ok else "MISMATCH")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the gpu tests run the compiled kernels")
+def test_the_digest_and_fused_copy_kernels_equal_the_definition_under_the_interpreter_with_small_tiles() -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", REFIT_DIGEST_ROWS="4", REFIT_DIGEST_COLS="64",
+               REFIT_DIGEST_CHUNK_WORDS="1024")  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", _TILED, os.path.dirname(__file__)], env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout[-500:] + r.stderr[-2000:]
+
+
+def test_copy_digest_cuda_refuses_mismatched_pairs() -> None:
+    from refit.checks.fused_cuda import copy_digest_cuda
+
+    with pytest.raises(ValueError, match="as many destinations"):
+        copy_digest_cuda([torch.zeros(4)], [])
+    with pytest.raises(ValueError, match="element count"):
+        copy_digest_cuda([torch.zeros(4)], [torch.zeros(5)])
+    with pytest.raises(ValueError, match="contiguous destinations"):
+        copy_digest_cuda([torch.zeros(4, 4).t()], [torch.zeros(4, 4)])
+
+
+def test_copy_digest_cuda_casts_a_pair_of_two_dtypes_and_digests_what_it_wrote() -> None:
+    from refit.checks.fused_cuda import copy_digest_cuda
+
+    src, dst = torch.randn(33, generator=torch.Generator().manual_seed(9)), torch.zeros(33, dtype=torch.bfloat16)
+    out = copy_digest_cuda([dst], [src])
+    assert torch.equal(dst, src.to(torch.bfloat16)) and torch.equal(out, digests([dst]))

@@ -12,16 +12,26 @@ positions offset + i, so the digests of disjoint ranges add up (mod 2^64) to the
 wrap identically in any order and on any device, so a trainer's GPU and an engine's CPU agree bit for
 bit. It is a check against mistakes, not against an adversary.
 
-On CUDA with Triton, all tensors of one call are cut into chunks listed in one table and summed by
-one kernel launch (one reading pass, no temporaries). Elsewhere each tensor's words are summed as
-rows of a matrix times the vector of positions: one reading pass too. Every path computes the same
-two sums, sum(w_p) and sum(p * w_p); the weights are applied once, at the end.
+On CUDA with Triton, all tensors of one call are cut into 1 MiB chunks listed in one table (built once
+per layout of addresses and sizes, and cached) and summed by one kernel launch in tiles of ROWS x COLS
+words with 16-byte loads: per word, additions and one multiply by its row in the tile (0 to ROWS - 1),
+never by its position (column sums and running sums give the positions' products once per chunk); it
+reads at the memory-read floor on an H200 (BENCHMARKS.md).
+Elsewhere each tensor's words are summed as rows of a matrix times the vector of positions: one reading
+pass too. Every path computes the same two sums, sum(w_p) and sum(p * w_p); the weights are applied
+once, at the end. The REFIT_DIGEST_* variables override the kernel's tuning (for
+`refit.tools.bench.digestbench` sweeps).
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Sequence
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -33,30 +43,60 @@ M = 0x9E3779B97F4A7C15 - (1 << 64)
 STEP = 2 * M + (1 << 64)
 """2M (mod 2^64), as a signed int64: the weights W(p) = STEP * p + 1 step by it and are all odd."""
 ROW_WORDS = 1 << 15
-"""Words per row (CPU) and per chunk (kernel): 256 KiB."""
-BLOCK = 2048
-_NBYTES, _DTYPE = operator.attrgetter("nbytes"), operator.attrgetter("dtype")
+"""Words per row of the CPU path: 256 KiB."""
+CHUNK_WORDS = int(os.environ.get("REFIT_DIGEST_CHUNK_WORDS", 1 << 17))
+"""Words per chunk of the kernels (one program each): 1 MiB."""
+ROWS = int(os.environ.get("REFIT_DIGEST_ROWS", 8))
+COLS = int(os.environ.get("REFIT_DIGEST_COLS", 1024))
+"""A kernel tile: ROWS x COLS words (64 KiB) per loop step, each thread holding whole columns of two words."""
+NUM_WARPS = int(os.environ.get("REFIT_DIGEST_WARPS", 16))
+_NBYTES, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("nbytes", "dtype", "device"))
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _chunk_sums(table, anchor, out, BLOCK: tl.constexpr):
-        """Chunk c = (word offset from `anchor`, index of its first word in its tensor, words): its two sums."""
-        c = tl.program_id(0)
+    def _tile_sums(w, a, t, b, ROWS: tl.constexpr):
+        """One [ROWS, COLS] tile of words into the per-column accumulators: a += column sums, then t += a
+        (so that, after K tiles, sum_k k * colsum_k = K * a - t: no 64-bit multiply by a position per
+        word), b += sum_r r * w[r] (r a small per-register constant)."""
+        rows = tl.arange(0, ROWS)[:, None].to(tl.int64)
+        a += tl.sum(w, axis=0)
+        return a, t + a, b + tl.sum(w * rows, axis=0)
+
+    @triton.jit
+    def _finish(a, t, b, tiles, base, ROWS: tl.constexpr, COLS: tl.constexpr):
+        """(sum w, sum position * w) of a chunk of `tiles` tiles whose first word is at position `base`."""
+        cols = tl.arange(0, COLS).to(tl.int64)
+        row_sum = ROWS * (tiles * a - t) + b  # per column: sum over the chunk's rows of row index * word
+        s0 = tl.sum(a, axis=0)
+        return s0, tl.sum(COLS * row_sum + cols * a, axis=0) + base * s0
+
+    @triton.jit
+    def _digest_chunks(table, anchor, out, ROWS: tl.constexpr, COLS: tl.constexpr):
+        """Chunk c = row c of `table`: (word offset from `anchor`, position of its first word, words). Whole
+        tiles first, with 16-byte loads (offsets of chunks with a whole tile are even), then one masked tile."""
+        c = tl.program_id(0).to(tl.int64)
         off = tl.load(table + c * 3)
         base = tl.load(table + c * 3 + 1)
         n = tl.load(table + c * 3 + 2)
-        lane = tl.arange(0, BLOCK)
-        s0 = tl.zeros([BLOCK], dtype=tl.int64)
-        s1 = tl.zeros([BLOCK], dtype=tl.int64)
-        for i in range(0, n, BLOCK):
-            mask = i + lane < n
-            w = tl.load(anchor + off + i + lane, mask=mask, other=0)
-            s0 += w
-            s1 += w * (base + i + lane)
-        tl.store(out + c * 2, tl.sum(s0, axis=0))
-        tl.store(out + c * 2 + 1, tl.sum(s1, axis=0))
+        idx = (tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]).to(tl.int64)
+        a = tl.zeros([COLS], dtype=tl.int64)
+        t = tl.zeros([COLS], dtype=tl.int64)
+        b = tl.zeros([COLS], dtype=tl.int64)
+        full = n // (ROWS * COLS)
+        for k in range(0, full):
+            at = tl.multiple_of(off + k * (ROWS * COLS), 2)
+            w = tl.load(anchor + at + idx, cache_modifier=".cg")
+            a, t, b = _tile_sums(w, a, t, b, ROWS)
+        done = full * (ROWS * COLS)
+        if done < n:
+            w = tl.load(anchor + off + done + idx, mask=idx < n - done, other=0)
+            a, t, b = _tile_sums(w, a, t, b, ROWS)
+            full += 1
+        s0, s1 = _finish(a, t, b, full, base, ROWS, COLS)
+        tl.store(out + c * 2, s0)
+        tl.store(out + c * 2 + 1, s1)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -112,11 +152,57 @@ def digests(tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None = Non
     if offsets is not None and len(offsets) != len(tensors):
         raise ValueError(f"{len(offsets)} offsets for {len(tensors)} tensors: give one word offset per tensor")
     device = tensors[0].device
+    if available(device):
+        fast = _digests_cached(tensors, offsets, device)
+        if fast is not None:
+            return fast
     s0, s1 = _sums(tensors, device)
     if offsets is not None and any(offsets):
         s1 = s1 + torch.tensor(offsets, dtype=torch.int64, device=device) * s0
     nbytes = torch.tensor(list(map(_NBYTES, tensors)), dtype=torch.int64, device=device)
     return s1 * STEP + s0 + nbytes
+
+
+def _digests_cached(
+    tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None, device: torch.device
+) -> torch.Tensor | None:
+    """The digests of regular tensors (`_regular`) on CUDA through a plan cached per layout: per call, a few
+    passes over the tensors' attributes in C and three launches, no host-to-device copy. None where a
+    tensor is not regular (the general path takes the call)."""
+    T = torch.Tensor
+    if not all(map(T.is_contiguous, tensors)) or any(map(T.is_neg, tensors)) or any(map(T.is_conj, tensors)):
+        return None
+    ptrs, nbytes = tuple(map(T.data_ptr, tensors)), tuple(map(_NBYTES, tensors))
+    key = ("digest", device, ptrs, nbytes, None if offsets is None else tuple(offsets))
+    plan = _plan(key, lambda: _digest_plan(ptrs, nbytes, offsets, device))
+    if plan is None:
+        return None
+    sums = torch.zeros(len(ptrs), 2, dtype=torch.int64, device=device)
+    if plan.num_chunks:
+        out = torch.empty(plan.num_chunks, 2, dtype=torch.int64, device=device)
+        with _on(device):
+            _digest_chunks[(plan.num_chunks,)](
+                plan.table, plan.anchors[0], out, ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS
+            )
+        sums.index_add_(0, plan.owner, out)
+    s0, s1 = sums[:, 0], sums[:, 1]
+    if plan.offsets is not None:
+        s1 = s1 + plan.offsets * s0
+    return s1 * STEP + s0 + plan.nbytes
+
+
+def kernel(tensors: Sequence[torch.Tensor]) -> Callable[[], object]:
+    """For benchmarks: a callable that launches the kernel alone over `tensors`' cached table (no Python per
+    tensor, no reduction). Tensors as `digests`' cached path takes them: contiguous, whole words, 8-byte
+    addresses, on one CUDA device (or Triton's interpreter)."""
+    device = tensors[0].device
+    ptrs, nbytes = tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(_NBYTES, tensors))
+    plan = _plan(("digest", device, ptrs, nbytes, None), lambda: _digest_plan(ptrs, nbytes, None, device))
+    if plan is None or not plan.num_chunks or not available(device):
+        raise ValueError("the digest kernel alone needs Triton and whole-word tensors at 8-byte addresses")
+    out = torch.empty(plan.num_chunks, 2, dtype=torch.int64, device=device)
+    launch = _digest_chunks[(plan.num_chunks,)]
+    return lambda: launch(plan.table, plan.anchors[0], out, ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS)
 
 
 def _sums(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,32 +311,120 @@ def _sums_each(words: list[torch.Tensor], device: torch.device) -> tuple[torch.T
 
 def _sums_table(ptrs: list[int], num_words: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The two sums of each run of int64 words at address `ptrs[k]` (8-byte aligned, live until the kernel
-    ran), `num_words[k]` long: one kernel launch over a table of chunks."""
-    anchor = torch.zeros(1, dtype=torch.int64, device=device)
-    origin = anchor.data_ptr()
-    counts = [-(-n // ROW_WORDS) for n in num_words]
-    total = sum(counts)
+    ran), `num_words[k]` long: one kernel launch over a table of chunks (cached per layout), one reduction."""
     s0 = torch.zeros(len(ptrs), dtype=torch.int64, device=device)
     s1 = torch.zeros(len(ptrs), dtype=torch.int64, device=device)
-    if total == 0:
+    if sum(num_words) == 0:
         return s0, s1
-    offsets = (torch.tensor(ptrs, dtype=torch.int64) - origin) // 8
-    sizes = torch.tensor(num_words, dtype=torch.int64)
-    owner = torch.repeat_interleave(torch.arange(len(ptrs)), torch.tensor(counts))
-    first = torch.cumsum(torch.tensor([0, *counts[:-1]]), 0)
-    base = (torch.arange(total) - first[owner]) * ROW_WORDS
-    table = torch.stack([offsets[owner] + base, base, torch.clamp(sizes[owner] - base, max=ROW_WORDS)], dim=1)
-    out = torch.empty(total, 2, dtype=torch.int64, device=device)
-    _chunk_sums[(total,)](table.to(device), anchor, out, BLOCK=BLOCK, num_warps=8)
-    owner = owner.to(device)
-    return s0.index_add_(0, owner, out[:, 0]), s1.index_add_(0, owner, out[:, 1])
+    plan = _plan(
+        ("words", device, tuple(ptrs), tuple(num_words)),
+        lambda: _digest_plan(ptrs, num_words, None, device, words=True),
+    )
+    assert plan is not None  # whole words at 8-byte addresses, as the callers guarantee
+    out = torch.empty(plan.num_chunks, 2, dtype=torch.int64, device=device)
+    with _on(device):
+        _digest_chunks[(plan.num_chunks,)](plan.table, plan.anchors[0], out, ROWS=ROWS, COLS=COLS, num_warps=NUM_WARPS)
+    return s0.index_add_(0, plan.owner, out[:, 0]), s1.index_add_(0, plan.owner, out[:, 1])
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """A kernel's table of chunks in device memory, built once per layout: rows of (word offsets from the
+    anchors, position of the chunk's first word in its tensor, words), and each chunk's tensor."""
+
+    table: torch.Tensor
+    owner: torch.Tensor
+    anchors: tuple[torch.Tensor, ...]
+    """Small tensors whose addresses the table's offsets count from (held, so they stay put)."""
+    num_chunks: int
+    nbytes: torch.Tensor | None = None
+    """Each tensor's byte length, on the device (the digest's last term)."""
+    offsets: torch.Tensor | None = None
+    """Each tensor's global word offset, on the device, where given."""
+    rest: tuple[int, ...] = ()
+    """Tensors the kernel does not take (the fused copy's fallback)."""
+
+
+_PLANS: OrderedDict[tuple, ChunkPlan | None] = OrderedDict()
+_ROWS_KEPT = 1 << 20
+"""Chunk rows of the plans kept (32 MiB of tables at most): a refit digests and copies a few lists of tensors
+(the model, each bucket) over and over, each with its own plan; the least recently used go first."""
+
+
+_PLANS_LOCK = threading.Lock()
+"""The cache is shared by every thread of the process that digests or copies."""
+
+
+def _plan(key: tuple, build: Callable[[], ChunkPlan | None]) -> ChunkPlan | None:
+    """The cached plan for `key` (the device, the addresses and the sizes: all a table depends on)."""
+    with _PLANS_LOCK:
+        if key in _PLANS:
+            _PLANS.move_to_end(key)
+            return _PLANS[key]
+        plan = _PLANS[key] = build()
+        rows = lambda p: p.num_chunks if p is not None else 0  # noqa: E731
+        total = sum(map(rows, _PLANS.values()))
+        while total > _ROWS_KEPT and len(_PLANS) > 1:
+            total -= rows(_PLANS.popitem(last=False)[1])
+        return plan
+
+
+def _digest_plan(
+    ptrs: Sequence[int],
+    sizes: Sequence[int],
+    offsets: Sequence[int] | None,
+    device: torch.device,
+    *,
+    words: bool = False,
+) -> ChunkPlan | None:
+    """The table of runs at `ptrs`, `sizes` long (in words if `words`, else in bytes: then None unless every
+    run is whole words at an 8-byte address)."""
+    if not words and any(p % 8 or n % 8 for p, n in zip(ptrs, sizes)):
+        return None
+    num_words = torch.tensor(sizes, dtype=torch.int64) // (1 if words else 8)
+    anchor = torch.zeros(2, dtype=torch.int64, device=device)
+    starts = (torch.tensor(ptrs, dtype=torch.int64) - anchor.data_ptr()) // 8
+    rows, owner = chunk_rows([starts], num_words)
+    nbytes = None if words else torch.tensor(sizes, dtype=torch.int64).to(device)
+    where = None if offsets is None or not any(offsets) else torch.tensor(offsets, dtype=torch.int64).to(device)
+    return ChunkPlan(rows.to(device), owner.to(device), (anchor,), len(rows), nbytes, where)
+
+
+def chunk_rows(starts: list[torch.Tensor], sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Table rows (*word offsets, position, words) of runs of `sizes[k]` words at word offsets `starts[j][k]`
+    (one offset tensor per operand, all of one parity per run), cut into chunks of CHUNK_WORDS; and the run
+    of each row. A run at an odd offset gives its first word a row of its own, so that every row with a
+    whole tile starts at an even word (16-byte aligned), which the kernels' vector loads need."""
+    head = (starts[0] & 1) * (sizes > 0)
+    peeled = torch.nonzero(head).flatten()
+    runs = torch.arange(len(sizes))
+    seg_starts = [torch.cat([s[peeled], s + head]) for s in starts]
+    seg_base = torch.cat([torch.zeros(len(peeled), dtype=torch.int64), head])
+    seg_n = torch.cat([torch.ones(len(peeled), dtype=torch.int64), sizes - head])
+    seg_run = torch.cat([peeled, runs])
+    counts = (seg_n + CHUNK_WORDS - 1) // CHUNK_WORDS
+    which = torch.repeat_interleave(torch.arange(len(seg_n)), counts)
+    step = (torch.arange(len(which)) - (torch.cumsum(counts, 0) - counts)[which]) * CHUNK_WORDS
+    n = torch.clamp(seg_n[which] - step, max=CHUNK_WORDS)
+    cols = [s[which] + step for s in seg_starts] + [seg_base[which] + step, n]
+    return torch.stack(cols, dim=1).contiguous(), seg_run[which].contiguous()
+
+
+@contextlib.contextmanager
+def _on(device: torch.device) -> Iterator[None]:
+    """Triton launches on the current CUDA device: make it `device` for the launch."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield
 
 
 class Pending:
     """Digests computed on their devices, not yet read back (so no host synchronisation until `hexes`)."""
 
     def __init__(self) -> None:
-        self._parts: list[tuple[list[int], torch.Tensor]] = []
+        self._parts: list[tuple[Sequence[int], torch.Tensor]] = []
         self.count = 0
 
     def add(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None = None) -> None:
@@ -258,7 +432,11 @@ class Pending:
         if offsets is not None and len(offsets) != len(tensors):
             raise ValueError(f"{len(offsets)} offsets for {len(tensors)} tensors: give one word offset per tensor")
         base, self.count = self.count, self.count + len(tensors)
-        for device in {t.device for t in tensors}:
+        devices = set(map(_DEVICE, tensors))
+        if len(devices) == 1:  # the usual case: no per-tensor indexing
+            self._parts.append((range(base, self.count), digests(tensors, offsets)))
+            return
+        for device in devices:
             idx = [i for i, t in enumerate(tensors) if t.device == device]
             some = None if offsets is None else [offsets[i] for i in idx]
             self._parts.append(([base + i for i in idx], digests([tensors[i] for i in idx], some)))

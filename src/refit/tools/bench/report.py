@@ -16,6 +16,9 @@ LABELS = {
     "checksum": "refit + per-bucket checksum",
     "fingerprint": "refit + end-to-end fingerprint check",
     "zero_copy": "refit zero-copy (reads trainer tensors)",
+    "zero_copy_fingerprint": "refit zero-copy + end-to-end fingerprint check",
+    "digest": "probe: digest of the tensors alone",
+    "copy_digest": "probe: fused copy + digest of the tensors",
     "serial": "serial buckets, no overlap",
     "per_tensor": "per-tensor, metadata once",
     "per_tensor_meta": "per-tensor, metadata every refit",
@@ -46,11 +49,11 @@ def table(report: dict) -> Table:
         title=f"{_name(report)}: {report['tensors']} tensors, {report['nbytes'] / 1e9:.3f} GB {dtypes}, "
         f"{c['transport']} to {c['receivers']} receiver(s) on {report['device']}"
     )
-    for col in ("method", "median ms", "min-max ms", "GB/s", "x floor", "stages (median ms)"):
+    for col in ("method", "median ms", "min-max ms", "GB/s", "x floor", "x unverified", "stages (median ms)"):
         t.add_column(col, justify="left" if col in ("method", "stages (median ms)") else "right", no_wrap=True)
     for key, r in report["results"].items():
-        ratio = r["ratio_to_floor"]
-        stages = " ".join(f"{k} {v * 1e3:.1f}" for k, v in r["stages"].items())
+        ratio, plain = r["ratio_to_floor"], r.get("ratio_to_unverified")
+        stages = " ".join(f"{k} {v * 1e3:.1f}" for k, v in r["stages"].items()) or _floors(r)
         label = floor_label(report) if key == "floor" else LABELS.get(key, key)
         t.add_row(
             label,
@@ -58,9 +61,18 @@ def table(report: dict) -> Table:
             f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f}",
             f"{r['gbps']:.2f}",
             "-" if ratio is None else f"{ratio:.2f}",
+            "-" if plain is None else f"{plain:.2f}",
             stages,
         )
     return t
+
+
+def _floors(result: dict) -> str:
+    """A probe's own floors: a flat copy and a flat read of as many bytes, and its ratio to each."""
+    floors = result.get("floors") or {}
+    return " ".join(
+        f"{k.replace('_floor', '')} {v * 1e3:.2f} (x{result['median_s'] / v:.2f})" for k, v in floors.items()
+    )
 
 
 def memory_line(report: dict) -> str:

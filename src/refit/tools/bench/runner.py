@@ -17,6 +17,7 @@ import torch
 
 import refit
 from refit import transports
+from refit.checks.digest import digests
 from refit.dtypes import dtype_from_name, dtype_name
 from refit.layout.copy_kernel import BatchedCopy, available
 from refit.layout.planner import align_up
@@ -37,6 +38,9 @@ METHODS = (
     "checksum",
     "fingerprint",
     "zero_copy",
+    "zero_copy_fingerprint",
+    "digest",
+    "copy_digest",
     "serial",
     "per_tensor",
     "per_tensor_meta",
@@ -47,6 +51,12 @@ RECEIVER_STAGES = ("recv", "load", "commit")
 """The first receiver's stages in the report, as `recv.<stage>`."""
 LOCAL = {"foreach", "kernel"}
 """Copies of the tensors inside the sender's process: measured for colocated transports only."""
+PROBES = {"digest", "copy_digest"}
+"""The fingerprint's kernels alone, in the sender's process, each against a flat copy and a flat read of the
+model's bytes on the same device (copy_digest: with the fused CUDA kernel only)."""
+VERIFIED = {"fingerprint": "refit", "zero_copy_fingerprint": "zero_copy"}
+"""Each verified method and its unverified twin: the report gives their ratio. Every method passes `verify`
+explicitly, so a figure means the same whatever the library's default."""
 COLOCATED = {"shm", "cuda-ipc"}
 
 
@@ -96,6 +106,8 @@ class Result:
     times: list[float]
     stages: dict[str, float] = field(default_factory=dict)
     memory: dict[str, int | None] = field(default_factory=dict)
+    floors: dict[str, float] = field(default_factory=dict)
+    """Probes only: median seconds of a flat copy and a flat read of the same bytes on the same device."""
 
     @property
     def median(self) -> float:
@@ -110,6 +122,7 @@ class Result:
             "max_s": max(self.times),
             "gbps": self.nbytes / med / 1e9,
             "ratio_to_floor": med / floor if floor else None,
+            **{f"ratio_to_{k}": med / v for k, v in self.floors.items()},
         }
 
 
@@ -270,6 +283,35 @@ def _local_copy(
     return Result(method, nbytes, times)
 
 
+def _probe(
+    method: str, tensors: dict[str, torch.Tensor], cfg: BenchConfig, device: torch.device, nbytes: int
+) -> Result:
+    """`digest`: the digest of every tensor, as the sender takes it (host work included); `copy_digest`: the
+    fused copy and digest into fresh tensors (checked: bytes and digests). Each beside a flat copy and a flat
+    read (a sum of the bytes as int64 words) of as many bytes, on the same device."""
+    src = list(tensors.values())
+    if method == "digest":
+        times = _timed(partial(digests, src), device, cfg)
+    else:
+        from refit.checks.fused_cuda import copy_digest_cuda
+
+        dst = [torch.empty_like(t) for t in src]
+        times = _timed(partial(copy_digest_cuda, dst, src), device, cfg)
+        got = copy_digest_cuda(dst, src)
+        if not torch.equal(got, digests(dst)) or not all(torch.equal(d, s) for d, s in zip(dst, src)):
+            raise RuntimeError("the fused copy and digest wrote other bytes or digests than a copy and a digest")
+        del dst
+    flat = torch.randint(0, 256, (align_up(nbytes, 8),), dtype=torch.uint8, device=device)
+    out = torch.empty_like(flat)
+    floors = {
+        "copy_floor": statistics.median(_timed(partial(out.copy_, flat), device, cfg)),
+        "read_floor": statistics.median(_timed(flat.view(torch.int64).sum, device, cfg)),
+    }
+    del flat, out
+    _release(device)
+    return Result(method, nbytes, times, floors=floors)
+
+
 def _release(device: torch.device) -> None:
     """Hand cached blocks back, so the receiver processes on this device can have them."""
     if device.type == "cuda":
@@ -286,9 +328,10 @@ def _refit(
     name: str,
     zero_copy: bool = False,
     verify_checksum: bool = False,
-    verify: str | None = None,
+    verify: str | None,
 ) -> Result:
-    """The full Sender/Receiver path; `num_slots=1` is the serial-buckets baseline."""
+    """The full Sender/Receiver path; `num_slots=1` is the serial-buckets baseline. `verify` is always given:
+    figures must not move with the library's default."""
     version = iter(range(1, 1 << 30))
     stats = []
     bucket_bytes = min(cfg.bucket_bytes, align_up(sum(s.nbytes for s in source.specs()), 256))
@@ -378,6 +421,38 @@ def _per_tensor(
     return Result("per_tensor_meta" if meta else "per_tensor", sum(s.nbytes for s in spec_list), times)
 
 
+def _method(
+    m: str,
+    workers: Workers,
+    source: ModuleSource,
+    tensors: dict[str, torch.Tensor],
+    spec_list: list[TensorSpec],
+    cfg: BenchConfig,
+    device: torch.device,
+    nbytes: int,
+) -> Result | None:
+    """One method's figures, or None where it does not apply to this transport or device."""
+    refit_ = partial(_refit, workers, source, cfg, device, num_slots=2, name=m)
+    if m == "floor":
+        return _floor(workers, source, cfg, device, nbytes)
+    if m in LOCAL:
+        applies = cfg.transport in COLOCATED and (m == "foreach" or available(device))
+        return _local_copy(m, tensors, cfg, device, nbytes) if applies else None
+    if m in PROBES:
+        applies = m == "digest" or (available(device) and device.type == "cuda")
+        return _probe(m, tensors, cfg, device, nbytes) if applies else None
+    if m in ("refit", "serial"):
+        return refit_(num_slots=2 if m == "refit" else 1, verify=None)
+    if m == "checksum":
+        return refit_(verify_checksum=True, verify=None)
+    if m == "fingerprint":  # the end-to-end check of what the engine holds
+        return refit_(verify="fingerprint")
+    if m.startswith("zero_copy"):
+        verify = "fingerprint" if m == "zero_copy_fingerprint" else None
+        return refit_(zero_copy=True, verify=verify) if cfg.transport == "cuda-ipc" else None
+    return _per_tensor(workers, source, spec_list, cfg, device, meta=m == "per_tensor_meta")
+
+
 def _devices(cfg: BenchConfig) -> tuple[torch.device, list[str]]:
     if transports.get(cfg.transport).device_type != "cuda":
         return torch.device("cpu"), ["cpu"] * cfg.receivers
@@ -405,25 +480,16 @@ def run_bench(cfg: BenchConfig, on_method: Callable[[str], None] | None = None) 
         for m in cfg.methods:
             if on_method:
                 on_method(m)
-            if m == "floor":
-                results[m] = _floor(workers, source, cfg, device, nbytes)
-            elif m in LOCAL:
-                if cfg.transport in COLOCATED and (m == "foreach" or available(device)):
-                    results[m] = _local_copy(m, tensors, cfg, device, nbytes)
-            elif m in ("refit", "serial"):
-                results[m] = _refit(workers, source, cfg, device, num_slots=2 if m == "refit" else 1, name=m)
-            elif m == "checksum":
-                results[m] = _refit(workers, source, cfg, device, num_slots=2, name=m, verify_checksum=True)
-            elif m == "fingerprint":  # the end-to-end check of what the engine holds
-                results[m] = _refit(workers, source, cfg, device, num_slots=2, name=m, verify="fingerprint")
-            elif m == "zero_copy":
-                if cfg.transport == "cuda-ipc":
-                    results[m] = _refit(workers, source, cfg, device, num_slots=2, name=m, zero_copy=True)
-            else:
-                results[m] = _per_tensor(workers, source, spec_list, cfg, device, meta=m == "per_tensor_meta")
+            result = _method(m, workers, source, tensors, spec_list, cfg, device, nbytes)
+            if result is not None:
+                results[m] = result
     finally:
         workers.close()
     floor = results["floor"].median if "floor" in results else None
+    summaries = {k: r.summary(floor) for k, r in results.items()}
+    for verified, plain in VERIFIED.items():
+        if verified in results and plain in results:
+            summaries[verified]["ratio_to_unverified"] = results[verified].median / results[plain].median
     return {
         "config": {**asdict(cfg), "methods": list(cfg.methods)},
         "tensors": len(spec_list),
@@ -431,5 +497,5 @@ def run_bench(cfg: BenchConfig, on_method: Callable[[str], None] | None = None) 
         "dtypes": sorted({dtype_name(s.dtype) for s in spec_list}),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "results": {k: r.summary(floor) for k, r in results.items()},
+        "results": summaries,
     }
