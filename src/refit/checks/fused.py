@@ -1,0 +1,217 @@
+"""Fused copy and digest: dst[i].copy_(src[i]) for many pairs, returning the digest of each dst's bytes, read
+once (the fingerprint of docs/PROTOCOL.md, word positions counted in the destination tensor).
+
+On CPU a small C kernel, compiled at first use through `torch.utils.cpp_extension` (cached per machine
+under the user's cache directory), copies each pair word by word and sums the words as it writes them:
+one pass, one call for every pair of a plan, no per-tensor Python. Its sums avoid 64-bit multiplies:
+over a lane of words w_0 .. w_{m-1}, sum(j * w_j) = m * S - sum of the running sums (S the lane's
+total), so every step is two additions, which vectorise. Where the kernel does not build, or
+REFIT_CPU_KERNEL=0, pairs are copied by `CopyPlan` and digested by `refit.checks.digest.digests` (a
+second read: slower, same values). Pairs the kernel cannot take (other dtypes, non-contiguous or lazy
+views) are copied by torch and their destinations digested afterwards. On CUDA,
+`refit.checks.fused_cuda.copy_digest_cuda` does it where that module imports.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from refit.checks.digest import digests
+from refit.layout.copy_kernel import BatchedCopy
+from refit.log import get_logger
+from refit.settings import cpu_kernel_enabled
+
+log = get_logger("fused")
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+static const uint64_t STEP = 0x3C6EF372FE94F82AULL; /* 2 * 0x9E3779B97F4A7C15 mod 2^64 */
+
+static uint64_t one(const unsigned char *src, unsigned char *dst, int64_t nbytes) {
+    int64_t nw = nbytes / 8, m = nw / 4, i;
+    uint64_t a[4] = {0, 0, 0, 0}, b[4] = {0, 0, 0, 0}, s0 = 0, s1 = 0, w[4];
+    for (i = 0; i < m; i++) {
+        memcpy(w, src + 32 * i, 32);
+        if (dst) memcpy(dst + 32 * i, w, 32);
+        for (int l = 0; l < 4; l++) { a[l] += w[l]; b[l] += a[l]; }
+    }
+    /* lane l holds words 4j + l: sum (4j + l) w = 4 (m a_l - b_l) + l a_l */
+    for (int l = 0; l < 4; l++) { s0 += a[l]; s1 += 4 * ((uint64_t)m * a[l] - b[l]) + (uint64_t)l * a[l]; }
+    for (i = 4 * m; i < nw; i++) {
+        uint64_t x;
+        memcpy(&x, src + 8 * i, 8);
+        if (dst) memcpy(dst + 8 * i, &x, 8);
+        s0 += x; s1 += (uint64_t)i * x;
+    }
+    if (nbytes % 8) {
+        uint64_t x = 0;
+        memcpy(&x, src + 8 * nw, nbytes % 8);
+        if (dst) memcpy(dst + 8 * nw, &x, nbytes % 8);
+        s0 += x; s1 += (uint64_t)nw * x;
+    }
+    return s1 * STEP + s0 + (uint64_t)nbytes;
+}
+
+/* Pair k: copy nbytes[k] bytes from src[k] to dst[k] (no copy where dst[k] is 0) and digest them. */
+extern "C" void refit_copy_digest(int64_t n, const int64_t *src, const int64_t *dst, const int64_t *nbytes,
+                                  int64_t *out) {
+    for (int64_t k = 0; k < n; k++)
+        out[k] = (int64_t)one((const unsigned char *)src[k], (unsigned char *)dst[k], nbytes[k]);
+}
+"""
+
+_lock = threading.Lock()
+
+
+def _cache_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    tag = hashlib.sha256(f"{_SOURCE}|{torch.__version__}".encode()).hexdigest()[:16]
+    return base / "refit" / "cpu_kernels" / tag
+
+
+@functools.cache
+def _kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, built once per machine (later processes load the cached library); None, after
+    one WARNING, where it cannot be built, and None without trying where REFIT_CPU_KERNEL=0."""
+    if not cpu_kernel_enabled():
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        where = _cache_dir()
+        where.mkdir(parents=True, exist_ok=True)
+        src = where / "refit_fused.cpp"
+        if not src.exists():
+            tmp = where / f"refit_fused.{os.getpid()}.tmp"
+            tmp.write_text(_SOURCE)
+            tmp.replace(src)
+        with _lock:
+            path = cpp_extension.load(
+                name=f"refit_fused_{where.name}",
+                sources=[str(src)],
+                build_directory=str(where),
+                extra_cflags=["-O3"],
+                is_python_module=False,
+                verbose=False,
+            )
+        lib = ctypes.CDLL(str(path))
+        fn = lib.refit_copy_digest
+        fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4
+        fn.restype = None
+        return lib
+    except Exception as e:  # noqa: BLE001 - no compiler, no headers, any build error: the slower path, never a failure
+        log.warning(
+            "the fused copy-and-digest CPU kernel did not build (%s: %s); using the slower PyTorch path",
+            type(e).__name__,
+            str(e).strip().splitlines()[-1:] or "",
+        )
+        return None
+
+
+def _takes(d: torch.Tensor, s: torch.Tensor) -> bool:
+    """Whether the kernel copies this pair: CPU, same dtype and size, both contiguous, no lazy views."""
+    return (
+        d.device.type == "cpu"
+        and s.device.type == "cpu"
+        and d.dtype == s.dtype
+        and d.numel() == s.numel()
+        and d.is_contiguous()
+        and s.is_contiguous()
+        and not (d.is_neg() or d.is_conj() or s.is_neg() or s.is_conj())
+    )
+
+
+def _readable(d: torch.Tensor) -> bool:
+    """Whether the kernel can digest `d` as it lies in memory (its words are its logical words)."""
+    return d.device.type == "cpu" and d.is_contiguous() and not (d.is_neg() or d.is_conj())
+
+
+class FusedCopy:
+    """dst[i].copy_(src[i]) for every i, planned once at construction (an address table) and replayed by
+    `run()`, which returns each dst's digest after the copy (int64, CPU). Valid while the tensors keep their
+    storage and layout, like `BatchedCopy`."""
+
+    def __init__(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        if len(dsts) != len(srcs):
+            raise ValueError(f"copy_digest needs as many targets ({len(dsts)}) as sources ({len(srcs)})")
+        self.dsts, self.srcs = list(dsts), list(srcs)
+        self._n = len(self.dsts)
+        lib = _kernel() if self.dsts and all(d.device.type == "cpu" for d in self.dsts) else None
+        self._lib = lib
+        if lib is None:
+            cuda = self.dsts and all(d.is_cuda and d.is_contiguous() for d in self.dsts)
+            self._cuda = _cuda_kernel() if cuda else None
+            self._copy = None if self._cuda else BatchedCopy(self.dsts, self.srcs)
+            return
+        fused = list(map(_takes, self.dsts, self.srcs))
+        rest = [i for i, f in enumerate(fused) if not f]
+        self._copy = BatchedCopy([self.dsts[i] for i in rest], [self.srcs[i] for i in rest]) if rest else None
+        # the kernel digests every dst it can read, in place for the pairs torch copied (dst 0: no copy)
+        readable = [f or _readable(self.dsts[i]) for i, f in enumerate(fused)]
+        self._slow = [i for i, r in enumerate(readable) if not r]
+        rows = [
+            (
+                (s.data_ptr(), d.data_ptr()) if f else (d.data_ptr(), 0),
+                d.nbytes,
+            )
+            for d, s, f, r in zip(self.dsts, self.srcs, fused, readable)
+            if r
+        ]
+        self._table = torch.tensor([[p[0], p[1], n] for p, n in rows], dtype=torch.int64).reshape(-1, 3).t().contiguous()
+        self._rows = [i for i, r in enumerate(readable) if r]
+
+    def run(self) -> torch.Tensor:
+        """Copy every pair; the digest of each dst's bytes after the copy, in order (int64, on CPU)."""
+        if self._lib is None:
+            if self._cuda is not None:
+                return self._cuda(self.dsts, self.srcs).cpu()
+            self._copy.run()  # type: ignore[union-attr]
+            return digests(self.dsts).cpu() if self.dsts else torch.zeros(0, dtype=torch.int64)
+        if self._copy is not None:
+            self._copy.run()
+        n = self._table.shape[1]
+        got = torch.empty(n, dtype=torch.int64)
+        if n:
+            t = self._table
+            self._lib.refit_copy_digest(n, t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), got.data_ptr())
+        if not self._slow:
+            return got
+        out = torch.empty(self._n, dtype=torch.int64)
+        out[self._rows] = got
+        out[self._slow] = digests([self.dsts[i] for i in self._slow]).cpu()
+        return out
+
+
+def _cuda_kernel():  # type: ignore[no-untyped-def]
+    try:
+        from refit.checks.fused_cuda import copy_digest_cuda  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return copy_digest_cuda
+
+
+def copy_digest(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Copy each src into its dst (same dtype and size; any strided dst) and return the digest of each dst's
+    bytes after the copy, as an int64 CPU tensor: bit for bit `digests(dsts)` after `dst.copy_(src)`."""
+    for d, s in zip(dsts, srcs):
+        if d.dtype != s.dtype or d.numel() != s.numel():
+            raise ValueError(
+                f"copy_digest copies without casting: a {s.dtype} tensor of {s.numel()} elements into a "
+                f"{d.dtype} one of {d.numel()}; cast the source first"
+            )
+    return FusedCopy(dsts, srcs).run()
+
+
+def kernel_built() -> bool:
+    """Whether the compiled CPU kernel is in use (False: the PyTorch path)."""
+    return _kernel() is not None
