@@ -41,7 +41,9 @@ class ReceivePath:
         settings: Settings,
         device: torch.device,
         rank: int,
+        fingerprint: bool = False,
     ) -> None:
+        """`fingerprint`: the sender will check digests (MANIFEST status 1), so loads digest what they write."""
         self.engine = engine
         self.manifest = manifest
         self.transport = transport
@@ -51,11 +53,15 @@ class ReceivePath:
         self.device = device
         self.unpacker = Unpacker(manifest, transport.buffers, device=device)
         self._warned_unverified = False
+        self.fingerprint = fingerprint
+        self._digested: list[tuple[list[str], torch.Tensor]] = []
+        """This refit's digests taken by the engine's loads (`Engine.load_digested`): (names, digests)."""
         self.sources: list[tuple[str, torch.Tensor]] = []
         """Zero-copy mode: the sender's tensors, mapped once per epoch (`open_sources`)."""
 
     def take(self, begin: Header, stats: RefitStats) -> RefitError | None:
         """One refit's weights into the engine: the buckets, or (zero-copy) the shared tensors."""
+        self._digested = []
         with copy_share(self.transport.name):
             return self._copy_sources(stats) if begin.status & 1 else self._stream(begin, stats)
 
@@ -85,7 +91,7 @@ class ReceivePath:
             return IntegrityError("zero-copy refit before the sender shared its tensors (no SOURCES this epoch)")
         t = time.perf_counter()
         try:
-            self.engine.load(self.sources)
+            self._engine_load(self.sources)
         except Exception as e:  # noqa: BLE001 - any engine error fails the refit, reported to the sender
             return _engine_error(f"engine failed to load the shared tensors: {type(e).__name__}: {e}", e)
         stats.add("load", time.perf_counter() - t)
@@ -140,7 +146,7 @@ class ReceivePath:
             t = time.perf_counter()
             tensors = self.unpacker.unpack(b, slot)
             if tensors:
-                self.engine.load(tensors)
+                self._engine_load(tensors)
             stats.add("load", time.perf_counter() - t)
         except RefitError as e:
             return e
@@ -148,13 +154,30 @@ class ReceivePath:
             return _engine_error(f"engine failed to load bucket {b}: {type(e).__name__}: {e}", e)
         return None
 
+    def _engine_load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load into the engine; in fingerprint mode keep the digests its copy took of what it wrote."""
+        if not self.fingerprint:
+            self.engine.load(tensors)
+            return
+        got = self.engine.load_digested(tensors)
+        if got is not None and got[0]:
+            self._digested.append(got)
+
+    def _loaded_digests(self) -> dict[str, int]:
+        """Name to digest of every name whose load proved its bytes this refit."""
+        out: dict[str, int] = {}
+        for names, values in self._digested:
+            out.update(zip(names, values.tolist()))
+        return out
+
     def check_fingerprints(self, payload: bytes, stats: RefitStats, done: dict) -> RefitError | None:
         """Fingerprint mode: compare what the engine now holds with the digests of the trainer's live tensors."""
         m = self.manifest
         t = time.perf_counter()
         try:
             self.transport.flush()
-            bad, unreadable = compare(m, self.engine, parse_json(payload, "VERIFY").get("digests"))
+            loaded = self._loaded_digests()
+            bad, unreadable = compare(m, self.engine, parse_json(payload, "VERIFY").get("digests"), loaded=loaded)
         except RefitError as e:
             return e
         except Exception as e:  # noqa: BLE001 - any read-back error fails the check, reported to the sender

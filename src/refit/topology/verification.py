@@ -9,7 +9,7 @@ sender digests that region of its live tensor.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ from refit.layout.manifest import Manifest
 from refit.sources.base import Source
 
 Target = tuple[str, Region | None]
+_MASK = (1 << 64) - 1
 
 
 def parse_regions(raw: object, m: Manifest) -> dict[str, Region]:
@@ -104,14 +105,24 @@ def engine_regions(m: Manifest, engine: Engine) -> dict[str, list[int]]:
     return out
 
 
-def compare(m: Manifest, engine: Engine, digests: object) -> tuple[list[str], list[str]]:
+def compare(
+    m: Manifest, engine: Engine, digests: object, *, loaded: Mapping[str, int] | None = None
+) -> tuple[list[str], list[str]]:
     """(names whose engine tensor differs from the trainer's, names the engine loads but cannot read back).
-    Names the user waived (`ignore=`, never loaded) are in neither list: validation reported them."""
+    Names the user waived (`ignore=`, never loaded) are in neither list: validation reported them.
+    `loaded`: digests the engine's own copy took of what it now holds (`Engine.load_digested`), compared
+    as they are; every other name is read back and digested here."""
     names = m.names
     if not (isinstance(digests, list) and len(digests) == len(names) and all(isinstance(d, str) for d in digests)):
         raise PeerError(f"VERIFY must list one digest per name ({len(names)})")
-    held, wanted, unreadable = [], [], []
+    held, wanted, unreadable, differ = [], [], [], []
+    loaded = loaded or {}
     for name, want in zip(names, digests):
+        got_loaded = loaded.get(name)
+        if got_loaded is not None:
+            if f"{got_loaded & _MASK:016x}" != want:
+                differ.append(name)
+            continue
         if engine.optional_names and waived(name, engine.optional_names):
             continue
         got = engine.held(name)
@@ -126,7 +137,7 @@ def compare(m: Manifest, engine: Engine, digests: object) -> tuple[list[str], li
             pending.add([t.to(wire) for _, t, wire in group])
         lossy = {name for name, t, wire in held if t.dtype != wire and not _exact(t, wire)}
     got_hex = pending.hexes()
-    bad = sorted({name for (name, _, _), g, w in zip(held, got_hex, wanted) if g != w} | lossy)
+    bad = sorted({name for (name, _, _), g, w in zip(held, got_hex, wanted) if g != w} | lossy | set(differ))
     return bad, unreadable
 
 
