@@ -101,3 +101,50 @@ def test_a_cast_is_refused_with_the_fix() -> None:
         copy_digest([torch.empty(4)], [torch.zeros(4, dtype=torch.float64)])
     with pytest.raises(ValueError, match="as many targets"):
         FusedCopy([torch.empty(4)], [])
+
+
+def test_the_module_engine_digests_only_what_its_copy_proves() -> None:
+    from torch import nn
+
+    from refit.engines.module import ModuleEngine
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(6, 4)
+            self.head = nn.Linear(4, 6, bias=False)
+            self.head.weight = self.embed.weight
+            base = torch.zeros(16)
+            self.register_buffer("x", base[0:6])  # x and y overlap: a copy into one changes the other
+            self.register_buffer("y", base[4:10])
+            self.register_buffer("z", base[10:16])  # beside them, overlapping nothing
+            self.register_buffer("c", torch.zeros(3, dtype=torch.float64))  # loaded through a cast
+
+    engine = ModuleEngine(Tied())
+    engine.specs()
+    g = torch.Generator().manual_seed(5)
+    sent = {"embed.weight": torch.randn(6, 4, generator=g), "head.weight": None}
+    sent.update({k: torch.randn(6, generator=g) for k in ("x", "y", "z")})
+    sent["head.weight"] = sent["embed.weight"]
+    sent["c"] = torch.randn(3, generator=g)
+    with torch.no_grad():
+        names, values = engine.load_digested(list(sent.items()))
+    assert names == ["embed.weight", "head.weight", "z"]
+    assert torch.equal(values, digests([engine.tensor(n) for n in names]))
+    assert torch.equal(engine.tensor("z"), sent["z"]) and torch.equal(engine.tensor("c"), sent["c"].double())
+
+
+def test_a_loaded_digest_that_differs_fails_the_check_and_the_rest_is_read_back() -> None:
+    from refit.engines.module import ModuleEngine
+    from refit.layout.planner import plan
+    from refit.topology.verification import compare
+
+    held = {"a": torch.randn(4), "b": torch.randn(3)}
+    engine = ModuleEngine(held)
+    m = plan(engine.specs(), capacity=1 << 20)
+    want = [f"{v & MASK:016x}" for v in digests([held["a"], held["b"]]).tolist()]
+    read: list[str] = []
+    engine.held = lambda name: (read.append(name), ModuleEngine.held(engine, name))[1]  # type: ignore[method-assign]
+    assert compare(m, engine, want, loaded={"a": int(digests([held["a"]])[0])}) == ([], [])
+    assert read == ["b"]  # "a" was proven by its load: never read back
+    assert compare(m, engine, want, loaded={"a": 1}) == (["a"], [])

@@ -160,23 +160,21 @@ class FusedCopy:
         readable = [f or _readable(self.dsts[i]) for i, f in enumerate(fused)]
         self._slow = [i for i, r in enumerate(readable) if not r]
         rows = [
-            (
-                (s.data_ptr(), d.data_ptr()) if f else (d.data_ptr(), 0),
-                d.nbytes,
-            )
+            (s.data_ptr(), d.data_ptr(), d.nbytes) if f else (d.data_ptr(), 0, d.nbytes)
             for d, s, f, r in zip(self.dsts, self.srcs, fused, readable)
             if r
         ]
-        self._table = torch.tensor([[p[0], p[1], n] for p, n in rows], dtype=torch.int64).reshape(-1, 3).t().contiguous()
+        self._table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).t().contiguous()
         self._rows = [i for i, r in enumerate(readable) if r]
 
     def run(self) -> torch.Tensor:
-        """Copy every pair; the digest of each dst's bytes after the copy, in order (int64, on CPU)."""
+        """Copy every pair; the digest of each dst's bytes after the copy, in order (int64, on the dsts'
+        device: no host synchronisation)."""
         if self._lib is None:
             if self._cuda is not None:
-                return self._cuda(self.dsts, self.srcs).cpu()
+                return self._cuda(self.dsts, self.srcs)
             self._copy.run()  # type: ignore[union-attr]
-            return digests(self.dsts).cpu() if self.dsts else torch.zeros(0, dtype=torch.int64)
+            return digests(self.dsts) if self.dsts else torch.zeros(0, dtype=torch.int64)
         if self._copy is not None:
             self._copy.run()
         n = self._table.shape[1]
@@ -209,7 +207,7 @@ def copy_digest(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> t
                 f"copy_digest copies without casting: a {s.dtype} tensor of {s.numel()} elements into a "
                 f"{d.dtype} one of {d.numel()}; cast the source first"
             )
-    return FusedCopy(dsts, srcs).run()
+    return FusedCopy(dsts, srcs).run().cpu()
 
 
 def kernel_built() -> bool:

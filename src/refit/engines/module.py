@@ -173,7 +173,10 @@ class _DigestedLoad:
     def run(self) -> tuple[list[str], torch.Tensor]:
         if self._cast is not None:
             self._cast.run()
-        return self.names, self._fused.run()[self._index]
+        got = self._fused.run()
+        if self._index.device != got.device:
+            self._index = self._index.to(got.device)
+        return self.names, got[self._index]
 
 
 def _written_once(targets: dict[str, torch.Tensor]) -> frozenset[str]:

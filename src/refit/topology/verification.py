@@ -51,30 +51,67 @@ class DigestPlan:
         self.regions = list(regions)
         self._pending = Pending()
         self._keys: list[Target] = []
+        self._known: list[tuple[list[Target], torch.Tensor]] = []
         self._by_bucket: dict[int, list[tuple[int, list[Target], torch.dtype]]] = {}
+        self._packed: dict[int, tuple[list[Target], torch.Tensor]] = {}
+        """Per bucket: the targets whose digest is their whole segment's, as packed, and those segments."""
         for b, segs in enumerate(m.segments):
+            packed: list[tuple[Target, int]] = []
             for k, s in enumerate(segs):
-                if m.last_bucket[s.entry] == b:
-                    spec = m.entries[s.entry].spec
-                    targets = list(dict.fromkeys((n, r.get(n)) for n in spec.names for r in self.regions or [{}]))
-                    self._by_bucket.setdefault(b, []).append((k, targets, spec.dtype))
+                if m.last_bucket[s.entry] != b:
+                    continue
+                spec = m.entries[s.entry].spec
+                targets = list(dict.fromkeys((n, r.get(n)) for n in spec.names for r in self.regions or [{}]))
+                whole = s.lo == 0 and s.hi == spec.nbytes
+                rest = [t for t in targets if not (whole and t[1] is None)]
+                packed.extend((t, k) for t in targets if whole and t[1] is None)
+                if rest:
+                    self._by_bucket.setdefault(b, []).append((k, rest, spec.dtype))
+            if packed:
+                self._packed[b] = ([t for t, _ in packed], torch.tensor([k for _, k in packed], dtype=torch.int64))
 
     def reset(self) -> None:
         """Forget the last refit's digests (the plan itself stays: it holds no tensor)."""
         self._pending = Pending()
         self._keys = []
+        self._known = []
 
-    def take(self, bucket: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Digest the tensors whose last bytes are in `bucket`; `tensors` as packed (one per segment)."""
-        self._digest(
-            [(target, tensors[k], wire) for k, targets, wire in self._by_bucket.get(bucket, []) for target in targets]
-        )
+    def needs_tensors(self, bucket: int) -> bool:
+        """Whether `take` of `bucket` reads live tensors (a region or a split tensor), beyond the packed digests."""
+        return bucket in self._by_bucket
+
+    def take(self, bucket: int, tensors: Sequence[torch.Tensor] | None, packed: torch.Tensor | None) -> None:
+        """The digests of the tensors whose last bytes are in `bucket`: a whole tensor sent whole is its
+        segment's digest, taken while packing (`packed`, one per segment, the wire bytes as written);
+        regions and split tensors are digested from `tensors` (as packed, one per segment)."""
+        if packed is None:
+            plans = [*self._by_bucket.get(bucket, []), *self._whole(bucket).get(bucket, [])]
+            self._digest([(t, tensors[k], wire) for k, ts, wire in plans for t in ts])  # type: ignore[index]
+            return
+        if bucket in self._packed:
+            targets, index = self._packed[bucket]
+            if index.device != packed.device:
+                index = index.to(packed.device)
+                self._packed[bucket] = (targets, index)
+            self._known.append((targets, packed[index]))  # read back at `payloads`: no synchronisation here
+        rest = self._by_bucket.get(bucket, [])
+        if rest:
+            self._digest([(target, tensors[k], wire) for k, targets, wire in rest for target in targets])  # type: ignore[index]
+
+    def _whole(self, bucket: int) -> dict[int, list[tuple[int, list[Target], torch.dtype]]]:
+        """The packed targets of `bucket` in `_by_bucket`'s form (when packing took no digests)."""
+        if bucket not in self._packed:
+            return {}
+        targets, index = self._packed[bucket]
+        m, segs = self.manifest, self.manifest.segments[bucket]
+        return {bucket: [(k, [t], m.entries[segs[k].entry].spec.dtype) for t, k in zip(targets, index.cpu().tolist())]}
 
     def take_all(self, source: Source) -> None:
         """Digest every tensor now (zero-copy mode, where nothing was packed)."""
         m = self.manifest
         live = dict(zip((p.name for p in m.entries), source.tensors([p.name for p in m.entries])))
-        targets = [(t, wire) for b in self._by_bucket.values() for _, ts, wire in b for t in ts]
+        whole = [self._whole(b).get(b, []) for b in self._packed]
+        targets = [(t, wire) for b in [*self._by_bucket.values(), *whole] for _, ts, wire in b for t in ts]
         self._digest([(target, live[m.entry(target[0]).name], wire) for target, wire in targets])
 
     def _digest(self, items: list[tuple[Target, torch.Tensor, torch.dtype]]) -> None:
@@ -87,6 +124,8 @@ class DigestPlan:
     def payloads(self) -> list[list[str]]:
         """Per receiver, the hex digest of every name it loads, in `Manifest.names` order."""
         done = dict(zip(self._keys, self._pending.hexes()))
+        for targets, values in self._known:
+            done.update((k, f"{v & _MASK:016x}") for k, v in zip(targets, values.tolist()))
         names = self.manifest.names
         return [[done[(n, r.get(n))] for n in names] for r in self.regions or [{}]]
 
