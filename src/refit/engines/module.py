@@ -67,7 +67,8 @@ class ModuleEngine(Engine):
 
     def _refresh(self) -> None:
         """Re-read the live targets; forget every copy plan if any of them was replaced or re-laid-out."""
-        self._targets = {self._inverse.get(n, n): t for n, t in self._own().items()}
+        own, inverse = self._own(), self._inverse
+        self._targets = {inverse.get(n, n): t for n, t in own.items()} if inverse else own
         names, values = tuple(self._targets), list(self._targets.values())
         if names != self._names or self._guard is None or not self._guard.holds(values):
             self._plans, self._fused, self._names, self._guard = {}, {}, names, LayoutGuard(values)

@@ -54,8 +54,12 @@ class ReceivePath:
         self.unpacker = Unpacker(manifest, transport.buffers, device=device)
         self._warned_unverified = False
         self.fingerprint = fingerprint
-        self._digested: list[tuple[list[str], torch.Tensor]] = []
-        """This refit's digests taken by the engine's loads (`Engine.load_digested`): (names, digests)."""
+        self._digested: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """This refit's digests taken by the engine's loads (`Engine.load_digested`): (positions in
+        `manifest.names`, digests)."""
+        self._positions: dict[int, tuple[list[str], torch.Tensor]] = {}
+        """Per names list an engine returned (its plans return the same list every refit): their positions."""
+        self._where: dict[str, int] | None = None
         self.sources: list[tuple[str, torch.Tensor]] = []
         """Zero-copy mode: the sender's tensors, mapped once per epoch (`open_sources`)."""
 
@@ -160,15 +164,16 @@ class ReceivePath:
             self.engine.load(tensors)
             return
         got = self.engine.load_digested(tensors)
-        if got is not None and got[0]:
-            self._digested.append(got)
-
-    def _loaded_digests(self) -> dict[str, int]:
-        """Name to digest of every name whose load proved its bytes this refit."""
-        out: dict[str, int] = {}
-        for names, values in self._digested:
-            out.update(zip(names, values.tolist()))
-        return out
+        if got is None or not got[0]:
+            return
+        names, values = got
+        hit = self._positions.get(id(names))
+        if hit is None or hit[0] is not names:
+            if self._where is None:
+                self._where = {n: i for i, n in enumerate(self.manifest.names)}
+            where = torch.tensor([self._where[n] for n in names], dtype=torch.int64)
+            hit = self._positions[id(names)] = (names, where)
+        self._digested.append((hit[1], values))
 
     def check_fingerprints(self, payload: bytes, stats: RefitStats, done: dict) -> RefitError | None:
         """Fingerprint mode: compare what the engine now holds with the digests of the trainer's live tensors."""
@@ -176,8 +181,8 @@ class ReceivePath:
         t = time.perf_counter()
         try:
             self.transport.flush()
-            loaded = self._loaded_digests()
-            bad, unreadable = compare(m, self.engine, parse_json(payload, "VERIFY").get("digests"), loaded=loaded)
+            digests = parse_json(payload, "VERIFY").get("digests")
+            bad, unreadable = compare(m, self.engine, digests, loaded=self._digested)
         except RefitError as e:
             return e
         except Exception as e:  # noqa: BLE001 - any read-back error fails the check, reported to the sender
