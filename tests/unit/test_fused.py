@@ -150,3 +150,22 @@ def test_a_loaded_digest_that_differs_fails_the_check_and_the_rest_is_read_back(
     assert read == ["b"]  # "a" was proven by its load: never read back
     assert compare(m, engine, want, loaded=[(a, torch.tensor([1]))]) == (["a"], [])
     assert compare(m, engine, want) == ([], [])  # everything read back: the same verdict
+
+
+def test_a_large_copy_shared_by_threads_adds_up_to_the_same_digest() -> None:
+    """Over PARALLEL_BYTES the kernel cuts pairs into 1 MiB pieces taken by several threads; each piece's
+    sums are shifted to its word offset, so the digests equal the one-pass `digests` bit for bit."""
+    g = torch.Generator().manual_seed(9)
+    srcs = [
+        torch.randint(0, 256, (fused.PARALLEL_BYTES + (3 << 20) + 5,), generator=g, dtype=torch.uint8),
+        torch.randn(1000, generator=g),
+    ]
+    dsts = [torch.empty_like(s) for s in srcs]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        got = copy_digest(dsts, srcs)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    assert torch.equal(got, digests(dsts))

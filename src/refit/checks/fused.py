@@ -34,10 +34,15 @@ log = get_logger("fused")
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
+#include <atomic>
+#include <thread>
+#include <vector>
 
 static const uint64_t STEP = 0x3C6EF372FE94F82AULL; /* 2 * 0x9E3779B97F4A7C15 mod 2^64 */
+static const int64_t CHUNK = 1 << 20; /* bytes a thread takes at a time (a multiple of 32) */
 
-static uint64_t one(const unsigned char *src, unsigned char *dst, int64_t nbytes) {
+/* Copy nbytes from src to dst (none where dst is 0) and add their two sums, words counted from 0. */
+static void sums(const unsigned char *src, unsigned char *dst, int64_t nbytes, uint64_t *s0o, uint64_t *s1o) {
     int64_t nw = nbytes / 8, m = nw / 4, i;
     uint64_t a[4] = {0, 0, 0, 0}, b[4] = {0, 0, 0, 0}, s0 = 0, s1 = 0, w[4];
     for (i = 0; i < m; i++) {
@@ -59,18 +64,45 @@ static uint64_t one(const unsigned char *src, unsigned char *dst, int64_t nbytes
         if (dst) memcpy(dst + 8 * nw, &x, nbytes % 8);
         s0 += x; s1 += (uint64_t)nw * x;
     }
-    return s1 * STEP + s0 + (uint64_t)nbytes;
+    *s0o = s0; *s1o = s1;
 }
 
-/* Pair k: copy nbytes[k] bytes from src[k] to dst[k] (no copy where dst[k] is 0) and digest them. */
+/* Pair k: copy nbytes[k] bytes from src[k] to dst[k] (no copy where dst[k] is 0) and digest them. Pairs are
+   cut into CHUNK-byte pieces shared by `threads` threads; a piece at word offset o adds s1 + o * s0. */
 extern "C" void refit_copy_digest(int64_t n, const int64_t *src, const int64_t *dst, const int64_t *nbytes,
-                                  int64_t *out) {
+                                  int64_t *out, int64_t threads) {
+    std::vector<int64_t> first(n + 1, 0);
+    for (int64_t k = 0; k < n; k++) first[k + 1] = first[k] + (nbytes[k] + CHUNK - 1) / CHUNK;
+    int64_t pieces = first[n];
+    std::vector<uint64_t> p0(pieces), p1(pieces);
+    std::vector<int64_t> owner(pieces);
     for (int64_t k = 0; k < n; k++)
-        out[k] = (int64_t)one((const unsigned char *)src[k], (unsigned char *)dst[k], nbytes[k]);
+        for (int64_t c = first[k]; c < first[k + 1]; c++) owner[c] = k;
+    std::atomic<int64_t> next(0);
+    auto work = [&]() {
+        for (int64_t c; (c = next.fetch_add(1)) < pieces;) {
+            int64_t k = owner[c], at = (c - first[k]) * CHUNK, len = nbytes[k] - at < CHUNK ? nbytes[k] - at : CHUNK;
+            sums((const unsigned char *)src[k] + at, dst[k] ? (unsigned char *)dst[k] + at : 0, len, &p0[c], &p1[c]);
+        }
+    };
+    std::vector<std::thread> helpers;
+    for (int64_t t = 1; t < threads && t < pieces; t++) helpers.emplace_back(work);
+    work();
+    for (auto &h : helpers) h.join();
+    for (int64_t k = 0; k < n; k++) {
+        uint64_t s0 = 0, s1 = 0;
+        for (int64_t c = first[k]; c < first[k + 1]; c++) {
+            s0 += p0[c];
+            s1 += p1[c] + (uint64_t)((c - first[k]) * (CHUNK / 8)) * p0[c];
+        }
+        out[k] = (int64_t)(s1 * STEP + s0 + (uint64_t)nbytes[k]);
+    }
 }
 """
 
 _lock = threading.Lock()
+PARALLEL_BYTES = 8 << 20
+"""A plan moving fewer bytes than this runs on one thread."""
 
 
 def _cache_dir() -> Path:
@@ -100,13 +132,14 @@ def _kernel() -> ctypes.CDLL | None:
                 name=f"refit_fused_{where.name}",
                 sources=[str(src)],
                 build_directory=str(where),
-                extra_cflags=["-O3"],
+                extra_cflags=["-O3", "-pthread"],
+                extra_ldflags=["-pthread"],
                 is_python_module=False,
                 verbose=False,
             )
         lib = ctypes.CDLL(str(path))
         fn = lib.refit_copy_digest
-        fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4
+        fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
         fn.restype = None
         return lib
     except Exception as e:  # noqa: BLE001 - no compiler, no headers, any build error: the slower path, never a failure
@@ -165,6 +198,7 @@ class FusedCopy:
             if r
         ]
         self._table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).t().contiguous()
+        self._nbytes = sum(r[2] for r in rows)
         self._rows = [i for i, r in enumerate(readable) if r]
 
     def run(self) -> torch.Tensor:
@@ -181,7 +215,9 @@ class FusedCopy:
         got = torch.empty(n, dtype=torch.int64)
         if n:
             t = self._table
-            self._lib.refit_copy_digest(n, t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), got.data_ptr())
+            # threads as torch's own copies use, where there is enough to share (starting one costs ~50 us)
+            threads = torch.get_num_threads() if self._nbytes >= PARALLEL_BYTES else 1
+            self._lib.refit_copy_digest(n, t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), got.data_ptr(), threads)
         if not self._slow:
             return got
         out = torch.empty(self._n, dtype=torch.int64)
