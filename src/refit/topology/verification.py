@@ -1,10 +1,12 @@
-"""Digests: the end-to-end check that the engine holds what the trainer holds (`verify="fingerprint"`).
+"""Digests: the end-to-end check that the engine holds what the trainer holds (`verify="fingerprint"`, the default).
 
-The sender digests each live source tensor after the wire cast, in the same pass that packs it (so a
-gathered tensor is read once). Each receiver, after its last load, digests what its engine now
-holds under every name (read back through `Engine.held`, in the wire dtype) and compares. A receiver
-that holds a shard of a tensor (tensor parallelism) names the region at the handshake, and the
-sender digests that region of its live tensor.
+The sender digests each tensor's wire bytes as it packs them into the bucket (`refit.checks.fused`: the
+copy and the digest are one pass); a region, or a tensor split across buckets, is digested from the live
+tensor after the wire cast. Each receiver's engine digests what its copy writes where it can prove that
+copy is the only write to those bytes (`Engine.load_digested`); every other name is read back after the
+last load (`Engine.held`, in the wire dtype) and digested. A receiver that holds a shard of a tensor
+(tensor parallelism) names the region at the handshake, and the sender digests that region of its live
+tensor. Per refit, digests sit in one int64 vector: no per-name Python beyond what a region needs.
 """
 
 from __future__ import annotations
