@@ -1,5 +1,6 @@
-"""Per-tensor overhead: refit of N small tensors over shm against a one-process `_foreach_copy_` of the
-same tensors, and the first refit's handshake. Sender here, receiver (ModuleEngine) in a child process.
+"""Per-tensor overhead: refit of N small tensors over shm, unverified (verify=None) and verified
+(verify="fingerprint"), against a one-process `_foreach_copy_` of the same tensors, and the first refit's
+handshake. Sender here, receiver (ModuleEngine) in a child process; medians of 7 refits after the first.
 
 Run: python benchmarks/many_tensors.py [N ...]     (default 1000 10000 100000)
 """
@@ -41,10 +42,11 @@ def _foreach_floor(n: int) -> float:
     return statistics.median(times)
 
 
-def measure(n: int) -> dict:
+def measure(n: int, verify: str | None) -> dict:
     torch.set_num_threads(1)
     tensors = _tensors(n)
-    sender = Sender(ModuleSource(tensors), transport="shm", settings=Settings(bucket_bytes=64 << 20))
+    settings = Settings(bucket_bytes=64 << 20)
+    sender = Sender(ModuleSource(tensors), transport="shm", settings=settings, verify=verify)
     child = subprocess.Popen([sys.executable, __file__, "--receiver", json.dumps(sender.rendezvous()), str(n)])
     sender.connect()
     first = sender.refit(0)
@@ -71,13 +73,17 @@ def main() -> None:
         _receiver(json.loads(sys.argv[2]), int(sys.argv[3]))
         return
     counts = [int(a) for a in sys.argv[1:]] or [1000, 10000, 100000]
-    print("| tensors | refit ms | one-process _foreach_copy_ ms | ratio | first refit s | of which handshake s |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| tensors | one-process _foreach_copy_ ms | unverified refit ms | ratio | verified refit ms | ratio "
+        "| verified / unverified | first refit s (unverified) | of which handshake s |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in counts:
-        r = measure(n)
+        r, v = measure(n, None), measure(n, "fingerprint")
         print(
-            f"| {n} | {r['refit_ms']:.1f} | {r['foreach_ms']:.1f} | {r['ratio']:.1f}x | {r['first_refit_s']:.2f} "
-            f"| {r['handshake_s']:.2f} |",
+            f"| {n} | {r['foreach_ms']:.1f} | {r['refit_ms']:.1f} | {r['ratio']:.1f}x | {v['refit_ms']:.1f} "
+            f"| {v['refit_ms'] / r['foreach_ms']:.1f}x | {v['refit_ms'] / r['refit_ms']:.2f}x "
+            f"| {r['first_refit_s']:.2f} | {r['handshake_s']:.2f} |",
             flush=True,
         )
 

@@ -48,6 +48,11 @@ def _bucket_bytes() -> int | None:
         raise ValueError(f"REFIT_BUCKET_BYTES must be an integer, got {raw!r}") from None
 
 
+def cpu_kernel_enabled() -> bool:
+    """False when REFIT_CPU_KERNEL=0: the fused copy-and-digest runs in PyTorch, never compiling its C kernel."""
+    return os.environ.get("REFIT_CPU_KERNEL", "1") != "0"
+
+
 @dataclass(kw_only=True, slots=True)
 class Settings:
     """Session settings; defaults come from the environment (see the README's table)."""

@@ -44,7 +44,7 @@ def session(
     peer_args: dict | None = None,
     verify_checksum: bool = False,
     source=None,
-    verify: str | None = None,
+    verify: str | None = "fingerprint",
 ) -> Iterator[tuple[Sender, dict[str, torch.Tensor], list[Peer]]]:
     """A sender over tensors made from `specs` and `receivers` peer processes expecting `engine_specs`."""
     tensors = tensors if tensors is not None else make_tensors(specs, seed=1, device=device)

@@ -66,6 +66,14 @@ class Engine(ABC):
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy these tensors in; they are views into a reused buffer, so copy before returning."""
 
+    def load_digested(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor] | None:
+        """`load`, and for the names whose bytes that copy proves (written once, whole, in the wire dtype,
+        and not changed by the engine afterwards) the fingerprint digest of what the engine now holds:
+        (names, int64 digests on CPU). The fingerprint check reads back only the other names. The default
+        proves nothing (None): every name is read back through `held` (engines that post-process)."""
+        self.load(tensors)
+        return None
+
     def held(self, name: str) -> tuple[torch.Tensor, Region | None] | None:
         """The engine's live tensor for sender name `name`, for the end-to-end fingerprint check.
 

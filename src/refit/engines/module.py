@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from refit.checks.fused import FusedCopy
 from refit.checks.validation import waived
 from refit.engines.base import Engine
 from refit.layout.packing import CopyPlan, LayoutGuard
@@ -47,6 +48,8 @@ class ModuleEngine(Engine):
             raise ValueError(f"name_map targets names the module does not have: {unknown[:10]}")
         self._inverse = {v: k for k, v in name_map.items()}
         self._plans: dict[int, tuple[list, CopyPlan]] = {}
+        self._fused: dict[int, tuple[list, _DigestedLoad]] = {}
+        self._proven: frozenset[str] = frozenset()
         self._used: set[int] = set()
         self._names: tuple[str, ...] = ()
         self._guard: LayoutGuard | None = None
@@ -64,10 +67,12 @@ class ModuleEngine(Engine):
 
     def _refresh(self) -> None:
         """Re-read the live targets; forget every copy plan if any of them was replaced or re-laid-out."""
-        self._targets = {self._inverse.get(n, n): t for n, t in self._own().items()}
+        own, inverse = self._own(), self._inverse
+        self._targets = {inverse.get(n, n): t for n, t in own.items()} if inverse else own
         names, values = tuple(self._targets), list(self._targets.values())
         if names != self._names or self._guard is None or not self._guard.holds(values):
-            self._plans, self._names, self._guard = {}, names, LayoutGuard(values)
+            self._plans, self._fused, self._names, self._guard = {}, {}, names, LayoutGuard(values)
+            self._proven = _written_once(self._targets)
 
     def specs(self) -> list[TensorSpec]:
         self._refresh()
@@ -81,11 +86,12 @@ class ModuleEngine(Engine):
         # Plans unused in the last refit belong to an old manifest; dropping them frees the old
         # buffers' views and staging tensor, which they would otherwise keep alive.
         self._plans = {k: v for k, v in self._plans.items() if k in self._used}
+        self._fused = {k: v for k, v in self._fused.items() if k in self._used}
         self._used = set()
         super().begin(version)
 
     def release_buffers(self) -> None:
-        self._plans, self._used = {}, set()
+        self._plans, self._fused, self._used = {}, {}, set()
 
     def shards(self) -> dict[str, Slice | None] | None:
         if not self._shards:
@@ -115,6 +121,94 @@ class ModuleEngine(Engine):
         self._used.add(id(tensors))
         with torch.no_grad():
             hit[1].run()
+
+    def load_digested(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor] | None:
+        """`load` with the copy digesting what it writes (`refit.checks.fused`): each target is written by one
+        whole-tensor copy, and `_written_once` proved no other target overlaps it, so the digest of the
+        bytes written is the digest of what the module holds. Names whose copy casts are read back, and so is
+        everything in a subclass that changes `load` or `held` (its copy may not be what it holds)."""
+        if type(self).load is not ModuleEngine.load or type(self).held is not ModuleEngine.held:
+            return super().load_digested(tensors)
+        hit = self._fused.get(id(tensors))
+        if hit is None or hit[0] is not tensors:
+            hit = (tensors, _DigestedLoad(self._targets, tensors, self.optional_names, self._proven))
+            self._fused[id(tensors)] = hit
+        self._used.add(id(tensors))
+        with torch.no_grad():
+            return hit[1].run()
+
+
+class _DigestedLoad:
+    """One bucket's copies into the module, planned once per layout: each distinct target written once
+    (aliases share it), same-dtype pairs through a `FusedCopy`, casting pairs through a `CopyPlan`."""
+
+    def __init__(
+        self,
+        targets: dict[str, torch.Tensor],
+        tensors: list[tuple[str, torch.Tensor]],
+        optional: frozenset[str],
+        proven: frozenset[str],
+    ) -> None:
+        fused: dict[tuple, int] = {}
+        dst, src, cast_dst, cast_src, named = [], [], [], [], []
+        for n, t in tensors:
+            if optional and waived(n, optional):
+                continue
+            target = targets[n]
+            if target.dtype != t.dtype:
+                cast_dst.append(target)
+                cast_src.append(t)
+                continue
+            key = _view_key(target)
+            if key not in fused:
+                fused[key] = len(dst)
+                dst.append(target)
+                src.append(t)
+            if n in proven:
+                named.append((n, fused[key]))
+        self._cast = CopyPlan(cast_dst, cast_src) if cast_dst else None
+        self._fused = FusedCopy(dst, src)
+        self.names = [n for n, _ in named]
+        self._index = torch.tensor([i for _, i in named], dtype=torch.int64)
+
+    def run(self) -> tuple[list[str], torch.Tensor]:
+        if self._cast is not None:
+            self._cast.run()
+        got = self._fused.run()
+        if self._index.device != got.device:
+            self._index = self._index.to(got.device)
+        return self.names, got[self._index]
+
+
+def _written_once(targets: dict[str, torch.Tensor]) -> frozenset[str]:
+    """The names whose target no other (distinct) target overlaps, so that a whole-tensor copy into it is
+    the only write to its bytes: checked once per layout over every target at once (byte spans sorted by
+    start; a strided target counts its whole span). Tied names (one view) share their bytes, proven together."""
+    keys: dict[tuple, int] = {}
+    spans, owners = [], []
+    for n, t in targets.items():
+        key = _view_key(t)
+        if key not in keys:
+            keys[key] = len(spans)
+            last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))  # torch strides are >= 0
+            lo = t.data_ptr()
+            spans.append((lo, lo + (last + 1) * t.element_size() if t.numel() else lo))
+        owners.append((n, keys[key]))
+    if len(spans) < 2:
+        return frozenset(targets)
+    lo, hi = torch.tensor(spans, dtype=torch.int64).unbind(1)
+    full = hi > lo  # an empty target writes nothing: it clashes with nothing
+    order = torch.argsort(lo[full], stable=True)
+    lo_s, hi_s = lo[full][order], hi[full][order]
+    clash = torch.zeros(len(lo_s), dtype=torch.bool)
+    if len(lo_s) > 1:
+        reach = torch.cummax(hi_s, 0).values  # the furthest byte any span up to here reaches
+        clash[1:] |= reach[:-1] > lo_s[1:]  # starts before an earlier one ends
+        clash[:-1] |= hi_s[:-1] > lo_s[1:]  # ends after the next one (sorted: the earliest later one) starts
+    bad = torch.zeros(len(spans), dtype=torch.bool)
+    bad[torch.nonzero(full).view(-1)[order]] = clash
+    flags = bad.tolist()
+    return frozenset(n for n, k in owners if not flags[k])
 
 
 def _spec(names: list[str], t: torch.Tensor) -> TensorSpec:

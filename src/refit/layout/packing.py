@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -105,9 +106,17 @@ class Packer:
     tensors is unchanged: a tensor replaced, moved to new storage, reshaped or restrided gets a new plan.
     """
 
-    def __init__(self, manifest: Manifest, buffers: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, manifest: Manifest, buffers: Sequence[torch.Tensor], *, digesting: Callable | None = None
+    ) -> None:
+        """`digesting(dst, src)`: a copy plan whose `run()` copies and returns the digest of each dst after the
+        copy (`refit.checks.fused.FusedCopy`); with it, each pack leaves in `digests` the digest of every
+        segment's bytes in the bucket (the wire bytes), read as they are written."""
         self.manifest = manifest
         self._buffers = buffers
+        self._digesting = digesting
+        self.digests: torch.Tensor | None = None
+        """With `digesting`: the last pack's digest of each of its bucket's segments, in segment order."""
         self._plans: dict[tuple[int, int], _PackPlan] = {}
         self._places: dict[tuple[int, int], tuple] = {}
 
@@ -124,7 +133,7 @@ class Packer:
         With `cache=False` (fresh tensors each time, e.g. gathered) nothing keeps them alive afterwards.
         `generation`: the caller vouches that no source tensor's layout changed since a plan made in the
         same generation (it checked every tensor's layout at once); otherwise this bucket's are checked."""
-        if not cache and self._in_place(bucket, slot, tensors):
+        if not cache and self._digesting is None and self._in_place(bucket, slot, tensors):
             return  # every tensor already is its bytes in this slot's buffer (gathered there: refit.sources.fsdp)
         hit = self._plans.get((bucket, slot)) if cache else None
         if hit is None or generation is None or hit.generation != generation:
@@ -134,7 +143,7 @@ class Packer:
                 if cache:
                     self._plans[(bucket, slot)] = hit
             hit.generation = generation
-        hit.run()
+        self.digests = hit.run()
 
     def _in_place(self, bucket: int, slot: int, tensors: Sequence[torch.Tensor]) -> bool:
         """True when each tensor is the contiguous view of its own segment of `slot`'s buffer, in the wire dtype:
@@ -161,11 +170,11 @@ class Packer:
         hit = self._plans.get((bucket, slot))
         if hit is None or hit.generation != generation:
             return False
-        hit.run()
+        self.digests = hit.run()
         return True
 
     def _build(self, bucket: int, slot: int, tensors: Sequence[torch.Tensor], key: LayoutKey | None) -> _PackPlan:
-        buf, entries = self._buffers[slot], self.manifest.entries
+        buf, entries, digesting = self._buffers[slot], self.manifest.entries, self._digesting
         dst, src, fresh = [], [], []
         for t, s in zip(tensors, self.manifest.segments[bucket]):
             spec, t = entries[s.entry].spec, t.detach()
@@ -174,6 +183,9 @@ class Packer:
             if t.is_contiguous():
                 flat = t.view(-1)[s.lo // spec.dtype.itemsize : s.hi // spec.dtype.itemsize]
                 if flat.data_ptr() == target.data_ptr() and flat.dtype == target.dtype:
+                    if digesting is not None:  # digested where it lies (copied onto itself)
+                        dst.append(target)
+                        src.append(target)
                     continue  # already in place: gathered straight into the bucket (refit.sources.fsdp)
                 dst.append(target)
                 src.append(flat)
@@ -182,7 +194,10 @@ class Packer:
                 src.append(t)
             else:  # a strided tensor split across buckets has no flat view: flatten it anew every refit
                 fresh.append((target, t, s.lo // spec.dtype.itemsize, s.hi // spec.dtype.itemsize))
-        return _PackPlan(key, CopyPlan(dst, src), fresh)
+                if digesting is not None:  # digested after that copy, in its segment's place
+                    dst.append(target)
+                    src.append(target)
+        return _PackPlan(key, CopyPlan(dst, src) if digesting is None else digesting(dst, src), fresh)
 
 
 def _places(m: Manifest, bucket: int, buf: torch.Tensor) -> tuple:
@@ -203,14 +218,15 @@ def _places(m: Manifest, bucket: int, buf: torch.Tensor) -> tuple:
 @dataclass(slots=True)
 class _PackPlan:
     key: LayoutKey | None
-    plan: CopyPlan
+    plan: CopyPlan | Any
     fresh: list[tuple[torch.Tensor, torch.Tensor, int, int]]
     generation: int | None = None
 
-    def run(self) -> None:
-        self.plan.run()
+    def run(self) -> torch.Tensor | None:
+        """Copy; a digesting plan returns the digest of each segment's bytes."""
         for target, t, lo, hi in self.fresh:
             target.copy_(t.reshape(-1)[lo:hi])
+        return self.plan.run()
 
 
 class Unpacker:

@@ -265,6 +265,9 @@ def load_json(payload: bytes, what: str, *, max_bytes: int = MAX_JSON_BYTES) -> 
     return obj
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def _depth(obj: object) -> int:
     """Nesting depth of a parsed JSON value, without recursion."""
     deepest, stack = 0, [(obj, 1)]
@@ -272,8 +275,10 @@ def _depth(obj: object) -> int:
         o, d = stack.pop()
         if isinstance(o, (list, dict)):
             deepest = max(deepest, d)
-            if d <= MAX_JSON_DEPTH:
-                stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+            values = o.values() if isinstance(o, dict) else o
+            # one C pass first: a long list of scalars (the fingerprint's digests) has nothing to walk
+            if d <= MAX_JSON_DEPTH and not _SCALARS.issuperset(map(type, values)):
+                stack.extend((v, d + 1) for v in values)
     return deepest
 
 

@@ -74,7 +74,7 @@ class MeshRefit:
         group: dist.ProcessGroup | None = None,
         settings: Settings | None = None,
         device: torch.device | None = None,
-        verify: str | None = None,
+        verify: str | None = "fingerprint",
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers ({num_workers}) must be >= 1")

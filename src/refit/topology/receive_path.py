@@ -41,7 +41,9 @@ class ReceivePath:
         settings: Settings,
         device: torch.device,
         rank: int,
+        fingerprint: bool = False,
     ) -> None:
+        """`fingerprint`: the sender will check digests (MANIFEST status 1), so loads digest what they write."""
         self.engine = engine
         self.manifest = manifest
         self.transport = transport
@@ -51,11 +53,19 @@ class ReceivePath:
         self.device = device
         self.unpacker = Unpacker(manifest, transport.buffers, device=device)
         self._warned_unverified = False
+        self.fingerprint = fingerprint
+        self._digested: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """This refit's digests taken by the engine's loads (`Engine.load_digested`): (positions in
+        `manifest.names`, digests)."""
+        self._positions: dict[int, tuple[list[str], torch.Tensor]] = {}
+        """Per names list an engine returned (its plans return the same list every refit): their positions."""
+        self._where: dict[str, int] | None = None
         self.sources: list[tuple[str, torch.Tensor]] = []
         """Zero-copy mode: the sender's tensors, mapped once per epoch (`open_sources`)."""
 
     def take(self, begin: Header, stats: RefitStats) -> RefitError | None:
         """One refit's weights into the engine: the buckets, or (zero-copy) the shared tensors."""
+        self._digested = []
         with copy_share(self.transport.name):
             return self._copy_sources(stats) if begin.status & 1 else self._stream(begin, stats)
 
@@ -85,7 +95,7 @@ class ReceivePath:
             return IntegrityError("zero-copy refit before the sender shared its tensors (no SOURCES this epoch)")
         t = time.perf_counter()
         try:
-            self.engine.load(self.sources)
+            self._engine_load(self.sources)
         except Exception as e:  # noqa: BLE001 - any engine error fails the refit, reported to the sender
             return _engine_error(f"engine failed to load the shared tensors: {type(e).__name__}: {e}", e)
         stats.add("load", time.perf_counter() - t)
@@ -140,7 +150,7 @@ class ReceivePath:
             t = time.perf_counter()
             tensors = self.unpacker.unpack(b, slot)
             if tensors:
-                self.engine.load(tensors)
+                self._engine_load(tensors)
             stats.add("load", time.perf_counter() - t)
         except RefitError as e:
             return e
@@ -148,13 +158,31 @@ class ReceivePath:
             return _engine_error(f"engine failed to load bucket {b}: {type(e).__name__}: {e}", e)
         return None
 
+    def _engine_load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load into the engine; in fingerprint mode keep the digests its copy took of what it wrote."""
+        if not self.fingerprint:
+            self.engine.load(tensors)
+            return
+        got = self.engine.load_digested(tensors)
+        if got is None or not got[0]:
+            return
+        names, values = got
+        hit = self._positions.get(id(names))
+        if hit is None or hit[0] is not names:
+            if self._where is None:
+                self._where = {n: i for i, n in enumerate(self.manifest.names)}
+            where = torch.tensor([self._where[n] for n in names], dtype=torch.int64)
+            hit = self._positions[id(names)] = (names, where)
+        self._digested.append((hit[1], values))
+
     def check_fingerprints(self, payload: bytes, stats: RefitStats, done: dict) -> RefitError | None:
         """Fingerprint mode: compare what the engine now holds with the digests of the trainer's live tensors."""
         m = self.manifest
         t = time.perf_counter()
         try:
             self.transport.flush()
-            bad, unreadable = compare(m, self.engine, parse_json(payload, "VERIFY").get("digests"))
+            digests = parse_json(payload, "VERIFY").get("digests")
+            bad, unreadable = compare(m, self.engine, digests, loaded=self._digested)
         except RefitError as e:
             return e
         except Exception as e:  # noqa: BLE001 - any read-back error fails the check, reported to the sender

@@ -333,6 +333,7 @@ class Receiver:
             settings=self.settings,
             device=self.device,
             rank=self.rank,
+            fingerprint=header.status == 1,
         )
         self._path._warned_unverified = not self.warn_unverified
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from refit.checks.checksum import checksum
+from refit.checks.fused import FusedCopy
 from refit.errors import IntegrityError, PeerError
 from refit.layout.manifest import Manifest
 from refit.layout.packing import Packer, copy_share
@@ -65,7 +66,7 @@ class SendPath:
         self.num_slots = num_slots
         self.zero_copy = zero_copy
         self.digests = digests
-        self.packer = Packer(manifest, transport.buffers)
+        self.packer = Packer(manifest, transport.buffers, digesting=FusedCopy if digests is not None else None)
         self.bucket_names = [[manifest.entries[s.entry].name for s in segs] for segs in manifest.segments]
         self.on_lost: Lost | None = None
 
@@ -141,12 +142,15 @@ class SendPath:
         even looking the tensors up), else look them up and pack (planning anew where their layout moved)."""
         digests = self.digests
         stable = source.stable_tensors
-        if stable and digests is None and source.lookup_only and self.packer.replay(b, slot, generation):
+        needs = digests is not None and digests.needs_tensors(b)
+        if stable and not needs and source.lookup_only and self.packer.replay(b, slot, generation):
+            if digests is not None:
+                digests.take(b, None, self.packer.digests)
             return
         tensors = source.tensors(self.bucket_names[b])
         self.packer.pack(b, slot, tensors, cache=stable, generation=generation)
         if digests is not None:
-            digests.take(b, tensors)
+            digests.take(b, tensors, self.packer.digests)
 
     def _retire(self, b: int, pending: Pending | None, version: int, stats: RefitStats, errors: list[str]) -> None:
         """Wait until bucket `b` is off the wire and every receiver has consumed it."""

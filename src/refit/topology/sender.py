@@ -130,17 +130,18 @@ class Sender:
         settings: Settings | None = None,
         device: torch.device | None = None,
         verify_checksum: bool = False,
-        verify: str | None = None,
+        verify: str | None = "fingerprint",
         num_slots: int = NUM_SLOTS,
         zero_copy: bool = False,
         port: int = 0,
         elastic: bool = False,
     ) -> None:
-        """`verify="fingerprint"`: after the last bucket, each receiver compares a digest of what its
-        engine now holds with a digest of the trainer's live tensors (after the wire cast), and the
-        refit fails, naming the tensors that differ, unless all agree; tensors an engine cannot read
-        back are reported (`RefitStats.unverified_names`) but accepted. `verify="strict"` verifies the
-        same way and fails the refit (committed on no receiver) when any tensor went unverified.
+        """`verify="fingerprint"` (the default; `verify=None` turns it off): after the last bucket, each
+        receiver compares a digest of what its engine now holds with a digest of the trainer's live
+        tensors (after the wire cast), and the refit fails, naming the tensors that differ, unless all
+        agree; tensors an engine cannot read back are reported (`RefitStats.unverified_names`) but
+        accepted. `verify="strict"` verifies the same way and fails the refit (committed on no receiver)
+        when any tensor went unverified.
         `zero_copy` (cuda-ipc only): receivers copy straight from the source tensors, whose IPC handles
         are exported once per epoch; the source must hold contiguous device tensors in their wire dtype.
         `elastic`: receivers beyond the first `num_receivers` may join at any time (they take part from

@@ -1,14 +1,17 @@
-"""Digests: the end-to-end check that the engine holds what the trainer holds (`verify="fingerprint"`).
+"""Digests: the end-to-end check that the engine holds what the trainer holds (`verify="fingerprint"`, the default).
 
-The sender digests each live source tensor after the wire cast, in the same pass that packs it (so a
-gathered tensor is read once). Each receiver, after its last load, digests what its engine now
-holds under every name (read back through `Engine.held`, in the wire dtype) and compares. A receiver
-that holds a shard of a tensor (tensor parallelism) names the region at the handshake, and the
-sender digests that region of its live tensor.
+The sender digests each tensor's wire bytes as it packs them into the bucket (`refit.checks.fused`: the
+copy and the digest are one pass); a region, or a tensor split across buckets, is digested from the live
+tensor after the wire cast. Each receiver's engine digests what its copy writes where it can prove that
+copy is the only write to those bytes (`Engine.load_digested`); every other name is read back after the
+last load (`Engine.held`, in the wire dtype) and digested. A receiver that holds a shard of a tensor
+(tensor parallelism) names the region at the handshake, and the sender digests that region of its live
+tensor. Per refit, digests sit in one int64 vector: no per-name Python beyond what a region needs.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -43,37 +46,77 @@ def parse_regions(raw: object, m: Manifest) -> dict[str, Region]:
 class DigestPlan:
     """The sender's digests: which (name, region) to digest in which bucket, planned once per epoch (it
     depends on the manifest and the receivers' regions only, never on tensors), and one refit's results
-    (`reset` before each refit)."""
+    (`reset` before each refit). Each target has a slot in one int64 vector of results; per refit the
+    packed digests land there by one indexed copy per bucket, and each receiver's payload is one gather."""
 
     def __init__(self, m: Manifest, regions: Sequence[dict[str, Region]]) -> None:
         self.manifest = m
         self.regions = list(regions)
         self._pending = Pending()
         self._keys: list[Target] = []
+        self._known: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._slot: dict[Target, int] = {}
         self._by_bucket: dict[int, list[tuple[int, list[Target], torch.dtype]]] = {}
+        self._whole: dict[int, list[tuple[int, list[Target], torch.dtype]]] = {}
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Per bucket: the slots of targets whose digest is their whole segment's as packed, and those segments."""
         for b, segs in enumerate(m.segments):
+            slots, index = [], []
             for k, s in enumerate(segs):
-                if m.last_bucket[s.entry] == b:
-                    spec = m.entries[s.entry].spec
-                    targets = list(dict.fromkeys((n, r.get(n)) for n in spec.names for r in self.regions or [{}]))
-                    self._by_bucket.setdefault(b, []).append((k, targets, spec.dtype))
+                if m.last_bucket[s.entry] != b:
+                    continue
+                spec = m.entries[s.entry].spec
+                targets = list(dict.fromkeys((n, r.get(n)) for n in spec.names for r in self.regions or [{}]))
+                base = len(self._slot)
+                self._slot.update((t, base + i) for i, t in enumerate(targets))
+                whole = s.lo == 0 and s.hi == spec.nbytes
+                packed = [t for t in targets if whole and t[1] is None]
+                rest = [t for t in targets if not (whole and t[1] is None)]
+                slots.extend(self._slot[t] for t in packed)
+                index.extend(k for _ in packed)
+                if packed:
+                    self._whole.setdefault(b, []).append((k, packed, spec.dtype))
+                if rest:
+                    self._by_bucket.setdefault(b, []).append((k, rest, spec.dtype))
+            if slots:
+                self._packed[b] = (torch.tensor(slots, dtype=torch.int64), torch.tensor(index, dtype=torch.int64))
+        names = m.names
+        self._orders = [
+            torch.tensor([self._slot[(n, r.get(n))] for n in names], dtype=torch.int64) for r in self.regions or [{}]
+        ]
 
     def reset(self) -> None:
         """Forget the last refit's digests (the plan itself stays: it holds no tensor)."""
         self._pending = Pending()
         self._keys = []
+        self._known = []
 
-    def take(self, bucket: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Digest the tensors whose last bytes are in `bucket`; `tensors` as packed (one per segment)."""
-        self._digest(
-            [(target, tensors[k], wire) for k, targets, wire in self._by_bucket.get(bucket, []) for target in targets]
-        )
+    def needs_tensors(self, bucket: int) -> bool:
+        """Whether `take` of `bucket` reads live tensors (a region or a split tensor), beyond the packed digests."""
+        return bucket in self._by_bucket
+
+    def take(self, bucket: int, tensors: Sequence[torch.Tensor] | None, packed: torch.Tensor | None) -> None:
+        """The digests of the tensors whose last bytes are in `bucket`: a whole tensor sent whole is its
+        segment's digest, taken while packing (`packed`, one per segment, the wire bytes as written);
+        regions and split tensors are digested from `tensors` (as packed, one per segment)."""
+        rest = self._by_bucket.get(bucket, [])
+        if packed is None:
+            rest = [*rest, *self._whole.get(bucket, [])]
+        elif bucket in self._packed:
+            slots, index = self._packed[bucket]
+            if index.device != packed.device:
+                index = index.to(packed.device)
+                self._packed[bucket] = (slots, index)
+            self._known.append((slots, packed[index]))  # read back at `payloads`: no synchronisation here
+        if rest:
+            self._digest([(target, tensors[k], wire) for k, targets, wire in rest for target in targets])  # type: ignore[index]
 
     def take_all(self, source: Source) -> None:
         """Digest every tensor now (zero-copy mode, where nothing was packed)."""
         m = self.manifest
         live = dict(zip((p.name for p in m.entries), source.tensors([p.name for p in m.entries])))
-        targets = [(t, wire) for b in self._by_bucket.values() for _, ts, wire in b for t in ts]
+        plans = [*self._by_bucket.values(), *self._whole.values()]
+        targets = [(t, wire) for b in plans for _, ts, wire in b for t in ts]
         self._digest([(target, live[m.entry(target[0]).name], wire) for target, wire in targets])
 
     def _digest(self, items: list[tuple[Target, torch.Tensor, torch.dtype]]) -> None:
@@ -85,9 +128,35 @@ class DigestPlan:
 
     def payloads(self) -> list[list[str]]:
         """Per receiver, the hex digest of every name it loads, in `Manifest.names` order."""
-        done = dict(zip(self._keys, self._pending.hexes()))
-        names = self.manifest.names
-        return [[done[(n, r.get(n))] for n in names] for r in self.regions or [{}]]
+        values = torch.zeros(len(self._slot), dtype=torch.int64)
+        for slots, got in self._known:
+            values[slots] = got.cpu()
+        if self._keys:
+            late = [int(h, 16) for h in self._pending.hexes()]
+            values[[self._slot[k] for k in self._keys]] = torch.tensor([v - (v >> 63 << 64) for v in late])
+        return [to_hex(values[order]) for order in self._orders]
+
+
+def to_hex(values: torch.Tensor) -> list[str]:
+    """Each int64 as the 16 hex digits of its 64 bits (big-endian), for many at once."""
+    if not values.numel():
+        return []
+    raw = values.contiguous().view(torch.uint8).view(-1, 8).flip(1).contiguous()  # little-endian words
+    text = ctypes.string_at(raw.data_ptr(), raw.numel()).hex()
+    return [text[i : i + 16] for i in range(0, len(text), 16)]
+
+
+def from_hex(digests: list[str]) -> torch.Tensor | None:
+    """`to_hex` undone, as int64; None unless every item is 16 hex digits."""
+    if not digests:
+        return torch.zeros(0, dtype=torch.int64)
+    if set(map(type, digests)) != {str} or set(map(len, digests)) != {16}:
+        return None
+    try:
+        raw = bytearray(bytes.fromhex("".join(digests)))
+    except ValueError:
+        return None
+    return torch.frombuffer(raw, dtype=torch.uint8).view(-1, 8).flip(1).contiguous().view(torch.int64).view(-1)
 
 
 def _cut(t: torch.Tensor, region: Region | None) -> torch.Tensor:
@@ -104,14 +173,30 @@ def engine_regions(m: Manifest, engine: Engine) -> dict[str, list[int]]:
     return out
 
 
-def compare(m: Manifest, engine: Engine, digests: object) -> tuple[list[str], list[str]]:
+def compare(
+    m: Manifest,
+    engine: Engine,
+    digests: object,
+    *,
+    loaded: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+) -> tuple[list[str], list[str]]:
     """(names whose engine tensor differs from the trainer's, names the engine loads but cannot read back).
-    Names the user waived (`ignore=`, never loaded) are in neither list: validation reported them."""
+    Names the user waived (`ignore=`, never loaded) are in neither list: validation reported them.
+    `loaded`: (positions in `m.names`, digests) the engine's own copies took of what it now holds
+    (`Engine.load_digested`), compared all at once; every other name is read back and digested here."""
     names = m.names
-    if not (isinstance(digests, list) and len(digests) == len(names) and all(isinstance(d, str) for d in digests)):
-        raise PeerError(f"VERIFY must list one digest per name ({len(names)})")
+    want = from_hex(digests) if isinstance(digests, list) else None
+    if want is None or len(want) != len(names):
+        raise PeerError(f"VERIFY must list one digest (16 hex digits) per name ({len(names)})")
+    covered = torch.zeros(len(names), dtype=torch.bool)
+    differ: list[int] = []
+    for where, got in loaded:
+        covered[where] = True
+        differ.extend(where[want[where] != got.cpu()].tolist())
     held, wanted, unreadable = [], [], []
-    for name, want in zip(names, digests):
+    rest = range(len(names)) if not loaded else torch.nonzero(~covered).view(-1).tolist()
+    for i in rest:
+        name = names[i]
         if engine.optional_names and waived(name, engine.optional_names):
             continue
         got = engine.held(name)
@@ -119,15 +204,15 @@ def compare(m: Manifest, engine: Engine, digests: object) -> tuple[list[str], li
             unreadable.append(name)
             continue
         held.append((name, got[0], m.entry(name).spec.dtype))
-        wanted.append(want)
+        wanted.append(digests[i])  # type: ignore[index]
     pending = Pending()
     with torch.no_grad():
         for group in _groups(held):  # casts of a bounded number of bytes alive at once
             pending.add([t.to(wire) for _, t, wire in group])
         lossy = {name for name, t, wire in held if t.dtype != wire and not _exact(t, wire)}
     got_hex = pending.hexes()
-    bad = sorted({name for (name, _, _), g, w in zip(held, got_hex, wanted) if g != w} | lossy)
-    return bad, unreadable
+    bad = {name for (name, _, _), g, w in zip(held, got_hex, wanted) if g != w.lower()}
+    return sorted(bad | lossy | {names[i] for i in differ}), unreadable
 
 
 def _groups(held: list[tuple[str, torch.Tensor, torch.dtype]], limit: int = 256 << 20) -> Iterator[list]:
