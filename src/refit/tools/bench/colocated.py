@@ -150,7 +150,9 @@ def _method(method: str, shards: dict[str, torch.Tensor], cfg: ColocatedConfig, 
     if method == "m_to_n":
         return _mesh(source, settings, transport, cfg, device)
     if method.startswith("per_rank"):
-        sender = Sender(source, transport=transport, settings=settings, device=device, num_slots=cfg.num_slots)
+        sender = Sender(
+            source, transport=transport, settings=settings, device=device, num_slots=cfg.num_slots, verify=None
+        )
         driver = RankedRefit(sender)
         driver.gather_into_buckets = method == "per_rank"
         _say({"event": "rendezvous", "method": method, "infos": driver.rendezvous()})
@@ -159,7 +161,7 @@ def _method(method: str, shards: dict[str, torch.Tensor], cfg: ColocatedConfig, 
         stages = _stages(seen[cfg.warmup :])
     else:
         sender = (
-            Sender(source, transport=transport, settings=settings, device=device, num_receivers=world)
+            Sender(source, transport=transport, settings=settings, device=device, num_receivers=world, verify=None)
             if rank == 0
             else None
         )
@@ -183,7 +185,7 @@ def _mesh(source, settings, transport: str, cfg: ColocatedConfig, device: torch.
     from refit.topology.mesh import MeshRefit
 
     world = dist.get_world_size()
-    mesh = MeshRefit(source, num_workers=world, transport=transport, settings=settings, device=device)
+    mesh = MeshRefit(source, num_workers=world, transport=transport, settings=settings, device=device, verify=None)
     _say({"event": "rendezvous", "method": "m_to_n", "infos": [mesh.rendezvous()] * world, "mesh": True})
     version = iter(range(1, 1 << 30))
     seen: list = []

@@ -67,7 +67,7 @@ def _module(model_dir: str, source: Any, transport: str, bucket_bytes: int, repe
     """Refits into a ModuleEngine in its own process; the receiver reports its load time per refit."""
     from refit import Sender, Settings
 
-    sender = Sender(source, transport=transport, settings=Settings(bucket_bytes=bucket_bytes))
+    sender = Sender(source, transport=transport, settings=Settings(bucket_bytes=bucket_bytes), verify=None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "refit.tools.bench.engine", model_dir, json.dumps(sender.rendezvous())],
         stdout=subprocess.PIPE,
@@ -94,7 +94,7 @@ def _vllm(
     from refit.integrations.vllm import VllmOptions, VllmRefit
 
     llm.collective_rpc("shutdown_weight_transfer_engine")
-    sender = Sender(source, transport=transport, settings=Settings(bucket_bytes=bucket_bytes))
+    sender = Sender(source, transport=transport, settings=Settings(bucket_bytes=bucket_bytes), verify=None)
     driver = VllmRefit(llm, sender, options=VllmOptions(**options))
     rows = []
     try:
