@@ -3,6 +3,7 @@ takes more buckets of that size, still bitwise exact."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from sessions import live_fingerprints, session
 
@@ -16,6 +17,7 @@ SPECS = [
 ]
 
 
+@pytest.mark.slow
 def test_buffers_are_sized_to_the_model_not_to_the_budget(transport: str) -> None:
     with session(SPECS, transport=transport, bucket_bytes=64 << 20, wire_dtype=torch.bfloat16) as (
         sender,

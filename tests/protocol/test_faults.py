@@ -220,6 +220,7 @@ def test_mismatch_then_fixed_source_recovers_in_the_same_session() -> None:
         assert peer.report()["state"] == "current"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_soak_200_refits_bitwise_without_growth(transport: str) -> None:
     specs = [["a", [64, 64], "float32"], ["b", [300], "bfloat16"], ["c", [5000], "float32"]]

@@ -63,6 +63,7 @@ def _control_bytes(num_tensors: int) -> tuple[int, int]:
         return stats.num_buckets, stats.control_bytes
 
 
+@pytest.mark.slow
 def test_control_traffic_per_refit_does_not_grow_with_tensor_count() -> None:
     few, many = _control_bytes(10), _control_bytes(1000)
     assert few == many == (2, few[1])

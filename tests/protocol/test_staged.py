@@ -85,6 +85,7 @@ def test_a_staged_refit_keeps_n_current_until_apply_staged_then_holds_n_plus_1_b
             before = _live(tensors)
 
 
+@pytest.mark.slow
 def test_a_refit_arriving_before_the_apply_replaces_the_staged_version() -> None:
     with staged_session("shm", ["receive", "receive", "apply", "apply"]) as (sender, tensors, peer):
         _step(tensors, 1)
@@ -180,6 +181,7 @@ def test_the_final_copy_is_same_dtype_and_bitwise_and_tied_names_share_one_stagi
     assert staging.apply() is None
 
 
+@pytest.mark.slow
 def test_a_failed_apply_leaves_the_version_staged_for_a_retry() -> None:
     class Flaky(ModuleEngine):
         fail_next = True

@@ -295,6 +295,7 @@ def test_json_to_a_file_keeps_the_human_output_on_stdout(command: list[str], tmp
     assert result.stdout.strip() and not result.stdout.lstrip().startswith(("{", "["))  # the human output
 
 
+@pytest.mark.slow
 def test_bench_json_alone_goes_to_stdout_and_its_tables_to_stderr() -> None:
     result = _run("bench", "--preset", "tiny", "--repeats", "1", "--warmup", "0", "--methods", "floor,refit", "--json")
     assert result.returncode == 0, result.stderr

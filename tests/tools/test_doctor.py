@@ -40,6 +40,7 @@ def test_a_cpu_machine_gets_shm_and_gloo_and_is_told_why_not_the_gpu_transports(
     assert report.by_name("cuda-ipc probe") is None  # no GPU: nothing to probe
 
 
+@pytest.mark.slow
 @no_cuda
 def test_doctor_exits_1_only_when_an_asked_transport_cannot_work() -> None:
     bad = _refit("doctor", "--transport", "nccl")

@@ -106,6 +106,7 @@ def _commands(code: str) -> list[str]:
     return [line for line in code.splitlines() if line.strip().startswith("refit ")]
 
 
+@pytest.mark.slow
 def test_the_quick_start_installs_then_runs_the_demo(tmp_path) -> None:
     code = _one(lambda c: "python3 -m venv" in c and "refit demo" in c)
     steps = [s.strip() for s in code.split("&&")]
@@ -262,6 +263,7 @@ def _session(tmp_path, trainers: list[list[str]], engine: str, env_of=lambda ran
     assert held == live and len(live) > 10  # no "lossy:" either: the engine holds exactly the bf16 values
 
 
+@pytest.mark.slow
 def test_the_use_example_refits_an_engine_process_to_the_trainers_live_weights(tmp_path) -> None:
     trainer, engine = _use_halves()
     t = _script(tmp_path, "trainer.py", PRELUDE, TRAINER, trainer, 'report("LIVE", model)', KEEP_ALIVE)
