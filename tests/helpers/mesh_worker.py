@@ -2,7 +2,9 @@
 
 One JSON argument: "rendezvous" (MeshRefit's), "kind", "worker", "workers", "device" (default cpu). After each
 committed refit it prints one JSON line: the version, the bytes it received, its engine's state, and
-the fingerprints of its local tensors read in fp32.
+the fingerprints of its local tensors read in fp32. With "staged": true it receives into staging memory and
+reports, besides, what its engine held before `apply_staged()` ("before": version, staged version, fingerprints)
+and whether that call applied the version.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ def main() -> int:
     local = {n: torch.zeros_like(local_part(full[n], h), device=device).contiguous() for n, h in held.items()}
     engine = ModuleEngine(local, shards={n: h for n, h in held.items() if h is not None})
     settings = Settings(timeout_s=120.0)
-    with MeshReceiver(engine, args["rendezvous"], worker=args["worker"], settings=settings, device=device) as rx:
+    staged = bool(args.get("staged"))
+    with MeshReceiver(engine, args["rendezvous"], worker=args["worker"], settings=settings, device=device,
+                      staged=staged) as rx:  # fmt: skip
         while True:
             try:
                 stats = rx.receive()
@@ -35,9 +39,15 @@ def main() -> int:
                 continue
             if stats is None:
                 return 0
+            extra = {}
+            if staged:
+                w = engine.weights
+                fps = {n: fingerprint(t.float(), torch.float32) for n, t in local.items()}
+                extra = {"before": {"version": w.version, "staged": w.staged, "fingerprints": fps},
+                         "applied": rx.apply_staged()}  # fmt: skip
             fps = {n: fingerprint(t.float(), torch.float32) for n, t in local.items()}
             print(json.dumps({"version": stats.version, "nbytes": stats.nbytes, "state": engine.weights.state.value,
-                              "fingerprints": fps}), flush=True)  # fmt: skip
+                              "fingerprints": fps, **extra}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

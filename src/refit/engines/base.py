@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
@@ -35,6 +35,9 @@ class WeightsVersion:
     target: int | None = None
     """Version being (or that failed being) installed."""
     reason: str = ""
+    staged: int | None = None
+    """A staged refit (`Receiver(..., staged=True)`): the version received, verified and committed by every
+    worker into staging memory, waiting for `apply_staged()`; the live weights are still `version`."""
 
 
 class Engine(ABC):
@@ -98,6 +101,10 @@ class Engine(ABC):
     @property
     def weights(self) -> WeightsVersion:
         return self._weights
+
+    def note_staged(self, version: int | None) -> None:
+        """Record that `version` waits in staging memory (None: nothing does); the live state is unchanged."""
+        self._weights = replace(self._weights, staged=version)
 
     def begin(self, version: int) -> None:
         """Called before the first bucket of a refit to `version`."""

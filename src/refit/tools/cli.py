@@ -248,6 +248,7 @@ def plan_report(args: argparse.Namespace) -> dict:
     import torch
 
     from refit.dtypes import dtype_from_name
+    from refit.engines.staging import staging_nbytes
     from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes, needed_bytes
     from refit.layout.planner import forecast, plan, specs_digest
     from refit.settings import Settings
@@ -301,6 +302,7 @@ def plan_report(args: argparse.Namespace) -> dict:
         "specs_digest": specs_digest(spec_list),
         "manifest_json_bytes": len(m.to_json()),
         "control_bytes_per_refit": 64 * (3 + 2 * m.num_buckets),
+        "staging_bytes_per_engine": staging_nbytes(spec_list),
     }
 
 
@@ -319,6 +321,10 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         f"memory allocated or mapped: sender {r['sender_bytes'] / 2**20:.1f} MiB, "
         f"each receiver {r['receiver_bytes'] / 2**20:.1f} MiB (buffers for {r['bucket_bytes'] / 2**20:.1f} MiB "
         "of bucket bytes)"
+    )
+    console.print(
+        f"staged refit (Receiver(staged=True)): {r['staging_bytes_per_engine'] / 2**20:.1f} MiB more per engine "
+        "(one staging copy of what it loads, in this wire dtype; an engine holding a wider dtype stages in that)"
     )
     console.print(
         f"manifest digest {r['digest']} (the layout too: a run's equals it when --bucket-bytes is given or "

@@ -21,7 +21,7 @@ two-phase over every pair: a worker commits a version once all its pairs did and
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from refit.checks.validation import waived
 from refit.engines.base import Engine
 from refit.engines.pieces import PieceEngine, ShardTarget
+from refit.engines.staging import Staging
 from refit.errors import PeerError, RefitError
 from refit.layout.reshard import (
     Holding,
@@ -319,7 +320,11 @@ class MeshReceiver:
         worker: int,
         settings: Settings | None = None,
         device: torch.device | None = None,
+        staged: bool = False,
+        on_commit: Callable[[int], None] | None = None,
     ) -> None:
+        """`staged` and `on_commit` as for `Receiver`: with `staged`, every pair writes into staging memory and
+        `apply_staged()` moves a version into the live engine once every pair and the ranks' verdict committed it."""
         mesh = rendezvous.get("mesh") if isinstance(rendezvous, dict) else None
         if not isinstance(mesh, dict) or not isinstance(mesh.get("pairs"), list):
             raise ValueError("rendezvous is not an M:N one (MeshRefit.rendezvous())")
@@ -327,11 +332,15 @@ class MeshReceiver:
         if not (isinstance(workers, int) and 0 <= worker < workers):
             raise ValueError(f"worker {worker} is out of range for {workers} engine workers")
         self.engine, self.worker = engine, worker
+        self.staging = Staging(engine, device=device or _cpu()) if staged else None
+        self.on_commit = on_commit
+        if self.staging is not None:
+            self.engine = self.staging  # what the pairs drive; the live engine is self.staging.live
         self.rank = worker
         self._warned = False
         self.settings = settings or Settings()
         pair = shared_budget(self.settings, len(pairs))
-        self.target = ShardTarget(engine, len(pairs), timeout_s=self.settings.timeout_s, device=device or _cpu())
+        self.target = ShardTarget(self.engine, len(pairs), timeout_s=self.settings.timeout_s, device=device or _cpu())
         self.receivers = []
         for r, row in enumerate(pairs):
             rx = Receiver(PieceEngine(self.target, r), row[worker], settings=pair, device=device)
@@ -365,6 +374,10 @@ class MeshReceiver:
             raise PeerError("some trainer ranks closed the session while others refit")
         assert version is not None
         Engine.commit(self.engine, version)  # state only: the engine's own commit ran before the pairs' DONE
+        if self.staging is not None:
+            self.staging.publish(version)
+        elif self.on_commit is not None:
+            self.on_commit(version)
         stats = RefitStats(version=version, epoch=results[0].epoch, handshake=any(r.handshake for r in results))
         stats.nbytes = sum(r.nbytes for r in results)
         stats.worker_bytes = [stats.nbytes]
@@ -381,6 +394,15 @@ class MeshReceiver:
                 ", ".join(unread[:20]) + (f", ... and {len(unread) - 20} more" if len(unread) > 20 else ""),
             )
         return stats
+
+    def apply_staged(self) -> bool:
+        """As `Receiver.apply_staged`: load the version every pair staged and the ranks agreed on, if any."""
+        version = None if self.staging is None else self.staging.apply()
+        if version is None:
+            return False
+        if self.on_commit is not None:
+            self.on_commit(version)
+        return True
 
     def _one(self, rx: Receiver) -> RefitStats | None:
         peer = f"{rx.rendezvous.get('host')}:{rx.rendezvous.get('port')}"

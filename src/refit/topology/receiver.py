@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
+from collections.abc import Callable
 
 import torch
 
 from refit import transports
 from refit.checks.validation import validate
 from refit.engines.base import Engine
+from refit.engines.staging import Staging, staging_nbytes
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.layout.budget import bucket_capacity, free_bytes
 from refit.layout.manifest import Manifest
@@ -40,8 +42,16 @@ class Receiver:
         *,
         settings: Settings | None = None,
         device: torch.device | None = None,
+        staged: bool = False,
+        staging_bytes: int | None = None,
+        on_commit: Callable[[int], None] | None = None,
     ) -> None:
-        """`rendezvous` is what `Sender.rendezvous()` returned (host, port, token, transport)."""
+        """`rendezvous` is what `Sender.rendezvous()` returned (host, port, token, transport).
+
+        `staged`: refits land in staging memory while the engine keeps generating with its current version;
+        `apply_staged()` moves a verified, committed version into the live engine (refit.engines.staging).
+        `staging_bytes` bounds that memory: an engine larger than it is refit unstaged, with a WARNING.
+        `on_commit(version)` is called each time the live engine commits a version (staged: in `apply_staged`)."""
         self.engine = engine
         self.settings = settings or Settings()
         self.rendezvous = rendezvous
@@ -61,6 +71,11 @@ class Receiver:
         """Log the tensors the fingerprint cannot read back (once per epoch); M:N logs it for one pair only."""
         self.statement: dict | None = None
         """M:N: what this worker keeps (refit.topology.mesh), sent with READY for the trainer's plan."""
+        self.on_commit = on_commit
+        self.staging = _staging(engine, self.device, staged=staged, limit=staging_bytes)
+        """The staged refit's side (None: refits load the live engine directly); the protocol drives it."""
+        if self.staging is not None:
+            self.engine = self.staging
 
     def connect(self) -> None:
         """Connect to the sender, present the token and join the transport. On failure the sender is
@@ -160,10 +175,30 @@ class Receiver:
         if self._broken:
             raise PeerError(f"this session broke earlier ({self._broken}); connect a new Receiver")
         try:
-            return self._receive()
+            stats = self._receive()
         except PeerError as e:
             self._broken = str(e)
             raise
+        if stats is not None:
+            self._committed(stats.version)
+        return stats
+
+    def _committed(self, version: int) -> None:
+        """Every worker's verdict is in: a staged version becomes ready, an unstaged one is live."""
+        if self.staging is not None:
+            self.staging.publish(version)
+        elif self.on_commit is not None:
+            self.on_commit(version)
+
+    def apply_staged(self) -> bool:
+        """Between generation steps: load the staged version (if one is ready) into the live engine and commit
+        it there; returns whether one was. Without one, or unstaged, a no-op costing well under a microsecond."""
+        version = None if self.staging is None else self.staging.apply()
+        if version is None:
+            return False
+        if self.on_commit is not None:
+            self.on_commit(version)
+        return True
 
     def _receive(self) -> RefitStats | None:
         self.connect()
@@ -348,3 +383,20 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _staging(engine: Engine, device: torch.device, *, staged: bool, limit: int | None) -> Staging | None:
+    if limit is not None and limit < 0:
+        raise ValueError(f"staging_bytes ({limit}) must be at least 0, or None for no bound")
+    if not staged:
+        return None
+    need = staging_nbytes(engine.specs())
+    if limit is not None and need > limit:
+        log.warning(
+            "staged refit is off for this engine: it needs %d bytes of staging memory, over staging_bytes=%d; "
+            "each refit loads the live weights directly, so generation pauses for the whole refit",
+            need,
+            limit,
+        )
+        return None
+    return Staging(engine, device=device)

@@ -1,0 +1,323 @@
+"""Staged refits over real processes: the engine stays on N while N+1 arrives into staging memory, and
+holds N+1 bitwise (against the trainer's live tensors) once `apply_staged()` ran; a failed or replaced
+staged version is never applied; `on_commit` sees every version the live engine commits."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from peer import make_tensors
+from staged_peer import StagedPeer
+from trainer_ranks import line, start
+
+from refit import ModuleEngine, ModuleSource, RefitError, Sender, Settings
+from refit.checks.hashes import fingerprints
+from refit.engines.staging import Staging
+from refit.topology.receiver import Receiver
+
+SPECS = [
+    ["embed.weight", [40, 16], "float32"],
+    ["layer.0.bias", [7], "float32"],
+    ["layer.0.weight", [16, 16], "bfloat16"],
+    ["layer.1.weight", [48, 48], "float32"],
+    ["steps", [3], "int64"],
+]
+
+
+def _step(tensors: dict[str, torch.Tensor], k: int) -> None:
+    for t in tensors.values():
+        t.add_(k) if t.dtype == torch.int64 else t.mul_(1.01).add_(0.001 * k)
+
+
+@contextlib.contextmanager
+def staged_session(
+    transport: str, actions: list[str], **peer_args: object
+) -> Iterator[tuple[Sender, dict[str, torch.Tensor], StagedPeer]]:
+    """A sender over SPECS (seed 1) and one staged engine process that starts from the same tensors as
+    the trainer's version 0 (`assume_current(0)`) and runs `actions`."""
+    tensors = make_tensors(SPECS, seed=1)
+    sender = Sender(
+        ModuleSource(tensors),
+        transport=transport,
+        settings=Settings(bucket_bytes=4096, timeout_s=60.0),
+        verify="fingerprint",
+    )
+    args = {"rendezvous": sender.rendezvous(), "specs": SPECS, "seed": 1, "assume": 0, "bucket_bytes": 4096}
+    peer = StagedPeer({**args, "actions": actions, **peer_args})
+    try:
+        yield sender, tensors, peer
+    finally:
+        sender.close()
+        assert peer.wait() == 0
+
+
+def _live(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """What the trainer holds right now (every tensor is sent in its own dtype here)."""
+    return fingerprints(tensors.items(), {n: t.dtype for n, t in tensors.items()})
+
+
+def test_a_staged_refit_keeps_n_current_until_apply_staged_then_holds_n_plus_1_bitwise(transport: str) -> None:
+    actions = ["receive", "apply", "apply", "receive", "apply"]
+    with staged_session(transport, actions) as (sender, tensors, peer):
+        before = _live(tensors)
+        for version in (1, 2):
+            _step(tensors, version)
+            stats = sender.refit(version)
+            assert stats.unverified == 0
+            got = peer.report()  # received: live is still N, N+1 waits in staging, verified
+            assert got["event"] == "refit" and got["unverified"] == 0, got
+            assert (got["state"], got["version"], got["staged"]) == ("current", version - 1, version)
+            assert got["fingerprints"] == before  # the live engine was not touched
+            assert got["staging"] == _live(tensors)
+            assert got["commits"] == list(range(1, version))
+            got = peer.report()
+            assert got["applied"] is True
+            assert (got["state"], got["version"], got["staged"]) == ("current", version, None)
+            assert got["fingerprints"] == _live(tensors)  # the trainer's live tensors, bitwise
+            assert got["commits"] == list(range(1, version + 1))
+            if version == 1:  # nothing staged: a no-op
+                got = peer.report()
+                assert got["applied"] is False and got["version"] == 1 and got["commits"] == [1]
+                assert got["fingerprints"] == _live(tensors)
+            before = _live(tensors)
+
+
+def test_a_refit_arriving_before_the_apply_replaces_the_staged_version() -> None:
+    with staged_session("shm", ["receive", "receive", "apply", "apply"]) as (sender, tensors, peer):
+        _step(tensors, 1)
+        sender.refit(1)
+        v1 = _live(tensors)
+        assert peer.report()["staged"] == 1
+        _step(tensors, 2)
+        sender.refit(2)
+        got = peer.report()
+        assert (got["version"], got["staged"]) == (0, 2) and got["staging"] == _live(tensors) != v1
+        got = peer.report()
+        assert got["applied"] is True and (got["version"], got["staged"]) == (2, None)
+        assert got["fingerprints"] == _live(tensors)
+        assert got["commits"] == [2]  # version 1 never reached the live engine
+        assert peer.report()["applied"] is False
+
+
+def test_a_staged_copy_failing_the_fingerprint_is_never_applied_and_the_retry_is() -> None:
+    fault = {"version": 1, "name": "layer.1.weight"}
+    with staged_session("shm", ["receive", "apply", "receive", "apply"], corrupt_staging=fault) as (
+        sender,
+        tensors,
+        peer,
+    ):
+        v0 = _live(tensors)
+        _step(tensors, 1)
+        with pytest.raises(RefitError, match="fingerprint check failed.*layer.1.weight"):
+            sender.refit(1)
+        got = peer.report()
+        assert got["event"] == "error" and got["type"] == "IntegrityError", got
+        assert (got["state"], got["version"], got["staged"]) == ("current", 0, None)
+        got = peer.report()
+        assert got["applied"] is False and got["version"] == 0 and got["commits"] == []
+        assert got["fingerprints"] == v0
+        sender.refit(1)  # the retry of the same version (the fault fired once)
+        assert peer.report()["staged"] == 1
+        got = peer.report()
+        assert got["applied"] is True and got["version"] == 1 and got["fingerprints"] == _live(tensors)
+
+
+@pytest.mark.slow
+def test_refits_staged_while_the_engine_loop_applies_them_leave_it_on_the_last_version_bitwise() -> None:
+    """Real concurrency: refits arrive in the engine's background thread while its main thread calls
+    apply_staged() and ensure_current() between reads of the live weights, as an engine loop does."""
+    with staged_session("gloo", ["generate 6"]) as (sender, tensors, peer):
+        for version in range(1, 7):
+            _step(tensors, version)
+            sender.refit(version)
+        got = peer.report()
+        assert "error" not in got.get("event", ""), got
+        assert (got["state"], got["version"], got["staged"]) == ("current", 6, None)
+        assert got["fingerprints"] == _live(tensors)
+        commits = got["commits"]
+        assert commits == sorted(set(commits)) and commits[-1] == 6 and got["applied"] == len(commits)
+
+
+@pytest.mark.slow
+def test_over_staging_bytes_the_refit_is_unstaged_and_on_commit_still_fires() -> None:
+    with staged_session("shm", ["receive", "apply"], staging_bytes=1024) as (sender, tensors, peer):
+        _step(tensors, 1)
+        sender.refit(1)
+        got = peer.report()  # loaded into the live engine at once
+        assert (got["state"], got["version"], got["staged"]) == ("current", 1, None)
+        assert got["fingerprints"] == _live(tensors) and got["commits"] == [1]
+        assert got["staging_nbytes"] == 0
+        assert peer.report()["applied"] is False
+
+
+# -- in one process: the staging object itself ---------------------------------------------------
+
+
+def test_the_final_copy_is_same_dtype_and_bitwise_and_tied_names_share_one_staging_tensor() -> None:
+    live = make_tensors(SPECS, seed=2)
+    live["lm_head.weight"] = live["embed.weight"]  # tied: one tensor, two names
+    engine = ModuleEngine(live)
+    staging = Staging(engine, device=torch.device("cpu"))
+    specs = staging.specs()
+    new = make_tensors(SPECS, seed=3)
+    sent = [(n, new["embed.weight" if n == "lm_head.weight" else n]) for s in specs for n in s.names]
+    staging.begin(1)
+    staging.load(sent)
+    staging.commit(1)
+    assert staging.apply() is None  # committed but not published (the verdict is not in)
+    staging.publish(1)
+    assert engine.weights.staged == 1 and engine.weights.version is None
+    assert staging.nbytes == sum(s.nbytes for s in specs)  # the alias costs nothing
+    assert staging.apply() == 1
+    assert engine.weights.version == 1 and engine.weights.staged is None
+    for name, t in live.items():
+        src = new["embed.weight" if name == "lm_head.weight" else name]
+        assert staging.held(name)[0].dtype == t.dtype
+        assert torch.equal(t.view(torch.uint8), src.view(torch.uint8)), name
+    assert staging.apply() is None
+
+
+def test_a_failed_apply_leaves_the_version_staged_for_a_retry() -> None:
+    class Flaky(ModuleEngine):
+        fail_next = True
+
+        def load(self, tensors: list) -> None:
+            if self.fail_next:
+                self.fail_next = False
+                raise RuntimeError("injected")
+            super().load(tensors)
+
+    live = make_tensors(SPECS, seed=2)
+    engine = Flaky(live)
+    staging = Staging(engine, device=torch.device("cpu"))
+    new = make_tensors(SPECS, seed=4)
+    staging.specs()
+    staging.begin(5)
+    staging.load(list(new.items()))
+    staging.commit(5)
+    staging.publish(5)
+    with pytest.raises(RefitError, match="applying staged version 5 failed: RuntimeError: injected"):
+        staging.apply()
+    assert (engine.weights.state.value, engine.weights.staged) == ("failed", 5)
+    assert staging.apply() == 5
+    assert all(torch.equal(live[n], new[n]) for n in live)
+
+
+def test_staging_bytes_must_not_be_negative() -> None:
+    engine = ModuleEngine(make_tensors(SPECS, seed=2))
+    with pytest.raises(ValueError, match="staging_bytes"):
+        Receiver(engine, {"transport": "shm"}, staged=True, staging_bytes=-1)
+
+
+# -- per-rank: the two-phase commit ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_per_rank_a_worker_failing_its_staged_check_leaves_every_worker_on_n() -> None:
+    """Worker 1's staged copy of version 2 fails the fingerprint check: the trainer's vote fails, both
+    workers drop version 2 (neither applies it) and stay current at 1; version 3 then reaches both."""
+    from fsdp_trainer import build
+
+    engine_specs = [[n, list(t.shape), "float32"] for n, t in sorted(build(0).state_dict().items())]
+    ranks = start({"mode": "ranked", "model": "replicated", "transport": "shm", "bucket_bytes": 16384, "steps": 3,
+                   "verify": "fingerprint", "dtype_change_at": 99})  # fmt: skip
+    infos = line(ranks[0])
+    actions = ["receive", "apply", "receive", "apply", "receive", "apply"]
+    workers = [
+        StagedPeer({"rendezvous": infos, "index": i, "specs": engine_specs, "bucket_bytes": 16384,
+                    "actions": actions, **({"corrupt_staging": {"version": 2, "name": "1.weight"}} if i else {})})
+        for i in range(2)
+    ]  # fmt: skip
+    try:
+        sent = line(ranks[0])
+        for w in workers:
+            assert w.report()["staged"] == 1
+            got = w.report()
+            assert got["applied"] and got["version"] == 1 and got["fingerprints"] == sent["fingerprints"]
+        v1 = sent["fingerprints"]
+        sent = line(ranks[0])
+        assert "fingerprint check failed" in sent["error"], sent
+        for w in workers:
+            got = w.report()
+            assert got["event"] == "error" and (got["state"], got["version"], got["staged"]) == ("current", 1, None)
+            got = w.report()
+            assert got["applied"] is False and got["version"] == 1 and got["fingerprints"] == v1
+        sent = line(ranks[0])
+        assert "error" not in sent, sent
+        for w in workers:
+            assert w.report()["staged"] == 3
+            got = w.report()
+            assert got["applied"] and got["version"] == 3 and got["fingerprints"] == sent["fingerprints"]
+            assert got["commits"] == [1, 3]
+    finally:
+        codes = [p.wait(timeout=120) for p in ranks]
+        for w in workers:
+            w.wait()
+        assert codes == [0, 0]
+
+
+def test_refit_plan_shows_the_staging_bytes_a_real_staging_allocates(capsys) -> None:
+    import json
+
+    from refit.tools.bench.presets import PRESETS, specs
+    from refit.tools.cli import main
+
+    assert main(["plan", "--preset", "tiny", "--json", "-"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    model = specs(PRESETS["tiny"], torch.bfloat16)
+    state: dict[str, torch.Tensor] = {}
+    for s in model:
+        state[s.name] = torch.ones(s.shape, dtype=s.dtype)
+        state.update({a: state[s.name] for a in s.aliases})
+    staging = Staging(ModuleEngine(state), device=torch.device("cpu"))
+    staging.specs()
+    staging.begin(1)
+    staging.load([(n, state[s.name]) for s in model for n in s.names])
+    assert shown["staging_bytes_per_engine"] == staging.nbytes > 0
+
+
+# -- M:N -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_m_to_n_workers_stage_their_slices_and_apply_them_bitwise() -> None:
+    """A 2-rank FSDP2 trainer feeds two tensor-parallel workers with staged MeshReceivers (fingerprint on):
+    after each refit a worker still holds the previous version, and after apply_staged exactly its slices of
+    the trainer's live tensors."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    helpers = os.path.dirname(os.path.abspath(__file__)).replace("protocol", "helpers")
+    ranks = start({"kind": "mlp", "workers": 2, "transport": "gloo", "steps": 3, "verify": "fingerprint"},
+                  script="mesh_trainer.py")  # fmt: skip
+    info = line(ranks[0])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([helpers, *sys.path])}
+    workers = [
+        subprocess.Popen([sys.executable, os.path.join(helpers, "mesh_worker.py"), json.dumps(
+            {"rendezvous": info, "kind": "mlp", "worker": w, "workers": 2, "staged": True})],
+            env=env, text=True, stdout=subprocess.PIPE)
+        for w in range(2)
+    ]  # fmt: skip
+    try:
+        previous = None
+        for version in (1, 2, 3):
+            out = line(ranks[0])
+            assert "error" not in out, out
+            for w, p in enumerate(workers):
+                assert p.stdout is not None
+                got = json.loads(p.stdout.readline())
+                before = got["before"]
+                assert (before["version"], before["staged"]) == (version - 1 if version > 1 else None, version)
+                if previous is not None:
+                    assert before["fingerprints"] == previous[w]  # the live engine was not touched
+                assert got["applied"] is True and got["state"] == "current"
+                assert got["fingerprints"] == out["expected"][w], f"worker {w} differs at version {version}"
+            previous = out["expected"]
+    finally:
+        assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+        assert [p.wait(timeout=120) for p in workers] == [0, 0]
