@@ -27,7 +27,8 @@ def worker_engine(worker: Any) -> VllmEngine | None:
         getattr(worker, "refit_receiver", None),
     ):
         if receiver is not None:
-            return receiver.engine
+            staging = getattr(receiver, "staging", None)  # staged: the live engine, not its staging memory
+            return staging.live if staging is not None else receiver.engine
     return None
 
 
@@ -98,7 +99,13 @@ class RefitWorkerExtension:
         if engine is None:
             raise RefitError("no refit receiver in this vLLM worker: call init_weight_transfer_engine or refit_connect")
         w = engine.weights
-        return {"state": w.state.value, "version": w.version, "target": w.target, "reason": w.reason}
+        return {
+            "state": w.state.value,
+            "version": w.version,
+            "target": w.target,
+            "reason": w.reason,
+            "staged": w.staged,
+        }
 
     def refit_layout(self) -> dict[str, list]:
         """{checkpoint name: [the dtype it is held in, [that name]]} for every name this worker holds whole
