@@ -66,23 +66,25 @@ def _train_step(model: torch.nn.Module, ids: torch.Tensor) -> None:
 
 
 def _stream(base: str, model_dir: str, prompt: list[int], started: threading.Event, out: dict) -> None:
-    """One long greedy streamed completion; `started` is set at its 5th chunk; `out` gets its chunk count,
-    finish reason and the perf_counter() of its last chunk."""
+    """One long greedy streamed completion; `started` is set at its 5th chunk; `out` gets its token count
+    (a chunk may carry several tokens), finish reason and the perf_counter() of its last chunk."""
     body = {"model": model_dir, "prompt": prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+            "stream": True, "return_token_ids": True}  # fmt: skip
     req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})  # fmt: skip
-    chunks, reason = 0, None
+    chunks, tokens, reason = 0, 0, None
     try:
         with urllib.request.urlopen(req, timeout=600) as resp:
             for line in resp:
                 if line.startswith(b"data: {"):
                     chunks += 1
-                    reason = json.loads(line[len(b"data: ") :])["choices"][0].get("finish_reason") or reason
+                    choice = json.loads(line[len(b"data: ") :])["choices"][0]
+                    tokens += len(choice.get("token_ids") or [])
+                    reason = choice.get("finish_reason") or reason
                     if chunks == 5:
                         started.set()
     finally:
-        out.update(chunks=chunks, reason=reason, last=time.perf_counter())
+        out.update(tokens=tokens, reason=reason, last=time.perf_counter())
         started.set()  # a stream that failed early must not leave the test waiting
 
 
@@ -125,7 +127,7 @@ def test_staged_refit_serves_n_until_apply_then_n_plus_1_bitwise(tmp_path) -> No
         done = time.perf_counter()
         reader.join()
         assert out["last"] > done, "the stream ended before the refit did: it did not overlap the pause"
-        assert (out["chunks"], out["reason"]) == (200, "length"), out
+        assert (out["tokens"], out["reason"]) == (200, "length"), out  # kept: every token, not aborted
         assert _version(base) == "3" and _holds(base, _live(model))
         assert _served(base, model_dir, prompt) == greedy(model, [prompt])[0]
         assert third.version == 3 and not third.handshake
