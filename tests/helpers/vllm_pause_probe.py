@@ -36,6 +36,13 @@ def stream_arrivals(base: str, model_dir: str, prompt: list[int], started: threa
     return times
 
 
+def worker_seconds(base: str) -> dict[str, float]:
+    """The worker's engine time for the last refit ('copy', 'post', 'load'), through vLLM's /collective_rpc."""
+    req = urllib.request.Request(f"{base}/collective_rpc", data=json.dumps({"method": "refit_engine_seconds"}).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    return json.loads(urllib.request.urlopen(req, timeout=60).read())["results"][0]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=2)
@@ -53,7 +60,8 @@ def main() -> int:
     tok = build_tokenizer()
     model = build_model(model_config(layers=args.layers, hidden=args.hidden, ffn=3 * args.hidden), seed=0)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, serving(save(model, tok, tmp)) as base:
+    extension = ("--worker-extension-cls", "refit.integrations.vllm.RefitWorkerExtension")  # engine seconds
+    with tempfile.TemporaryDirectory() as tmp, serving(save(model, tok, tmp), *extension) as base:
         model_dir, prompt = tmp, tok(PROMPTS[0])["input_ids"]
         info = RefitTrainerInitInfo(
             rank=0, transport="shm", settings=Settings(bucket_bytes=1 << 20), staged=args.staged
@@ -76,6 +84,8 @@ def main() -> int:
             away = [b - a for a, b in gaps if b < t0 or a > t1]
             over = [b - a for a, b in gaps if b >= t0 and a <= t1]
             row = {"refit_s": t1 - t0, "median_gap_s": statistics.median(away), "pause_s": max(over or [0.0])}
+            worker = worker_seconds(base)
+            row |= {"load_s": worker["load"], "post_s": worker["post"]}
             if args.staged:
                 row["bracket_s"] = stats.seconds["pause"]
             rows.append(row)
