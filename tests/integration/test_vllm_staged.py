@@ -3,7 +3,8 @@ the worker receives each refit into staging memory on a background thread while 
 N; `stage()` returns with N+1 verified in staging and vLLM still on N (its weights, its version, its
 output); `apply()` pauses generation (mode 'keep'), copies N+1 into vLLM's tensors, sets vLLM's version,
 resets the prefix cache and resumes. Every check is against the trainer's live tensors; a completion
-streaming through a whole staged refit is kept (paused and resumed), never aborted."""
+streaming through a whole staged refit is kept (paused and resumed), never aborted. Then the same through
+vLLM's own trainer API (`RefitTrainerInitInfo(staged=True)`): a refused manifest stages nothing, a retry applies."""
 
 from __future__ import annotations
 
@@ -132,3 +133,35 @@ def test_staged_refit_serves_n_until_apply_then_n_plus_1_bitwise(tmp_path) -> No
         assert _served(base, model_dir, prompt) == greedy(model, [prompt])[0]
         assert third.version == 3 and not third.handshake
         driver.close()
+        _through_vllms_trainer_api(base, model_dir, model, prompt, ids)
+
+
+def _through_vllms_trainer_api(base: str, model_dir: str, model, prompt, ids) -> None:  # noqa: ANN001
+    """A new session through vLLM's own trainer API, staged: a refused manifest stages nothing and leaves
+    vLLM on version 3, weights and output unchanged; the retry, once the trainer is fixed, is version 4."""
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer import ModuleSource as VllmModuleSource
+
+    from refit import HandshakeError
+    from refit.integrations.vllm import RefitTrainerInitInfo
+
+    served, held = _served(base, model_dir, prompt), {n: t.clone() for n, t in _live(model).items()}
+    _train_step(model, ids)
+    model.register_parameter("bogus", torch.nn.Parameter(torch.zeros(2)))
+    info = RefitTrainerInitInfo(rank=0, transport="shm", settings=Settings(bucket_bytes=1 << 20),
+                                verify="fingerprint", first_version=4, staged=True)  # fmt: skip
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=HTTPVLLMWeightSyncClient(base), source=VllmModuleSource(model)
+    )
+    with pytest.raises(HandshakeError, match=r"1 unexpected \(sender sends, engine lacks\): bogus"):
+        engine.send_weights()
+    assert _version(base) == "3" and _holds(base, held) and _served(base, model_dir, prompt) == served
+    # The new session's engine has committed nothing yet (vLLM's own version above still reads 3); nothing staged.
+    assert _worker_version(base) == {"state": "empty", "version": None, "target": None, "reason": "", "staged": None}
+    del model.bogus
+    stats = engine.send_weights()
+    assert stats.version == 4 and stats.seconds["pause"] > 0
+    assert _version(base) == "4" and _holds(base, _live(model))
+    assert _served(base, model_dir, prompt) == greedy(model, [prompt])[0]
+    assert _worker_version(base) == {"state": "current", "version": 4, "target": None, "reason": "", "staged": None}
+    engine.shutdown()
