@@ -38,7 +38,11 @@ def _version(base: str) -> str:
 
 
 def _worker_version(base: str) -> dict:
-    return _post(base, "collective_rpc", {"method": "refit_weights_version"})["results"][0]
+    """The worker's WeightsVersion, with the version staged and not yet applied."""
+    rpc = {m: _post(base, "collective_rpc", {"method": m})["results"][0]
+           for m in ("refit_weights_version", "refit_staged_version")}  # fmt: skip
+    staged = rpc["refit_staged_version"]  # vLLM's route sends an int result as its str()
+    return {**rpc["refit_weights_version"], "staged": None if staged is None else int(staged)}
 
 
 def _served(base: str, model_dir: str, prompt: list[int]) -> list[int]:

@@ -99,13 +99,13 @@ class RefitWorkerExtension:
         if engine is None:
             raise RefitError("no refit receiver in this vLLM worker: call init_weight_transfer_engine or refit_connect")
         w = engine.weights
-        return {
-            "state": w.state.value,
-            "version": w.version,
-            "target": w.target,
-            "reason": w.reason,
-            "staged": w.staged,
-        }
+        return {"state": w.state.value, "version": w.version, "target": w.target, "reason": w.reason}
+
+    def refit_staged_version(self) -> int | None:
+        """Staged refits: the version verified and committed into staging memory and not yet applied
+        (vLLM still runs `refit_weights_version`'s); None when nothing is staged or refits are unstaged."""
+        engine = worker_engine(self)
+        return None if engine is None else engine.weights.staged
 
     def refit_layout(self) -> dict[str, list]:
         """{checkpoint name: [the dtype it is held in, [that name]]} for every name this worker holds whole
