@@ -1,15 +1,20 @@
 """Backend 'refit' of vLLM's weight-transfer API (worker side), registered by the `vllm.general_plugins`
-entry point; the whole refit (begin, buckets, commit) runs in `update_weights`. Imports vLLM: loaded only
-inside a vLLM process."""
+entry point. Unstaged, the whole refit (begin, buckets, commit) runs in `update_weights`. Staged
+(`RefitInitInfo.staged`), a thread started at init receives every refit into staging memory while vLLM
+keeps generating with the version it holds, and `update_weights` only applies the staged version (the
+final copy), which the trainer brackets with vLLM's pause and resume. Imports vLLM: loaded only inside
+a vLLM process."""
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from refit.errors import RefitError
+from refit.errors import PeerError, RefitError
 from refit.integrations.vllm.engine import (
     BACKEND,
     engine_device,
@@ -29,6 +34,9 @@ class RefitInitInfo:
     timeout_s: float = 120.0
     options: dict = field(default_factory=dict)
     """`VllmOptions` fields."""
+    staged: bool = False
+    """Receive each refit into staging memory on a background thread while vLLM keeps generating;
+    `update_weights` then applies the staged version (one local copy into vLLM's tensors)."""
 
 
 @dataclass
@@ -53,8 +61,10 @@ class RefitWeightTransferEngine(WeightTransferEngine):
             rendezvous,
             init_info.timeout_s,
             parse_options(init_info.options),
+            staged=init_info.staged,
         )
         self.last: dict[str, float] = {}
+        self.staged = StagedReceipts(self.receiver, init_info.timeout_s) if init_info.staged else None
 
     def start_weight_update(self) -> None:
         """Nothing to do: the receiver begins the version when the first header arrives."""
@@ -68,7 +78,18 @@ class RefitWeightTransferEngine(WeightTransferEngine):
             raise RefitError(f"received version {stats.version}, but update_weights asked for {update_info.version}")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        info = self.parse_update_info(update_info)
+        if self.staged is None:
+            self.receive_weights(info)
+            return
+        t = time.perf_counter()
+        stats = self.staged.apply(info.version)
+        live = self.receiver.staging.live  # type: ignore[union-attr]
+        self.last = {
+            **engine_seconds(live, stats.seconds),
+            "received_bytes": float(stats.nbytes),
+            "apply": time.perf_counter() - t,
+        }
 
     def finish_weight_update(self) -> None:
         """Nothing to do: the receiver already committed (vLLM's post-processing ran in commit)."""
@@ -77,6 +98,67 @@ class RefitWeightTransferEngine(WeightTransferEngine):
         receiver = getattr(self, "receiver", None)
         if receiver is not None:
             receiver.close()
+
+
+class StagedReceipts:
+    """A staged Receiver served on a daemon thread (vLLM's engine core keeps stepping meanwhile), and
+    what it received: `apply(version)` waits for that version to be staged, then applies it."""
+
+    def __init__(self, receiver: Any, timeout_s: float) -> None:
+        self.receiver = receiver
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._stats: Any = None
+        self._failure = ""
+        self._ended = ""
+        self._thread = threading.Thread(target=self._serve, name="refit-staged-receive", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                stats = self.receiver.receive()
+            except PeerError as e:  # the session is over
+                self._end(f"the refit session broke: {e}")
+                return
+            except RefitError as e:  # a refused manifest or failed refit: nothing staged, the session goes on
+                with self._cond:
+                    self._failure = str(e)
+                    self._cond.notify_all()
+                continue
+            except Exception as e:  # noqa: BLE001 - recorded for the next apply, which raises it
+                self._end(f"receiving failed: {type(e).__name__}: {e}")
+                raise
+            if stats is None:
+                self._end("the trainer closed the refit session")
+                return
+            with self._cond:
+                self._stats, self._failure = stats, ""
+                self._cond.notify_all()
+
+    def _end(self, why: str) -> None:
+        with self._cond:
+            self._ended = why
+            self._cond.notify_all()
+
+    def apply(self, version: int) -> Any:
+        """Apply staged `version` (every worker's verdict is in once the trainer's refit returned; its
+        COMMIT may still be in flight here, hence the bounded wait) and return its receive stats."""
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: (self._stats is not None and self._stats.version == version) or self._ended,
+                timeout=self.timeout_s,
+            )
+            stats = self._stats
+        if not done or stats is None or stats.version != version:
+            why = self._ended or self._failure or f"nothing arrived within {self.timeout_s:.0f} s"
+            raise RefitError(
+                f"version {version} is not staged in this worker ({why}): call update_weights only after the "
+                "trainer's refit of that version returned"
+            )
+        if not self.receiver.apply_staged() and self.receiver.staging.live.weights.version != version:
+            raise RefitError(f"version {version} was staged but is no longer ready (a newer refit replaced it)")
+        return stats
 
 
 def register() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -27,7 +28,7 @@ class HttpEngine:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
 
-    def _post(self, route: str, body: dict | None = None) -> None:
+    def _post(self, route: str, body: dict | None = None) -> dict:
         import urllib.error
         import urllib.request
 
@@ -39,13 +40,18 @@ class HttpEngine:
         )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310 - scheme checked in __init__
-                resp.read()
+                raw = resp.read()
         except urllib.error.HTTPError as e:
             raise RefitError(
                 f"vLLM server answered {e.code} on /{route}: {e.read().decode(errors='replace')[:2000]}"
             ) from None
         except urllib.error.URLError as e:
             raise RefitError(f"cannot reach the vLLM server at {self.base_url}: {e.reason}") from None
+        try:
+            out = json.loads(raw) if raw else {}
+        except ValueError:
+            return {}
+        return out if isinstance(out, dict) else {}
 
     def init_weight_transfer_engine(self, request: dict) -> None:
         self._post("init_weight_transfer_engine", request)
@@ -59,8 +65,16 @@ class HttpEngine:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._post("finish_weight_update", {"weight_version": weight_version} if weight_version else None)
 
-    def reset_prefix_cache(self) -> None:
-        self._post("reset_prefix_cache")
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        flag = "true" if reset_running_requests else "false"
+        return bool(self._post(f"reset_prefix_cache?reset_running_requests={flag}").get("success", True))
+
+    def pause_generation(self, *, mode: str = "abort") -> None:
+        """vLLM's /pause (AsyncLLM.pause_generation); caches are left to `reset_prefix_cache`."""
+        self._post(f"pause?mode={mode}&clear_cache=false")
+
+    def resume_generation(self) -> None:
+        self._post("resume")
 
 
 class VllmRefit:
@@ -75,9 +89,13 @@ class VllmRefit:
     buckets at once: make a new Sender and driver to retry.
     """
 
-    def __init__(self, llm: Any, sender: Any, *, options: VllmOptions | None = None) -> None:
+    def __init__(self, llm: Any, sender: Any, *, options: VllmOptions | None = None, staged: bool = False) -> None:
+        """`staged`: the workers receive each refit into staging memory on a background thread while vLLM
+        keeps generating with its current version; generation pauses (vLLM's `pause_generation(mode="keep")`,
+        in-flight requests kept) only for the final copy, the version and the prefix-cache reset."""
         self.llm = llm
         self.sender = sender
+        self.staged = staged
         self.options = options or VllmOptions()
         self._connected = False
         self._thread: threading.Thread | None = None
@@ -136,6 +154,7 @@ class VllmRefit:
         info = {
             "rendezvous": self.sender.rendezvous(),
             "timeout_s": self.sender.settings.timeout_s,
+            "staged": self.staged,
             "options": {
                 **asdict(self.options),
                 "fallback": list(self.options.fallback),
@@ -159,6 +178,8 @@ class VllmRefit:
         sum 'load'; these need the workers to carry `RefitWorkerExtension` (`worker_extension_cls=`).
         """
         self.connect()
+        if self.staged:
+            return self._refit_staged(version)
 
         def engine_side() -> None:
             self.llm.start_weight_update()
@@ -176,6 +197,65 @@ class VllmRefit:
         self.llm.reset_prefix_cache()
         self._add_engine_seconds(stats)
         return stats
+
+    def _refit_staged(self, version: int) -> Any:
+        stats = self.stage(version)
+        stats.seconds["pause"] = self.apply(version)
+        self._add_engine_seconds(stats)
+        return stats
+
+    def stage(self, version: int) -> Any:
+        """Staged only: push `version` into the workers' staging memory while vLLM keeps generating with the
+        version it holds; returns the Sender's stats once every worker verified and committed it there.
+        A failure here never touched vLLM's weights (it stays current on the last applied version)."""
+        if not self.staged:
+            raise ValueError("stage() needs VllmRefit(..., staged=True); refit() loads unstaged refits")
+        self.connect()
+        try:
+            return self.sender.refit(version)
+        except RefitError:
+            raise
+        except Exception:
+            self.sender.close()  # the trainer's own failure: end the workers' wait for buckets now
+            raise
+
+    def apply(self, version: int) -> float:
+        """Staged only: the final copy of staged `version` into vLLM's tensors, its version set, and the prefix
+        cache reset, inside vLLM's pause (mode 'keep': in-flight requests wait, none is aborted). Returns
+        the seconds generation was paused (from the pause to the resume, as the trainer saw them)."""
+        if not self.staged:
+            raise ValueError("apply() needs VllmRefit(..., staged=True)")
+        t = time.perf_counter()
+        pause, resume = getattr(self.llm, "pause_generation", None), getattr(self.llm, "resume_generation", None)
+        paused = callable(pause) and callable(resume)  # an offline LLM generates only inside generate()
+        if paused:
+            pause(mode="keep")
+        try:
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": {"version": version}})
+            self.llm.finish_weight_update(weight_version=str(version))
+            self.failure = ""
+        except Exception as e:
+            self.failure = f"applying staged version {version} failed: {e}"
+            raise RefitError(f"vLLM worker failed: {e}") from e
+        finally:
+            try:
+                self._reset_kv(version)
+            finally:
+                if paused:
+                    resume()
+        return time.perf_counter() - t
+
+    def _reset_kv(self, version: int) -> None:
+        """Drop every KV block computed with the old weights, the kept requests' too: they are preempted and
+        recomputed with the new weights on resume (vLLM refuses the reset while requests hold blocks, and a
+        failed reset would leave old KV for new requests to hit)."""
+        try:
+            ok = self.llm.reset_prefix_cache(reset_running_requests=True)
+        except TypeError:  # a client whose reset takes no arguments
+            ok = self.llm.reset_prefix_cache()
+        if ok is False:
+            log.warning("vLLM did not reset its prefix cache after version %d: KV of the old weights remains", version)
 
     def _add_engine_seconds(self, stats: Any) -> None:
         rpc = getattr(self.llm, "collective_rpc", None)
@@ -196,8 +276,9 @@ class VllmRefit:
                     e,
                 )
             return
-        for key in ("copy", "post", "load"):
-            stats.seconds[key] = max((w.get(key, 0.0) for w in per_worker), default=0.0)
+        for key in ("copy", "post", "load", "apply"):
+            if key != "apply" or any(key in w for w in per_worker):  # 'apply': the staged final copy only
+                stats.seconds[key] = max((w.get(key, 0.0) for w in per_worker), default=0.0)
 
     def generate(self, *args: Any, allow_failed: bool = False, **kwargs: Any) -> Any:
         """`llm.generate`, refused while the weights are mixed after a failed refit."""

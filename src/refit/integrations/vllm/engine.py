@@ -291,14 +291,17 @@ def make_receiver(
     rendezvous: dict,
     timeout_s: float,
     options: VllmOptions,
+    *,
+    staged: bool = False,
 ) -> Receiver:
+    """`staged`: refits land in staging memory and `apply_staged()` moves them into vLLM's tensors."""
     engine = VllmEngine(model, model_config, options)
     settings = Settings(timeout_s=timeout_s)
     if "mesh" in rendezvous:  # M:N (MeshRefit): this worker receives only its slices, from every trainer rank
-        mesh = MeshReceiver(engine, rendezvous, worker=worker_index(), settings=settings, device=device)
+        mesh = MeshReceiver(engine, rendezvous, worker=worker_index(), settings=settings, device=device, staged=staged)
         mesh.connect()
         return mesh  # type: ignore[return-value]
-    receiver = Receiver(engine, rendezvous, settings=settings, device=device)
+    receiver = Receiver(engine, rendezvous, settings=settings, device=device, staged=staged)
     receiver.connect()
     return receiver
 

@@ -43,6 +43,9 @@ class RefitTrainerInitInfo(TrainerInitInfo):
     """The version of the first `send_weights()`; each committed round adds one (a failed one is retried as is)."""
     options: VllmOptions = field(default_factory=VllmOptions)
     """How each worker loads (`VllmOptions`)."""
+    staged: bool = False
+    """Workers receive each round into staging memory while vLLM generates; generation pauses (mode 'keep')
+    only for the final copy, the version and the prefix-cache reset (`VllmRefit(staged=True)`)."""
 
     def __post_init__(self) -> None:
         if self.num_receivers is not None and self.num_receivers < 1:
@@ -55,6 +58,7 @@ class ClientEngine:
     def __init__(self, client: Any) -> None:
         self.client = client
         self._warned = False
+        self._warned_pause = False
 
     def init_weight_transfer_engine(self, request: dict) -> None:
         self.client.init_weight_transfer_engine(request["init_info"])
@@ -68,27 +72,58 @@ class ClientEngine:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.client.finish_weight_update(weight_version)
 
-    def reset_prefix_cache(self) -> None:
-        """Drop KV computed with the old weights: through the client's own method where it has one, the
-        server's route for vLLM's HTTP client, each actor for its Ray client; else say once that it cannot."""
-        own = getattr(self.client, "reset_prefix_cache", None)
+    def _http(self) -> HttpEngine | None:
         base_url = getattr(self.client, "base_url", None)
-        handles = getattr(self.client, "handles", None)
+        if not isinstance(base_url, str):
+            return None
+        return HttpEngine(base_url, timeout_s=float(getattr(self.client, "timeout", 600.0)))
+
+    def pause_generation(self, *, mode: str = "abort") -> None:
+        """vLLM's pause, through the client's own method or the server's /pause route (vLLM's HTTP client);
+        a client with neither is not paused (vLLM still applies the update between two engine steps)."""
+        own, http = getattr(self.client, "pause_generation", None), self._http()
+        if callable(own):
+            own(mode=mode)
+        elif http is not None:
+            http.pause_generation(mode=mode)
+        elif not self._warned_pause:
+            self._warned_pause = True
+            log.warning(
+                "the vLLM client %s cannot pause generation: the staged version is applied between two engine "
+                "steps, and a step may run between the new weights and the prefix-cache reset",
+                type(self.client).__name__,
+            )
+
+    def resume_generation(self) -> None:
+        own, http = getattr(self.client, "resume_generation", None), self._http()
         if callable(own):
             own()
-        elif isinstance(base_url, str):
-            HttpEngine(base_url, timeout_s=float(getattr(self.client, "timeout", 600.0))).reset_prefix_cache()
-        elif isinstance(handles, list):
+        elif http is not None:
+            http.resume_generation()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool | None:
+        """Drop KV computed with the old weights: through the client's own method where it has one, the
+        server's route for vLLM's HTTP client, each actor for its Ray client; else say once that it cannot.
+        Returns whether vLLM reset it (None where the client does not say)."""
+        own = getattr(self.client, "reset_prefix_cache", None)
+        handles = getattr(self.client, "handles", None)
+        http = self._http()
+        if callable(own):
+            return own()
+        if http is not None:
+            return http.reset_prefix_cache(reset_running_requests=reset_running_requests)
+        if isinstance(handles, list):
             import ray
 
-            ray.get([h.reset_prefix_cache.remote() for h in handles])
-        elif not self._warned:
+            return all(ray.get([h.reset_prefix_cache.remote(reset_running_requests) for h in handles]))
+        if not self._warned:
             self._warned = True
             log.warning(
                 "the vLLM client %s has no way to reset the prefix cache: cached prompts keep KV computed with "
                 "the old weights; give it a reset_prefix_cache() method",
                 type(self.client).__name__,
             )
+        return None
 
 
 class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
@@ -131,7 +166,7 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
             settings=init_info.settings,
             verify=init_info.verify,
         )
-        driver = VllmRefit(ClientEngine(client), sender, options=init_info.options)
+        driver = VllmRefit(ClientEngine(client), sender, options=init_info.options, staged=init_info.staged)
         driver.connect()  # on failure the Sender is closed already
         return cls(client=client, source=source, driver=driver, first_version=init_info.first_version)
 

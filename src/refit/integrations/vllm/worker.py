@@ -27,7 +27,8 @@ def worker_engine(worker: Any) -> VllmEngine | None:
         getattr(worker, "refit_receiver", None),
     ):
         if receiver is not None:
-            return receiver.engine
+            staging = getattr(receiver, "staging", None)  # staged: the live engine, not its staging memory
+            return staging.live if staging is not None else receiver.engine
     return None
 
 
@@ -99,6 +100,12 @@ class RefitWorkerExtension:
             raise RefitError("no refit receiver in this vLLM worker: call init_weight_transfer_engine or refit_connect")
         w = engine.weights
         return {"state": w.state.value, "version": w.version, "target": w.target, "reason": w.reason}
+
+    def refit_staged_version(self) -> int | None:
+        """Staged refits: the version verified and committed into staging memory and not yet applied
+        (vLLM still runs `refit_weights_version`'s); None when nothing is staged or refits are unstaged."""
+        engine = worker_engine(self)
+        return None if engine is None else engine.weights.staged
 
     def refit_layout(self) -> dict[str, list]:
         """{checkpoint name: [the dtype it is held in, [that name]]} for every name this worker holds whole
