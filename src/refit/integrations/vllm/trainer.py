@@ -37,8 +37,9 @@ class RefitTrainerInitInfo(TrainerInitInfo):
     """vLLM's workers (TP x PP), each a receiver; None: asked from the server (vLLM's HTTP client), else 1."""
     settings: Settings | None = None
     """refit's Settings (bucket size, timeouts, token, listen host); None: from the environment."""
-    verify: str | None = None
-    """The Sender's `verify` ('fingerprint' or 'strict' compare the engine's tensors with the trainer's)."""
+    verify: str | None = "fingerprint"
+    """The Sender's `verify`: 'fingerprint' (the default, as for Sender) or 'strict' compare the engine's tensors
+    with the trainer's before the version commits; None sends unverified."""
     first_version: int = 1
     """The version of the first `send_weights()`; each committed round adds one (a failed one is retried as is)."""
     options: VllmOptions = field(default_factory=VllmOptions)
