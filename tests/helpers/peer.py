@@ -132,13 +132,24 @@ def main() -> int:
     )
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 60.0))
     rendezvous = {**args["rendezvous"], **args.get("override", {})}
+    started = time.monotonic()  # after the imports: a report's "seconds" never counts the process start
     with Receiver(engine, rendezvous, settings=settings, device=torch.device(device)) as receiver:
         while True:
             try:
                 stats = receiver.receive()
             except RefitError as e:
                 print(
-                    MARK + json.dumps(_report(engine, receiver, event="error", type=type(e).__name__, message=str(e))),
+                    MARK
+                    + json.dumps(
+                        _report(
+                            engine,
+                            receiver,
+                            event="error",
+                            type=type(e).__name__,
+                            message=str(e),
+                            seconds=time.monotonic() - started,
+                        )
+                    ),
                     flush=True,
                 )
                 if isinstance(e, PeerError):

@@ -160,10 +160,9 @@ def test_wrong_token_is_refused_at_once_and_loads_nothing(intruder_first: bool) 
                 "timeout_s": 30,
             }
         )
-        start = time.monotonic()
         stats = sender.refit(1)
         report = intruder.report()
-        assert time.monotonic() - start < 20
+        assert report["seconds"] < 20  # refused at once, not at its own 30 s timeout (its process start not counted)
         assert report["type"] == "PeerError" and "wrong token" in report["message"]
         assert report["events"] == [] and report["version"] is None
         assert good.report()["version"] == 1 and stats.version == 1
