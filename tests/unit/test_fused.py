@@ -5,6 +5,9 @@ REFIT_CPU_KERNEL=0, and taken after a failed build)."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -169,3 +172,46 @@ def test_a_large_copy_shared_by_threads_adds_up_to_the_same_digest() -> None:
         torch.set_num_threads(threads)
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
     assert torch.equal(got, digests(dsts))
+
+
+def _build_in_a_child(cache: str) -> subprocess.CompletedProcess:
+    """A fresh process (nothing cached in memory) that builds or loads the kernel and copies one pair."""
+    code = (
+        "import torch; from refit.checks import fused\n"
+        "d, s = torch.empty(9), torch.arange(9.0)\n"
+        "assert fused._kernel() is not None\n"
+        "assert torch.equal(fused.copy_digest([d], [s]), fused.digests([s])) and torch.equal(d, s)\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, "XDG_CACHE_HOME": cache})
+
+
+def test_a_build_killed_midway_leaves_no_lock_that_stalls_the_next_process(tmp_path) -> None:
+    # What a process killed inside torch's own build leaves behind: torch's lock file and no finished build.
+    assert _build_in_a_child(str(tmp_path)).returncode == 0
+    (built,) = list(tmp_path.glob("refit/cpu_kernels/*"))
+    (built / "built.ok").unlink()
+    (built / "lock").write_text("")
+    assert _build_in_a_child(str(tmp_path)).returncode == 0  # rebuilt, not stalled
+    assert (built / "built.ok").exists() and not (built / "lock").exists()
+
+
+def test_a_build_lock_held_past_the_bound_takes_the_pytorch_path_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import fcntl
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(fused, "BUILD_WAIT_S", 0.2)
+    where = fused._cache_dir()
+    where.mkdir(parents=True)
+    fused._kernel.cache_clear()
+    with open(where / "refit.lock", "w") as other:  # another builder, alive, holding the lock
+        fcntl.flock(other, fcntl.LOCK_EX)
+        try:
+            with caplog.at_level(logging.WARNING, logger="refit"):
+                assert fused._kernel() is None
+            assert "build lock" in caplog.text
+            d, s = torch.empty(5), torch.arange(5.0)
+            assert torch.equal(fused.copy_digest([d], [s]), fused.digests([s])) and torch.equal(d, s)
+        finally:
+            fused._kernel.cache_clear()

@@ -126,6 +126,10 @@ def _cache_dir() -> Path:
     return base / "refit" / "cpu_kernels" / tag
 
 
+BUILD_WAIT_S = 300.0
+"""How long a process waits for another one's build of the kernel before it takes the PyTorch path."""
+
+
 @functools.cache
 def _kernel() -> ctypes.CDLL | None:
     """The compiled kernel, built once per machine (later processes load the cached library); None, after
@@ -133,25 +137,10 @@ def _kernel() -> ctypes.CDLL | None:
     if not cpu_kernel_enabled():
         return None
     try:
-        from torch.utils import cpp_extension
-
         where = _cache_dir()
         where.mkdir(parents=True, exist_ok=True)
-        src = where / "refit_fused.cpp"
-        if not src.exists():
-            tmp = where / f"refit_fused.{os.getpid()}.tmp"
-            tmp.write_text(_SOURCE)
-            tmp.replace(src)
         with _lock:
-            path = cpp_extension.load(
-                name=f"refit_fused_{where.name}",
-                sources=[str(src)],
-                build_directory=str(where),
-                extra_cflags=["-O3", "-pthread"],
-                extra_ldflags=["-pthread"],
-                is_python_module=False,
-                verbose=False,
-            )
+            path = _built(where) or _build(where)
         lib = ctypes.CDLL(str(path))
         fn = lib.refit_copy_digest
         fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
@@ -164,6 +153,52 @@ def _kernel() -> ctypes.CDLL | None:
             str(e).strip().splitlines()[-1:] or "",
         )
         return None
+
+
+def _built(where: Path) -> Path | None:
+    """The library of a finished build (its marker is written only after the build returned), else None."""
+    lib = where / f"refit_fused_{where.name}.so"
+    return lib if (where / "built.ok").exists() and lib.exists() else None
+
+
+def _build(where: Path) -> Path:
+    """Build under an flock of our own: the kernel drops it when its holder dies, so a process killed mid-build
+    never leaves the others waiting (torch's own lock file would stay behind, and every later build would wait
+    on it forever). Bounded: past BUILD_WAIT_S the caller takes the PyTorch path."""
+    import fcntl
+    import time
+
+    from torch.utils import cpp_extension
+
+    with open(where / "refit.lock", "w") as held:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process held the kernel's build lock for {BUILD_WAIT_S:.0f} s"
+                    ) from None
+                time.sleep(0.05)
+        done = _built(where)
+        if done is not None:
+            return done
+        (where / "lock").unlink(missing_ok=True)  # torch's, left by a process killed inside its build
+        src = where / "refit_fused.cpp"
+        src.write_text(_SOURCE)
+        path = cpp_extension.load(
+            name=f"refit_fused_{where.name}",
+            sources=[str(src)],
+            build_directory=str(where),
+            extra_cflags=["-O3", "-pthread"],
+            extra_ldflags=["-pthread"],
+            is_python_module=False,
+            verbose=False,
+        )
+        (where / "built.ok").write_text(str(path))
+        return Path(path)
 
 
 def _takes(d: torch.Tensor, s: torch.Tensor) -> bool:
