@@ -28,7 +28,7 @@ from refit.checks.hashes import fingerprints
 from refit.tools.demo.model import TEXT, build_model, build_tokenizer, model_config
 
 SIZE = {"layers": 2, "hidden": 128, "ffn": 384}
-JOIN_TIMEOUT_S = 120.0
+JOIN_TIMEOUT_S = 600.0
 """How long a started engine may take to join (a process start, torch and transformers imports)."""
 
 

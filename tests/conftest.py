@@ -13,6 +13,7 @@ if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
 
-@pytest.fixture(params=["shm", "gloo"])
+# gloo runs in the full tier only: each case starts its processes again, and the fast tier's budget is 5 minutes.
+@pytest.fixture(params=["shm", pytest.param("gloo", marks=pytest.mark.slow)])
 def transport(request: pytest.FixtureRequest) -> str:
     return request.param

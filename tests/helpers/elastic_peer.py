@@ -2,7 +2,7 @@
 
 Run as `python tests/helpers/elastic_peer.py '<json>'` with peer.py's arguments plus `leave_after` (a
 version: after committing it, the receiver says LEAVE with `reason` and exits 0). Reports JSON lines on
-stdout as peer.py does (event "refit", "error" or "left").
+stdout as peer.py does (event "refit", "error" or "left"), after "started" once its imports are done.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from refit import PeerError, Receiver, RefitError, Settings
 
 def main() -> int:
     args = json.loads(sys.argv[1])
+    print(MARK + json.dumps({"event": "started"}), flush=True)
     engine = RecordingEngine(make_tensors(args["specs"], args.get("seed", 99)), args.get("fault"))
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 60.0))
     rendezvous = {**args["rendezvous"], **args.get("override", {})}
@@ -57,8 +58,20 @@ class ElasticPeer:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE, text=True, env=env
         )
+        self._started = False
+
+    def started(self) -> None:
+        """Wait (unbounded: a process start on a loaded machine) until its imports are done, so that a
+        timeout after this bounds only its connection."""
+        assert self._next() == {"event": "started"}
+        self._started = True
 
     def report(self) -> dict:
+        if not self._started:
+            self.started()
+        return self._next()
+
+    def _next(self) -> dict:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(MARK):

@@ -75,6 +75,7 @@ def test_a_late_joiner_gets_the_current_weights_at_the_next_refit() -> None:
         _assert_current(a.report(), sender, tensors, 1)
         assert first.receivers == [1] and first.departed == []
         b = ElasticPeer({**args, "seed": 7})  # its engine starts with other weights than the trainer's
+        b.started()
         assert sender.await_receivers(2, timeout_s=TIMEOUT_S)
         _step(tensors)
         second = sender.refit(2)
@@ -186,6 +187,7 @@ def test_a_receiver_killed_between_refits_is_named_and_a_restart_under_a_new_ran
         sender.refit(1)
         _assert_current(a.report(), sender, tensors, 1)
         b = ElasticPeer(args)
+        b.started()
         assert sender.await_receivers(2, timeout_s=TIMEOUT_S)
         _step(tensors)
         sender.refit(2)
@@ -198,6 +200,7 @@ def test_a_receiver_killed_between_refits_is_named_and_a_restart_under_a_new_ran
         assert third.receivers == [2] and [d["receiver"] for d in third.departed] == [1]
         _assert_current(b.report(), sender, tensors, 3)
         again = ElasticPeer(args)
+        again.started()
         assert sender.await_receivers(2, timeout_s=TIMEOUT_S)
         _step(tensors)
         assert sender.refit(4).receivers == [2, 3]
@@ -245,6 +248,7 @@ def test_over_gloo_a_join_or_a_departure_forms_a_new_group_between_refits() -> N
         sender.refit(1)
         rank_a = _assert_current(a.report(), sender, tensors, 1)
         b = ElasticPeer({**args, "seed": 7, "leave_after": 2, "reason": "scaled down"})
+        b.started()
         assert sender.await_receivers(2, timeout_s=TIMEOUT_S)
         _step(tensors)
         second = sender.refit(2)  # a group of three, and a new epoch's handshake on the new group

@@ -54,7 +54,7 @@ def test_receiver_killed_mid_refit_fails_the_sender_naming_it_and_the_bucket(tra
         assert peer.wait() == 9
 
 
-@pytest.mark.parametrize("transport", ["shm", "gloo"])
+@pytest.mark.parametrize("transport", ["shm", pytest.param("gloo", marks=pytest.mark.slow)])
 def test_sender_killed_mid_refit_leaves_the_engine_failed_not_new(transport: str) -> None:
     script = helper("sender_peer.py")
     env = {**os.environ, "PYTHONPATH": pythonpath()}
@@ -220,7 +220,7 @@ def test_mismatch_then_fixed_source_recovers_in_the_same_session() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["shm", "gloo"])
+@pytest.mark.parametrize("transport", ["shm", pytest.param("gloo", marks=pytest.mark.slow)])
 def test_soak_200_refits_bitwise_without_growth(transport: str) -> None:
     specs = [["a", [64, 64], "float32"], ["b", [300], "bfloat16"], ["c", [5000], "float32"]]
     gen = torch.Generator().manual_seed(0)

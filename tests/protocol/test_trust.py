@@ -45,7 +45,7 @@ def _train(live: dict[str, torch.Tensor], step: int) -> None:
                 t.mul_(1.01).add_(0.5 * step)
 
 
-@pytest.mark.parametrize("transport", ["shm", "gloo"])
+@pytest.mark.parametrize("transport", ["shm", pytest.param("gloo", marks=pytest.mark.slow)])
 def test_non_contiguous_sources_arrive_current_on_every_refit(transport: str) -> None:
     live = _layouts()
     with session(_specs(live), transport=transport, tensors=live, wire_dtype=BF16) as (sender, _, (peer,)):

@@ -185,6 +185,7 @@ def _build_in_a_child(cache: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, "XDG_CACHE_HOME": cache})
 
 
+@pytest.mark.slow  # two builds from scratch in a fresh cache
 def test_a_build_killed_midway_leaves_no_lock_that_stalls_the_next_process(tmp_path) -> None:
     # What a process killed inside torch's own build leaves behind: torch's lock file and no finished build.
     assert _build_in_a_child(str(tmp_path)).returncode == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -262,9 +263,11 @@ class Receiver:
         """Elastic gloo/nccl: the sender formed a new group (someone joined or left): leave the old one, join
         the new one, say READY; the new epoch's manifest follows (this side's receive path was on the old group)."""
         assert self.channel is not None
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
+        old, self.transport = self.transport, None
+        if old is not None:
+            # Closing a group that a dead member broke waits until its pending receives time out (gloo joins its
+            # worker threads): closed aside, so that this receiver joins the new group within the sender's window.
+            threading.Thread(target=old.close, name="refit-old-group", daemon=True).start()
         release = getattr(self.engine, "release_buffers", None)
         if callable(release):
             release()

@@ -70,7 +70,7 @@ class RefitWeightTransferEngine(WeightTransferEngine):
         """Nothing to do: the receiver begins the version when the first header arrives."""
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
-        stats = self.receiver.receive()
+        stats = self._open().receive()
         if stats is None:
             raise RefitError("the trainer closed the refit session")
         self.last = {**engine_seconds(self.receiver.engine, stats.seconds), "received_bytes": float(stats.nbytes)}
@@ -79,6 +79,7 @@ class RefitWeightTransferEngine(WeightTransferEngine):
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         info = self.parse_update_info(update_info)
+        self._open()
         if self.staged is None:
             self.receive_weights(info)
             return
@@ -95,9 +96,18 @@ class RefitWeightTransferEngine(WeightTransferEngine):
         """Nothing to do: the receiver already committed (vLLM's post-processing ran in commit)."""
 
     def shutdown(self) -> None:
+        # Dropped, not only closed: the worker's weights version must then come from whichever receiver
+        # the worker holds next (the worker extension's), not from this closed session.
         receiver = getattr(self, "receiver", None)
+        self.receiver = None
+        self.staged = None
         if receiver is not None:
             receiver.close()
+
+    def _open(self) -> Any:
+        if getattr(self, "receiver", None) is None:
+            raise RefitError("refit's weight transfer engine is shut down: call init_weight_transfer_engine again")
+        return self.receiver
 
 
 class StagedReceipts:

@@ -194,7 +194,7 @@ class VllmRefit:
             self.failure = f"refit of version {version} failed: {e}"
             raise
         self.failure = ""
-        self.llm.reset_prefix_cache()
+        self._reset_kv(version)
         self._add_engine_seconds(stats)
         return stats
 
