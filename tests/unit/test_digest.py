@@ -240,6 +240,7 @@ def _assert_random_flips_detected(words: torch.Tensor, count: int = 2000) -> Non
     assert not missed, f"{len(missed)} of {count} single-bit flips not detected as the spec says: {missed[:5]}"
 
 
+@pytest.mark.slow  # 22 s; the exhaustive per-bit tests above stay in the fast tier
 def test_2000_random_single_bit_flips_on_a_large_tensor_are_all_detected() -> None:
     words = torch.randint(-(2**62), 2**62, (8 * ROW_WORDS + 5,), generator=torch.Generator().manual_seed(2))
     _assert_random_flips_detected(words)
