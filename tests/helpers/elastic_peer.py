@@ -8,12 +8,10 @@ stdout as peer.py does (event "refit", "error" or "left"), after "started" once 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import torch
-from peer import MARK, RecordingEngine, _report, make_tensors
+from peer import MARK, Peer, RecordingEngine, _report, make_tensors
 
 from refit import PeerError, Receiver, RefitError, Settings
 
@@ -50,40 +48,25 @@ def main() -> int:
         receiver.close()
 
 
-class ElasticPeer:
-    """Starts this script as a child process and reads its reports."""
+class ElasticPeer(Peer):
+    """Starts this script as a child process and reads its reports; `started()` waits for its imports."""
+
+    SCRIPT = __file__
 
     def __init__(self, args: dict) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE, text=True, env=env
-        )
+        super().__init__(args)
         self._started = False
 
     def started(self) -> None:
         """Wait (unbounded: a process start on a loaded machine) until its imports are done, so that a
         timeout after this bounds only its connection."""
-        assert self._next() == {"event": "started"}
+        assert super().report() == {"event": "started"}
         self._started = True
 
     def report(self) -> dict:
         if not self._started:
             self.started()
-        return self._next()
-
-    def _next(self) -> dict:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK) :])
-        raise AssertionError(f"elastic peer exited with {self.proc.wait()} before reporting")
-
-    def wait(self, timeout: float = 60) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
+        return super().report()
 
 
 if __name__ == "__main__":

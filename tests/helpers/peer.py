@@ -175,12 +175,14 @@ def main() -> int:
 
 
 class Peer:
-    """Starts peer.py as a child process and reads its reports."""
+    """Starts `SCRIPT` (peer.py; a subclass names its own) as a child process and reads its reports."""
+
+    SCRIPT = __file__
 
     def __init__(self, args: dict) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE, text=True, env=env
+            [sys.executable, self.SCRIPT, json.dumps(args)], stdout=subprocess.PIPE, text=True, env=env
         )
 
     def report(self) -> dict:
@@ -188,7 +190,7 @@ class Peer:
         for line in self.proc.stdout:
             if line.startswith(MARK):
                 return json.loads(line[len(MARK) :])
-        raise AssertionError(f"peer exited with {self.proc.wait()} before reporting")
+        raise AssertionError(f"{os.path.basename(self.SCRIPT)} exited with {self.proc.wait()} before reporting")
 
     def wait(self, timeout: float = 60) -> int:
         try:
