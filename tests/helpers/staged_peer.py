@@ -3,16 +3,21 @@
 Its JSON argument is peer.py's plus "actions", a list of "receive" (one refit into staging), "apply"
 (`receiver.apply_staged()`) and "generate K" (K refits received in a background thread while the main
 thread loops as an engine does: `apply_staged()`, `ensure_current()`, a read of every live tensor; then
-one last apply), each answered by one report line: the live engine's state, version, staged
+one last apply), "loop K" (as "generate K", partial staging: one report per version applied or apply
+error, then the action's own; at the first staged load of each refit the receive thread waits until the
+loop took a generation step, recorded as "during", so generation provably went on while the staged part
+arrived), each answered by one report line: the live engine's state, version, staged
 version and fingerprints, the staging tensors' fingerprints, and the versions `on_commit` saw so far.
 "corrupt_staging" {"version", "name"} changes one staged element after that version's first load holding
-the name (before the fingerprint check), once. With "index", "rendezvous" is every trainer rank's (per-rank, as rank_worker.py).
+the name (before the fingerprint check), once. `on_commit` calls from a thread other than the main one
+(the engine loop's) are recorded negated in "commits". With "index", "rendezvous" is every trainer rank's (per-rank, as rank_worker.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -83,6 +88,64 @@ def _generate(engine: RecordingEngine, receiver: Receiver, refits: int) -> dict:
     return {"steps": steps, "applied": applied}
 
 
+def _await_a_step(receiver: Receiver, asked: queue.Queue, stepped: queue.Queue) -> None:
+    """At the first staged load of each refit, the receive thread waits for one step of the engine loop."""
+    staging = receiver.staging
+    assert staging is not None
+    load, seen = staging.load, set()
+
+    def load_after_a_step(tensors: list) -> None:
+        version = staging.weights.target
+        if version not in seen and any(n not in staging.direct for n, _ in tensors):
+            seen.add(version)
+            asked.put(version)
+            stepped.get(timeout=120)
+        load(tensors)
+
+    staging.load = load_after_a_step  # type: ignore[method-assign]
+
+
+def _loop(engine: RecordingEngine, receiver: Receiver, commits: list[int], refits: int) -> dict:
+    """Partial staging: refits received in a thread while this thread loops as an engine does."""
+    done, out, last = threading.Event(), {}, {}
+    asked: queue.Queue = queue.Queue()
+    stepped: queue.Queue = queue.Queue()
+    _await_a_step(receiver, asked, stepped)
+    during: dict = {}
+
+    def serve() -> None:
+        try:
+            for _ in range(refits):
+                stats = receiver.receive()
+                last.update(staged_bytes=stats.staged_bytes, direct_bytes=stats.direct_bytes)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out["receive_error"] = f"{type(e).__name__}: {e}"
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    while not done.is_set():
+        try:
+            if receiver.apply_staged():
+                print(MARK + json.dumps(_report(engine, receiver, commits, applied=True, during=during,
+                                                **last)), flush=True)  # fmt: skip
+        except RefitError as e:
+            print(MARK + json.dumps(_report(engine, receiver, commits, event="error", message=str(e))), flush=True)
+        with_step = engine.weights.state.value == "current"
+        if with_step:  # a generation step: only on one committed version
+            engine.ensure_current()
+            sum(float(t.float().sum()) for t in engine.module.values())
+        if with_step and not asked.empty():
+            w = engine.weights
+            during[str(asked.get())] = {"state": w.state.value, "version": w.version, "fingerprints": _report(
+                engine, receiver, commits)["fingerprints"]}  # fmt: skip
+            stepped.put(True)
+        done.wait(0.002)  # the rest of a generation step
+    thread.join()
+    return {**out, "split": None if receiver.staging_split is None else receiver.staging_split.describe()}
+
+
 def main() -> int:
     args = json.loads(sys.argv[1])
     engine = RecordingEngine(make_tensors(args["specs"], args.get("seed", 99)), args.get("fault"))
@@ -93,14 +156,20 @@ def main() -> int:
     if "index" in args:
         rendezvous = pick(rendezvous, torch.device("cpu"), index=args["index"])
     commits: list[int] = []
-    with Receiver(engine, rendezvous, settings=settings, staged=True, on_commit=commits.append,
+
+    def on_commit(version: int) -> None:
+        commits.append(version if threading.current_thread() is threading.main_thread() else -version)
+
+    with Receiver(engine, rendezvous, settings=settings, staged=True, on_commit=on_commit,
                   staging_bytes=args.get("staging_bytes")) as receiver:  # fmt: skip
         if args.get("corrupt_staging"):
             _corrupting(receiver, args["corrupt_staging"])
         for action in args["actions"]:
             extra: dict = {"action": action}
             try:
-                if action.startswith("generate "):
+                if action.startswith("loop "):
+                    extra.update(_loop(engine, receiver, commits, int(action.split()[1])))
+                elif action.startswith("generate "):
                     extra.update(_generate(engine, receiver, int(action.split()[1])))
                 elif action == "receive":
                     stats = receiver.receive()

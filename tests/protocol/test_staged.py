@@ -5,6 +5,12 @@ staged version is never applied; `on_commit` sees every version the live engine 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +19,7 @@ from peer import make_tensors
 from staged_peer import StagedPeer
 from trainer_ranks import line, start
 
-from refit import ModuleEngine, ModuleSource, RefitError, Sender, Settings
+from refit import ModuleEngine, ModuleSource, RefitError, Sender, Settings, State
 from refit.checks.hashes import fingerprints
 from refit.engines.staging import Staging
 from refit.topology.receiver import Receiver
@@ -142,16 +148,131 @@ def test_refits_staged_while_the_engine_loop_applies_them_leave_it_on_the_last_v
         assert commits == sorted(set(commits)) and commits[-1] == 6 and got["applied"] == len(commits)
 
 
-@pytest.mark.slow
-def test_over_staging_bytes_the_refit_is_unstaged_and_on_commit_still_fires() -> None:
-    with staged_session("shm", ["receive", "apply"], staging_bytes=1024) as (sender, tensors, peer):
-        _step(tensors, 1)
-        sender.refit(1)
-        got = peer.report()  # loaded into the live engine at once
-        assert (got["state"], got["version"], got["staged"]) == ("current", 1, None)
-        assert got["fingerprints"] == _live(tensors) and got["commits"] == [1]
-        assert got["staging_nbytes"] == 0
-        assert peer.report()["applied"] is False
+def test_partial_staging_stages_what_fits_and_pauses_only_for_the_rest_then_holds_the_trainers_tensors() -> None:
+    """Staging holds the first bucket's tensors (3100 bytes); layer.1.weight and steps (buckets 1-3) arrive
+    during the pause. While the staged part arrives the engine generates on N; N+1 commits only in
+    apply_staged(), and the live engine then holds the trainer's live tensors bitwise."""
+    with staged_session("shm", ["loop 2"], staging_bytes=3100) as (sender, tensors, peer):
+        before = _live(tensors)
+        for version in (1, 2):
+            _step(tensors, version)
+            stats = sender.refit(version)
+            assert stats.unverified == 0
+            got = peer.report()
+            assert got["applied"] is True, got
+            during = got["during"][str(version)]  # a generation step while the staged part arrived
+            assert (during["state"], during["version"], during["fingerprints"]) == ("current", version - 1, before)
+            assert (got["state"], got["version"], got["staged"]) == ("current", version, None)
+            assert got["fingerprints"] == _live(tensors)  # the trainer's live tensors at this step, bitwise
+            assert got["commits"] == list(range(1, version + 1))  # all from apply_staged, in the engine loop
+            assert (got["staged_bytes"], got["direct_bytes"]) == (3100, 48 * 48 * 4 + 3 * 8)
+            assert got["staging_nbytes"] == 3100
+            before = _live(tensors)
+        got = peer.report()
+        assert "receive_error" not in got, got
+        assert got["split"] == (
+            "staging holds 3100 of 12340 bytes (3 of 5 tensors, the first in bucket order); the pause covers "
+            "receiving the other 2 tensor(s), 9240 bytes on the wire in buckets 1-3, straight into the live engine, "
+            "the fingerprint check, every worker's verdict and the final copy of the 3100 staged bytes"
+        )
+
+
+DIE_SPECS = [[f"w{i}", [32, 32], "float32"] for i in range(6)]  # 4 KiB each: one tensor per bucket
+
+
+@pytest.mark.parametrize("transport", ["shm", pytest.param("gloo", marks=pytest.mark.slow)])
+def test_a_sender_dying_during_the_pause_leaves_the_live_engine_failed_not_current(transport: str) -> None:
+    """w0, w1 are staged, w2..w5 arrive during the pause; the trainer dies before sending bucket 4 of
+    version 2 (its slot was free only once w2 had been written into the live engine)."""
+    from locations import helper, pythonpath
+
+    args = {"specs": DIE_SPECS, "transport": transport, "bucket_bytes": 4096, "die_at_bucket": 5}
+    proc = subprocess.Popen([sys.executable, helper("sender_peer.py"), json.dumps(args)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": pythonpath()})  # fmt: skip
+    assert proc.stdout is not None
+    rendezvous = json.loads(proc.stdout.readline().removeprefix("@@sender "))
+    live = make_tensors(DIE_SPECS, seed=5)
+    engine = ModuleEngine(live)
+    dtypes = {n: torch.float32 for n in live}
+    with Receiver(engine, rendezvous, settings=Settings(timeout_s=30), staged=True, staging_bytes=8192) as receiver:
+        errors, outcomes = _engine_loop(receiver, refits=2)
+        assert outcomes[0] == 1 and engine.weights.version == 1
+        assert receiver.staging is not None and receiver.staging.direct == {"w2", "w3", "w4", "w5"}
+    assert proc.wait(timeout=60) == 17
+    assert re.search(r"PeerError: sender.*(closed the connection during|\(during) refit 2", errors["receive"])
+    assert "failed during the pause, after writing into the live engine" in errors["apply"]
+    w = engine.weights
+    assert (w.state, w.version, w.target) == (State.FAILED, 1, 2)
+    v1 = fingerprints(make_tensors(DIE_SPECS, seed=1).items(), dtypes)
+    v2 = fingerprints([(n, t + 1.0) for n, t in make_tensors(DIE_SPECS, seed=1).items()], dtypes)
+    now = fingerprints(live.items(), dtypes)
+    assert now["w0"] == v1["w0"] and now["w2"] == v2["w2"]  # really mixed: half-new weights, flagged failed
+    with pytest.raises(RefitError, match=r"engine weights are failed \(last committed 1, target 2\)"):
+        engine.ensure_current()
+
+
+def _engine_loop(receiver: Receiver, *, refits: int) -> tuple[dict[str, str], list[int]]:
+    """Receive in a thread while this thread calls apply_staged() as an engine loop does; returns the
+    errors of each side and the versions applied."""
+    done, errors, applied = threading.Event(), {}, []
+
+    def serve() -> None:
+        try:
+            for _ in range(refits):
+                receiver.receive()
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            errors["receive"] = f"{type(e).__name__}: {e}"
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    while not done.is_set():
+        try:
+            if receiver.apply_staged():
+                applied.append(receiver.engine.weights.version)
+        except RefitError as e:
+            errors["apply"] = str(e)
+        done.wait(0.002)
+    thread.join()
+    return errors, applied
+
+
+def test_partial_staging_without_apply_staged_fails_naming_the_fix_and_leaves_n_current() -> None:
+    live = make_tensors(SPECS, seed=2)
+    engine = ModuleEngine(live)
+    engine.assume_current(0)
+    staging = Staging(engine, device=torch.device("cpu"), limit=0, timeout_s=0.2)
+    staging.specs()
+    staging.split(_manifest(SPECS))
+    staging.begin(1)
+    with pytest.raises(RefitError, match=r"did not pause within 0.2 s.*call receiver.apply_staged\(\) between"):
+        staging.load(list(make_tensors(SPECS, seed=3).items()))
+    staging.fail(1, "the pause never came")
+    assert (engine.weights.state.value, engine.weights.version) == ("current", 0)
+    assert all(torch.equal(t, make_tensors(SPECS, seed=2)[n]) for n, t in live.items())
+
+
+def test_the_split_stages_a_prefix_in_bucket_order_and_drops_staging_for_names_now_direct() -> None:
+    live = make_tensors(SPECS, seed=2)
+    staging = Staging(ModuleEngine(live), device=torch.device("cpu"))
+    staging.specs()
+    split = staging.split(_manifest(SPECS))
+    assert (split.num_direct, split.first_direct_bucket, split.staged_nbytes) == (0, None, 12340)
+    staging.begin(1)
+    staging.load(list(make_tensors(SPECS, seed=3).items()))
+    assert staging.nbytes == 12340
+    staging.limit = 3200  # a later epoch with less room: embed, layer.0.* fit; layer.1.weight does not
+    split = staging.split(_manifest(SPECS))
+    assert staging.direct == {"layer.1.weight", "steps"}  # steps would fit, but it arrives during the pause anyway
+    assert (split.staged_nbytes, split.direct_wire_nbytes, split.first_direct_bucket) == (3100, 9240, 1)
+    assert staging.nbytes == 3100 and staging.held("layer.1.weight")[0] is live["layer.1.weight"]
+
+
+def _manifest(specs: list[list]):
+    from refit.layout.planner import plan
+
+    return plan(ModuleSource(make_tensors(specs, seed=1)).specs(), capacity=4096, epoch=1)
 
 
 # -- in one process: the staging object itself ---------------------------------------------------
@@ -279,6 +400,24 @@ def test_refit_plan_shows_the_staging_bytes_a_real_staging_allocates(capsys) -> 
     staging.begin(1)
     staging.load([(n, state[s.name]) for s in model for n in s.names])
     assert shown["staging_bytes_per_engine"] == staging.nbytes > 0
+
+
+def test_refit_plan_with_staging_bytes_shows_the_split_a_bounded_staging_makes(capsys) -> None:
+    from refit.layout.planner import plan
+    from refit.tools.bench.presets import PRESETS, specs
+    from refit.tools.cli import main
+
+    argv = ["plan", "--preset", "tiny", "--bucket-bytes", "300000", "--staging-bytes", "3000000", "--json", "-"]
+    assert main(argv) == 0
+    shown = json.loads(capsys.readouterr().out)
+    model = specs(PRESETS["tiny"], torch.bfloat16)
+    state = {n: torch.ones(s.shape, dtype=s.dtype) for s in model for n in s.names}
+    staging = Staging(ModuleEngine(state), device=torch.device("cpu"), limit=3000000)
+    staging.specs()
+    split = staging.split(plan(model, capacity=shown["capacity"]))
+    assert shown["staging_split"]["pause_covers"] == split.describe()
+    assert 0 < split.staged_nbytes <= 3000000 and split.num_direct > 0
+    assert split.staged_nbytes + split.direct_wire_nbytes == shown["nbytes"]  # the engine holds the wire dtype
 
 
 # -- M:N -----------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ MISTAKES = [
     (["plan", "--config", "/missing.json"], ["/missing.json", "No such file", "config.json"]),
     (["bench", "--config", "/missing.json"], ["/missing.json", "No such file"]),
     (["plan", "--bucket-bytes", "0"], ["bucket_bytes (0) must be > 0"]),
+    (["plan", "--staging-bytes", "-1"], ["--staging-bytes", "must be an integer >= 0, got '-1'"]),
     (["demo", "--ranks", "3"], ["--ranks applies only to --trainer fsdp", "add --trainer fsdp"]),
     (["demo", "--transport", "carrier-pigeon"], ["unknown transport 'carrier-pigeon'", "shm"]),
     (["demo", "--steps", "0"], ["steps (0) must be >= 1"]),

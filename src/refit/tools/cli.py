@@ -12,7 +12,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -20,6 +20,9 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from refit.log import configure, get_logger
+
+if TYPE_CHECKING:
+    from refit.layout.manifest import Manifest
 from refit.tools.console import console_for, progress, progress_console
 
 log = get_logger("cli")
@@ -303,7 +306,20 @@ def plan_report(args: argparse.Namespace) -> dict:
         "manifest_json_bytes": len(m.to_json()),
         "control_bytes_per_refit": 64 * (3 + 2 * m.num_buckets),
         "staging_bytes_per_engine": staging_nbytes(spec_list),
+        **_staging_split(args, m),
     }
+
+
+def _staging_split(args: argparse.Namespace, m: Manifest) -> dict:
+    """`--staging-bytes`: how that bound splits a staged refit between staging memory and the pause."""
+    from dataclasses import asdict
+
+    from refit.engines.staging import plan_split
+
+    if getattr(args, "staging_bytes", None) is None:
+        return {}
+    split = plan_split(m, args.staging_bytes)[0]
+    return {"staging_split": {**asdict(split), "pause_covers": split.describe()}}
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
@@ -332,6 +348,8 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         f"staged refit (Receiver(staged=True)): {r['staging_bytes_per_engine'] / 2**20:.1f} MiB more per engine "
         "(one staging copy of what it loads, in this wire dtype; an engine holding a wider dtype stages in that)"
     )
+    if "staging_split" in r:
+        console.print(f"with --staging-bytes {args.staging_bytes}: {r['staging_split']['pause_covers']}")
     if "paths" in r:
         _show_paths(r["paths"], console)
     return 0
@@ -441,6 +459,16 @@ def _at_least_one(text: str) -> int:
         value = 0
     if value < 1 or str(value) != text.strip().lstrip("+"):
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _at_least_zero(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return value
 
 
@@ -574,6 +602,12 @@ def _plan_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
     )
     planp.add_argument(
         "--bucket-bytes", type=int, help="bucket capacity in bytes (default: REFIT_BUCKET_BYTES, else from --ratio)"
+    )
+    planp.add_argument(
+        "--staging-bytes",
+        type=_at_least_zero,
+        help="also show how Receiver(staged=True, staging_bytes=N) splits a refit: what staging holds, what the "
+        "pause covers",
     )
     planp.add_argument(
         "--trainer-ranks",

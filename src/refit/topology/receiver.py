@@ -14,7 +14,7 @@ import torch
 from refit import transports
 from refit.checks.validation import validate
 from refit.engines.base import Engine
-from refit.engines.staging import Staging, staging_nbytes
+from refit.engines.staging import Split, Staging
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.layout.budget import bucket_capacity, free_bytes
 from refit.layout.manifest import Manifest
@@ -51,7 +51,8 @@ class Receiver:
 
         `staged`: refits land in staging memory while the engine keeps generating with its current version;
         `apply_staged()` moves a verified, committed version into the live engine (refit.engines.staging).
-        `staging_bytes` bounds that memory: an engine larger than it is refit unstaged, with a WARNING.
+        `staging_bytes` bounds that memory: the tensors first in bucket order that fit are staged; the rest is
+        received during the pause, straight into the live engine (`staging_split` says what the pause covers).
         `on_commit(version)` is called each time the live engine commits a version (staged: in `apply_staged`)."""
         self.engine = engine
         self.settings = settings or Settings()
@@ -75,8 +76,10 @@ class Receiver:
         self.statement: dict | None = None
         """M:N: what this worker keeps (refit.topology.mesh), sent with READY for the trainer's plan."""
         self.on_commit = on_commit
-        self.staging = _staging(engine, self.device, staged=staged, limit=staging_bytes)
+        self.staging = _staging(engine, self.device, staged=staged, limit=staging_bytes, settings=self.settings)
         """The staged refit's side (None: refits load the live engine directly); the protocol drives it."""
+        self.staging_split: Split | None = None
+        """Staged: how this epoch's tensors divide between staging memory and the pause."""
         if self.staging is not None:
             self.engine = self.staging
 
@@ -190,6 +193,10 @@ class Receiver:
             stats = self._receive()
         except PeerError as e:
             self._broken = str(e)
+            self._abort_staged(str(e))
+            raise
+        except BaseException as e:
+            self._abort_staged(f"the receive side stopped: {type(e).__name__}: {e}")
             raise
         if stats is not None:
             self._committed(stats.version)
@@ -202,9 +209,16 @@ class Receiver:
         elif self.on_commit is not None:
             self.on_commit(version)
 
+    def _abort_staged(self, reason: str) -> None:
+        """A refit under way when the receive side stopped is failed, so a paused engine loop is let go."""
+        if self.staging is not None:
+            self.staging.abort(reason)
+
     def apply_staged(self) -> bool:
         """Between generation steps: load the staged version (if one is ready) into the live engine and commit
-        it there; returns whether one was. Without one, or unstaged, a no-op costing well under a microsecond."""
+        it there; returns whether one was. Without one, or unstaged, a no-op costing well under a microsecond.
+        Partial staging (`staging_bytes`): when a refit needs the pause, stays until that refit ends (raises
+        RefitError if it failed after writing into the live engine, which then reads `failed`)."""
         version = None if self.staging is None else self.staging.apply()
         if version is None:
             return False
@@ -316,6 +330,7 @@ class Receiver:
             exact_shapes=self.engine.exact_shapes,
             optional=self.engine.optional_names,
         )
+        self.staging_split = self.staging.split(manifest) if report.ok and self.staging is not None else None
         regions = engine_regions(manifest, self.engine) if header.status == 1 and report.ok else {}
         self.channel.send(Header(Kind.REPORT), {**report.to_json(), "regions": regions})
         if not report.ok:
@@ -327,6 +342,8 @@ class Receiver:
             len(manifest.entries),
             manifest.num_buckets,
         )
+        if self.staging_split is not None and self.staging_split.num_direct:
+            log.info("staged refit, epoch %d: %s", manifest.epoch, self.staging_split.describe())
         self.manifest = manifest
         self._path = ReceivePath(
             self.engine,
@@ -349,6 +366,11 @@ class Receiver:
             raise IntegrityError(msg)
         t0, version = time.perf_counter(), begin.version
         stats = RefitStats(version=version, epoch=m.epoch, num_buckets=m.num_buckets, nbytes=m.nbytes)
+        if self.staging_split is not None:
+            stats.staged_bytes, stats.direct_bytes = (
+                self.staging_split.staged_nbytes,
+                self.staging_split.direct_wire_nbytes,
+            )
         ctrl0 = ch.bytes_sent + ch.bytes_received
         self.engine.begin(version)
         done: dict = {}
@@ -436,6 +458,7 @@ class Receiver:
     def close(self) -> None:
         """End the session: close the channel and transport, and drop every view into the receive buffers
         (the engine's copy plans, the receive path), so no mapping of them outlives the session."""
+        self._abort_staged("the receiver closed")
         if self.channel is not None:
             self.channel.close()
             self.channel = None
@@ -454,18 +477,12 @@ class Receiver:
         self.close()
 
 
-def _staging(engine: Engine, device: torch.device, *, staged: bool, limit: int | None) -> Staging | None:
+def _staging(
+    engine: Engine, device: torch.device, *, staged: bool, limit: int | None, settings: Settings
+) -> Staging | None:
     if limit is not None and limit < 0:
         raise ValueError(f"staging_bytes ({limit}) must be at least 0, or None for no bound")
     if not staged:
         return None
-    need = staging_nbytes(engine.specs())
-    if limit is not None and need > limit:
-        log.warning(
-            "staged refit is off for this engine: it needs %d bytes of staging memory, over staging_bytes=%d; "
-            "each refit loads the live weights directly, so generation pauses for the whole refit",
-            need,
-            limit,
-        )
-        return None
-    return Staging(engine, device=device)
+    # Half the timeout: the pause's error must reach the sender before its own wait for this bucket runs out.
+    return Staging(engine, device=device, limit=limit, timeout_s=settings.timeout_s / 2)

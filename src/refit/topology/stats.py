@@ -31,6 +31,11 @@ class RefitStats:
     departed: list[dict] = field(default_factory=list)
     """Sender, elastic: `{"receiver": rank, "reason": why}` for each receiver dropped since the last refit's
     stats (it said LEAVE with that reason, closed, died or stopped answering); the refit went on without it."""
+    staged_bytes: int = 0
+    """Staged refit (receiver): staging memory the staged tensors take; they arrived while the engine generated."""
+    direct_bytes: int = 0
+    """Partial staged refit (receiver): wire bytes of the tensors staging could not hold, received straight into
+    the live engine during the pause (0: the pause covered only the final copy)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Time per stage: sender pack/send/wait/commit, receiver recv/verify/load/commit; 'total' is wall time."""
 
