@@ -302,6 +302,32 @@ def test_the_final_copy_is_same_dtype_and_bitwise_and_tied_names_share_one_stagi
     assert staging.apply() is None
 
 
+def test_staging_follows_the_engine_when_its_tensors_change_dtype_storage_or_identity() -> None:
+    """The staging tensors and copy plans are caches: after the engine casts its model (new dtype and
+    storage) and replaces a parameter object, the next handshake's staging holds the engine's new dtype and
+    `apply()` writes into the engine's current tensors, bitwise."""
+    model = torch.nn.Linear(6, 4)
+    engine = ModuleEngine(model)
+    staging = Staging(engine, device=torch.device("cpu"))
+    staging.specs()
+    batch = [("weight", torch.randn(4, 6)), ("bias", torch.randn(4))]
+    for version in (1, 2):
+        if version == 2:
+            model.to(torch.float64)  # every tensor: a new dtype and storage
+            model.bias = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))  # and a new object
+            staging.specs()  # the handshake of the new epoch (the engine's specs changed)
+        staging.begin(version)
+        staging.load(batch)  # the same list object: a stale plan would write into the old staging tensors
+        staging.commit(version)
+        staging.publish(version)
+        assert staging.apply() == version
+        for name, src in batch:
+            live = getattr(model, name)
+            assert staging.held(name)[0].dtype == live.dtype
+            assert torch.equal(live, src.to(live.dtype)), name
+    assert engine.held("bias")[0] is model.bias
+
+
 @pytest.mark.slow
 def test_a_failed_apply_leaves_the_version_staged_for_a_retry() -> None:
     class Flaky(ModuleEngine):

@@ -235,10 +235,9 @@ class Staging(Engine):
             if key is None or name in self._direct:  # a waived name (never loaded), or one loaded live
                 continue
             have = self._tensors.get(key)
-            if have is None or have.shape != t.shape:
-                have = self._tensors[key] = torch.empty(
-                    t.shape, dtype=self._dtypes.get(name, t.dtype), device=self.device
-                )
+            dtype = self._dtypes.get(name, t.dtype)  # the engine's, as of the last handshake
+            if have is None or have.shape != t.shape or have.dtype != dtype:
+                have = self._tensors[key] = torch.empty(t.shape, dtype=dtype, device=self.device)
                 changed = True
             if self._tensors.get(name) is not have:
                 self._tensors[name], changed = have, True
