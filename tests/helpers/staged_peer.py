@@ -16,14 +16,12 @@ the name (before the fingerprint check), once. `on_commit` calls from a thread o
 from __future__ import annotations
 
 import json
-import os
 import queue
-import subprocess
 import sys
 import threading
 
 import torch
-from peer import MARK, RecordingEngine, make_tensors
+from peer import MARK, Peer, RecordingEngine, make_tensors
 
 from refit import Receiver, RefitError, Settings
 from refit.checks.hashes import fingerprints
@@ -183,27 +181,10 @@ def main() -> int:
     return 0
 
 
-class StagedPeer:
+class StagedPeer(Peer):
     """Starts staged_peer.py as a child process and reads its reports (as peer.Peer)."""
 
-    def __init__(self, args: dict) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
-        self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE,
-                                     text=True, env=env)  # fmt: skip
-
-    def report(self) -> dict:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK) :])
-        raise AssertionError(f"staged peer exited with {self.proc.wait()} before reporting")
-
-    def wait(self, timeout: float = 60) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
+    SCRIPT = __file__
 
 
 if __name__ == "__main__":
