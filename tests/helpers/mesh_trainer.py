@@ -2,7 +2,11 @@
 
 One JSON argument: "kind" ("mlp" or "moe", tests/helpers/mesh_model.py), "workers", "transport",
 "steps", "verify", "dtype_change_at" (the step whose refit sends one bias as fp32), "replace_at" (the
-step before whose refit a parameter is replaced by a new DTensor). Rank 0 prints the rendezvous, then
+step before whose refit a parameter is replaced by a new DTensor), "elastic" (MeshRefit(elastic=True); each
+'@@rank0' line then has "errors": every rank's error or null) and "gated" (each refit waits for a line on
+rank 0's stdin, so a test can act between refits), "await_s" (from the second refit on, how long an elastic
+refit waits for a missing worker: never a process start, which the first refit waits for). Rank 0 prints the
+rendezvous, then
 per refit one '@@rank0' JSON line: the stats (or the error), per worker the fingerprints of its slices
 of the live full tensors (as the engine must hold them: cast to the wire dtype, read in fp32), and how
 many all-gathers each rank ran inside refit().
@@ -93,7 +97,7 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     settings = Settings(bucket_bytes=args.get("bucket_bytes", 8192), timeout_s=120.0)
     mesh = MeshRefit(source, num_workers=workers, transport=args["transport"], settings=settings,
-                     verify=args.get("verify"))  # fmt: skip
+                     verify=args.get("verify"), elastic=args.get("elastic", False))  # fmt: skip
     info = mesh.rendezvous()
     if rank == 0:
         print("@@rank0 " + json.dumps(info), flush=True)
@@ -107,12 +111,22 @@ def main() -> int:
         if version == args.get("dtype_change_at"):
             source.set_wire_dtype(bias, torch.float32)
         out: dict = {"version": version}
+        if version == 2 and "await_s" in args:
+            mesh.settings.connect_timeout_s = args["await_s"]
+        if args.get("gated"):
+            if rank == 0:
+                sys.stdin.readline()
+            dist.barrier()
         CALLS.clear()
         try:
             out["stats"] = mesh.refit(version).to_json()
         except (RefitError, ValueError) as e:
             out["error"] = f"{type(e).__name__}: {e}"
         out["gathers"] = dict(CALLS)
+        if args.get("elastic"):
+            errors: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, out.get("error"))
+            out["errors"] = errors
         out["planned"] = mesh.plan.worker_bytes() if mesh.plan is not None else []
         expected = _expected(model, source, kind, workers)
         if rank == 0:

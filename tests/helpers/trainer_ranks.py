@@ -16,9 +16,10 @@ def free_port() -> int:
 
 
 def start(
-    args: dict, *, world: int = 2, envs: list[dict] | None = None, script: str = "fsdp_trainer.py"
+    args: dict, *, world: int = 2, envs: list[dict] | None = None, script: str = "fsdp_trainer.py", gate: bool = False
 ) -> list[subprocess.Popen]:
-    """`world` trainer processes; `envs[r]` is extra environment for rank r (e.g. CUDA_VISIBLE_DEVICES)."""
+    """`world` trainer processes; `envs[r]` is extra environment for rank r (e.g. CUDA_VISIBLE_DEVICES).
+    `gate`: rank 0's stdin is a pipe (for a script that waits on it; see `go`)."""
     script = os.path.join(os.path.dirname(__file__), script)
     port = free_port()
     procs = []
@@ -27,6 +28,7 @@ def start(
                "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path]),
                **((envs or [{}] * world)[rank])}  # fmt: skip
         procs.append(subprocess.Popen([sys.executable, script, json.dumps(args)], env=env, text=True,
+                                      stdin=subprocess.PIPE if gate and rank == 0 else None,
                                       stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL))  # fmt: skip
     return procs
 
@@ -38,3 +40,10 @@ def line(proc: subprocess.Popen):
         if text.startswith("@@rank0 "):
             return json.loads(text[len("@@rank0 ") :])
     raise AssertionError(f"rank 0 exited with {proc.wait()}")
+
+
+def go(proc: subprocess.Popen) -> None:
+    """Let a gated rank 0 (started with `gate=True`) go on to its next step."""
+    assert proc.stdin is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()

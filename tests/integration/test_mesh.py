@@ -5,31 +5,25 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
-from trainer_ranks import line, start
+from trainer_ranks import go, line, start
 
 HELPERS = os.path.dirname(os.path.abspath(__file__)).replace("integration", "helpers")
 
 
-def _workers(info: dict, kind: str, workers: int, device: str = "cpu") -> list[subprocess.Popen]:
+def _worker(info: dict, kind: str, w: int, workers: int, device: str = "cpu", **extra) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HELPERS, *sys.path])}
     script = os.path.join(HELPERS, "mesh_worker.py")
-    return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                script,
-                json.dumps({"rendezvous": info, "kind": kind, "worker": w, "workers": workers, "device": device}),
-            ],
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-        )  # fmt: skip
-        for w in range(workers)
-    ]
+    args = {"rendezvous": info, "kind": kind, "worker": w, "workers": workers, "device": device, **extra}
+    return subprocess.Popen([sys.executable, script, json.dumps(args)], env=env, text=True, stdout=subprocess.PIPE)
+
+
+def _workers(info: dict, kind: str, workers: int, device: str = "cpu") -> list[subprocess.Popen]:
+    return [_worker(info, kind, w, workers, device) for w in range(workers)]
 
 
 def _report(p: subprocess.Popen) -> dict:
@@ -126,3 +120,86 @@ def run_sliced_ranks(transport: str, device: str, workers: int = 2, steps: int =
 @pytest.mark.slow
 def test_sliced_module_sources_on_two_ranks_refit_m_to_n_over_shm() -> None:
     run_sliced_ranks("shm", "cpu")
+
+
+def _current(out: dict, engines: list[subprocess.Popen], version: int) -> None:
+    """Every rank's refit committed, and every worker holds its slices of the trainer's live weights."""
+    assert out["version"] == version and out["errors"] == [None, None], out["errors"]
+    for w, p in enumerate(engines):
+        got = _report(p)
+        assert (got.get("version"), got["state"]) == (version, "current"), got
+        assert got["fingerprints"] == out["expected"][w], f"worker {w} differs at version {version}"
+
+
+def _failed(out: dict, alive: subprocess.Popen, *said: str) -> None:
+    """The refit failed on every rank saying `said`, and the worker still there reads 'failed' (not half-loaded)."""
+    assert all(e is not None and all(s in e for s in said) for e in out["errors"]), out["errors"]
+    got = _report(alive)
+    assert "error" in got and got["state"] == "failed", got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_an_elastic_m_to_n_session_fails_the_refit_a_worker_departs_in_and_goes_on_with_its_replacement(
+    transport: str,
+) -> None:
+    """Worker 1 dies after every byte of version 2 landed (before it commits): version 2 fails on both ranks and
+    worker 0 reads 'failed'. A replacement stating other slices is refused (version 3 fails, saying so); one
+    stating the same slices takes version 4; one started after a kill between refits takes version 5."""
+    args = {"kind": "mlp", "workers": 2, "transport": transport, "steps": 5, "verify": "fingerprint", "elastic": True,
+            "gated": True}  # fmt: skip
+    ranks = start(args, script="mesh_trainer.py", gate=True)
+    info = line(ranks[0])
+    engines = [_worker(info, "mlp", 0, 2), _worker(info, "mlp", 1, 2, fault={"kind": "die", "version": 2, "at": "commit"})]  # fmt: skip
+    wrong = None
+    try:
+        go(ranks[0])
+        _current(line(ranks[0]), engines, 1)
+        go(ranks[0])
+        _failed(line(ranks[0]), engines[0], "engine worker departed during the refit", "no other holder")
+        assert engines[1].wait(timeout=120) == 9
+        wrong = _worker(info, "mlp", 1, 2, stated_workers=3)
+        go(ranks[0])
+        _failed(line(ranks[0]), engines[0], "no engine worker 1 is connected", "states other shards")
+        assert "states other shards" in _report(wrong)["error"] and wrong.wait(timeout=120) == 3
+        engines[1] = _worker(info, "mlp", 1, 2)
+        go(ranks[0])
+        _current(line(ranks[0]), engines, 4)
+        os.kill(engines[1].pid, signal.SIGKILL)
+        assert engines[1].wait(timeout=120) == -signal.SIGKILL
+        engines[1] = _worker(info, "mlp", 1, 2)
+        go(ranks[0])
+        _current(line(ranks[0]), engines, 5)
+    finally:
+        codes = [p.wait(timeout=120) for p in ranks]
+        assert [p.wait(timeout=120) for p in engines] == [0, 0]
+    assert codes == [0, 0]
+
+
+@pytest.mark.slow
+def test_an_elastic_m_to_n_refit_that_no_replacement_reaches_in_time_fails_before_it_begins() -> None:
+    """Worker 1 is killed between refits and no replacement comes within the wait (3 s here: no process is
+    starting): version 2 fails on both ranks before any pair begins, so worker 0 hears nothing of it and stays
+    current; a replacement, connected before version 3 starts (the 3 s never bound its start), takes version 3."""
+    args = {"kind": "mlp", "workers": 2, "transport": "shm", "steps": 3, "verify": "fingerprint", "elastic": True,
+            "gated": True, "await_s": 3.0}  # fmt: skip
+    ranks = start(args, script="mesh_trainer.py", gate=True)
+    info = line(ranks[0])
+    engines = _workers(info, "mlp", 2)
+    try:
+        go(ranks[0])
+        _current(line(ranks[0]), engines, 1)
+        os.kill(engines[1].pid, signal.SIGKILL)
+        assert engines[1].wait(timeout=120) == -signal.SIGKILL
+        go(ranks[0])
+        errors = line(ranks[0])["errors"]
+        said = ("did not begin", "engine worker 1 departed and no replacement connected within 3 s", "no other holder")
+        assert all(e is not None and all(s in e for s in said) for e in errors), errors
+        engines[1] = _worker(info, "mlp", 1, 2, announce=True)
+        assert _report(engines[1]) == {"event": "connected"}  # waited for unbounded: a process start
+        go(ranks[0])
+        _current(line(ranks[0]), engines, 3)  # worker 0's next report is version 3: version 2 never reached it
+    finally:
+        codes = [p.wait(timeout=120) for p in ranks]
+        assert [p.wait(timeout=120) for p in engines] == [0, 0]
+    assert codes == [0, 0]

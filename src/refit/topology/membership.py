@@ -47,6 +47,8 @@ class Membership:
         self._next_rank = 0
         self.departed: list[dict] = []
         """{"receiver": rank, "reason": why} for each receiver dropped since the last refit's stats took them."""
+        self.stated: dict[int, bytes] = {}
+        """What each joiner sent with READY (M:N shard statements), by its rank, until the Sender vets it."""
 
     def start(self, first_rank: int) -> None:
         self._next_rank = first_rank
@@ -122,7 +124,7 @@ class Membership:
                 self._waiting.remove(ch)
             try:
                 if self.info is not None:
-                    ch.expect(Kind.READY, "joining the session")
+                    self.stated[ch.rank] = ch.expect(Kind.READY, "joining the session")[1]
                 elif readable(ch):  # waiting for its WELCOME, it has nothing to say: it closed, or broke the protocol
                     header, _ = ch.recv("joining the session")
                     raise PeerError(f"{ch.peer} sent {header.kind.name} before its WELCOME")

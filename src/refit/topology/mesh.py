@@ -16,6 +16,10 @@ fingerprint, the commit. A worker states its slices with READY; each rank inters
 statement with every rank's holdings (`refit.layout.reshard`, the same plan on every rank, checked by
 digest) and sends each worker the boxes it needs, from the rank's live local shards. The commit is
 two-phase over every pair: a worker commits a version once all its pairs did and every rank agreed.
+
+A worker's shard has no other holder, so a departed worker fails the refit on every rank. With
+`elastic=True` the session goes on: each refit first waits for a worker on every pair, and a replacement
+under the same worker index, stating the same shards, takes the departed one's place.
 """
 
 from __future__ import annotations
@@ -75,17 +79,25 @@ class MeshRefit:
         settings: Settings | None = None,
         device: torch.device | None = None,
         verify: str | None = "fingerprint",
+        elastic: bool = False,
     ) -> None:
+        """`elastic`: a departed worker still fails the refit it departs in (on every rank), but the session goes
+        on: each refit waits (up to the connect timeout) for a replacement under the same worker index, which
+        must state the same shards, and takes it in. Without it (the default) the session is over."""
         if num_workers < 1:
             raise ValueError(f"num_workers ({num_workers}) must be >= 1")
         self.source = source
         self.collective = Collective(group)
         self.rank, self.world = self.collective.rank, self.collective.world
         self.settings = settings or Settings()
+        self.elastic = elastic
         pair = shared_budget(self.settings, num_workers)
         self.senders = [
-            Sender(source, transport=transport, settings=pair, device=device, verify=verify) for _ in range(num_workers)
+            Sender(source, transport=transport, settings=pair, device=device, verify=verify, elastic=elastic)
+            for _ in range(num_workers)
         ]
+        for w, s in enumerate(self.senders):
+            s.vet = self._vet_for(w)
         self.plan: ReshardPlan | None = None
         self._planned: tuple = ()
         self._needs: list[dict[str, Holding]] = []
@@ -185,6 +197,8 @@ class MeshRefit:
             raise PeerError(f"this M:N session broke earlier ({self._broken}); close() it and build a new MeshRefit")
         self.connect()
         self._replan()
+        if self.elastic:
+            self._await_workers(version)
         votes: list[str | None] = [None] * self.num_workers
         cond, decided, verdict = threading.Condition(), threading.Event(), [""]
 
@@ -200,7 +214,7 @@ class MeshRefit:
 
         for w, s in enumerate(self.senders):
             s.verdict = hook(w)
-        futures = [self._pool.submit(s.refit, version) for s in self.senders]
+        futures = [self._pool.submit(self._pair_refit, w, version) for w in range(self.num_workers)]
         for f in futures:
             f.add_done_callback(lambda _: _notify(cond))
         with cond:
@@ -216,11 +230,62 @@ class MeshRefit:
             decided.set()
         return self._stats(version, futures)
 
+    def _await_workers(self, version: int) -> None:
+        """Elastic, before any pair begins: wait (up to the connect timeout) until every pair has its worker, a
+        replacement taking the place of one that departed, so that no worker waits for its verdict while a
+        process starts. When one is still missing, every rank fails the refit before it begins (the workers keep
+        their weights and state)."""
+        timeout = self.settings.connect_timeout_s
+        waits = [self._pool.submit(s.await_receivers, 1, timeout_s=timeout) for s in self.senders]
+        missing = []
+        for w, f in enumerate(waits):
+            try:
+                here = f.result()
+            except RefitError:
+                here = True  # a broken pair: its refit says so, in the vote
+            if not here:
+                missing.append(f"engine worker {w} departed and no replacement connected within {timeout:.0f} s")
+        verdict = self.collective.vote("; ".join(missing))
+        if verdict:
+            raise PeerError(
+                f"M:N refit of version {version} did not begin: {verdict}; its shard has no other holder, so no "
+                "worker takes it (they keep their weights and state); start a replacement under the same worker "
+                "index (REFIT_CONNECT_TIMEOUT bounds each refit's wait for it)"
+            )
+
+    def _pair_refit(self, w: int, version: int) -> RefitStats:
+        """Pair `w`'s refit; elastic, one that reached no worker (it left, or was refused, since
+        `_await_workers`) fails."""
+        sender = self.senders[w]
+        stats = sender.refit(version)
+        if self.elastic and not stats.receivers:  # no worker took part, so no vote was cast: its shard went nowhere
+            left = "; ".join(f"receiver {d['receiver']}: {d['reason']}" for d in stats.departed)
+            why = f" (departed or refused: {left})" if left else ""
+            raise PeerError(f"no engine worker {w} is connected to trainer rank {self.rank}{why}")
+        return stats
+
+    def _vet_for(self, w: int) -> Callable[[bytes], str]:
+        """Elastic: a replacement for worker `w` must state what the worker it replaces stated (the plan's input)."""
+
+        def vet(raw: bytes) -> str:
+            try:
+                stated = _parse_statement(raw, w)
+            except (RefitError, ValueError) as e:
+                return str(e)
+            if self._needs and stated != (self._needs[w], self._ignore[w], self._ties[w]):
+                return (
+                    f"engine worker {w}'s replacement states other shards, waivers or ties than the worker it "
+                    "replaces; start it with the same shard statement (or build a new MeshRefit for a new layout)"
+                )
+            return ""
+
+        return vet
+
     def _stats(self, version: int, futures: Sequence[Future]) -> RefitStats:
         errors = [(w, f.exception()) for w, f in enumerate(futures) if f.exception() is not None]
         if errors:
             w, e = next(((w, e) for w, e in errors if isinstance(e, PeerError)), errors[0])
-            raise departed(e, f"engine worker {w} (fed by trainer rank {self.rank})")
+            raise departed(e, f"engine worker {w} (fed by trainer rank {self.rank})", elastic=self.elastic)
         pairs = [f.result() for f in futures]
         assert self.plan is not None
         stats = RefitStats(version=version, epoch=self.epoch, handshake=any(p.handshake for p in pairs))
@@ -260,7 +325,10 @@ def _failure(f: Future) -> str:
 
 def _statement(sender: Sender, w: int) -> tuple[dict[str, Holding], list[str], dict[str, list[str]]]:
     """(slices, waived names, ties) as worker `w` stated them with READY."""
-    raw = sender.statements[0] if sender.statements else b""
+    return _parse_statement(sender.statements[0] if sender.statements else b"", w)
+
+
+def _parse_statement(raw: bytes, w: int) -> tuple[dict[str, Holding], list[str], dict[str, list[str]]]:
     if not raw:
         raise ValueError(f"engine worker {w} stated no shards: on the engine side use MeshReceiver, not Receiver")
     obj = parse_json(raw, "READY")

@@ -41,14 +41,19 @@ from refit.transports import device as devices
 NO_LIMIT = 1 << 62
 
 
-def departed(error: Exception, worker: str) -> Exception:
+def departed(error: Exception, worker: str, *, elastic: bool = False) -> Exception:
     """A lost peer in a per-rank or M:N refit, said as such: its shard has no other holder, so the refit
     fails on every worker (they keep their last committed weights, state 'failed')."""
     if not isinstance(error, PeerError) or "broke earlier" in str(error):
         return error
+    then = (
+        "start a replacement under the same worker index: the next refit waits for it"
+        if elastic
+        else "restart that worker and start a new session"
+    )
     out = PeerError(
         f"{worker} departed or failed ({error}); its shard has no other holder, so this refit fails on every "
-        "worker (they report state 'failed'); restart that worker and start a new session"
+        f"worker (they report state 'failed'); {then}"
     )
     out.__cause__ = error
     return out
@@ -103,6 +108,10 @@ class RankedRefit:
         return self.world
 
     @property
+    def _elastic(self) -> bool:
+        return bool(getattr(self.sender, "elastic", False))
+
+    @property
     def settings(self):  # type: ignore[no-untyped-def]
         return self.sender.settings
 
@@ -139,7 +148,7 @@ class RankedRefit:
             if error is None:
                 stats = self._refit(version)
         except Exception as e:  # noqa: BLE001 - whatever broke this rank's refit, the other ranks wait for its vote
-            error = departed(e, f"the engine worker of trainer rank {self.rank}")
+            error = departed(e, f"the engine worker of trainer rank {self.rank}", elastic=self._elastic)
         finally:
             if gathers:
                 source.end(drain=True)
@@ -154,7 +163,7 @@ class RankedRefit:
         """This rank's Sender's refit. An elastic Sender first waits (up to the connect timeout) for its worker:
         a replacement under the same worker index takes the place of one that departed."""
         sender = self.sender
-        if not getattr(sender, "elastic", False):
+        if not self._elastic:
             return sender.refit(version)
         sender.await_receivers(1, timeout_s=sender.settings.connect_timeout_s)
         stats = sender.refit(version)

@@ -194,6 +194,9 @@ class Sender:
         """Set by a per-rank driver (refit.topology.ranked): given this Sender's failure ('' when its receivers
         committed), returns the failure across every trainer rank ('' when every worker committed).
         When set, receivers hold their commit open until they are told this verdict."""
+        self.vet: Callable[[bytes], str] | None = None
+        """Elastic, set by M:N (refit.topology.mesh): given what a joiner sent with READY, '' to take it in, else
+        why not (it is told so and dropped before it sees a manifest)."""
 
     @property
     def channels(self) -> list[Channel]:
@@ -448,10 +451,32 @@ class Sender:
             members.welcome(ch, Kind.WELCOME if ch in joiners else Kind.REGROUP, {**info, "group_rank": g})
         transport.establish()  # every member joins the new group, or this raises (the session is over)
         for ch in everyone:
-            _expect_ready(ch)
+            statement = _expect_ready(ch)
+            if ch in joiners:
+                members.stated[ch.rank] = statement
         self.channels[:] = everyone
         self._group = list(everyone)
         log.info("formed a new %s group of %d receiver(s)", self.transport_name, len(everyone))
+        if len(self._vetted(joiners)) < len(joiners):  # a refused joiner is in the group: form it again without
+            self._regroup([], after_break=after_break)
+
+    def _vetted(self, joiners: list[Channel]) -> list[Channel]:
+        """The joiners whose READY statement `vet` accepts; each other one is told why and dropped."""
+        members = self._session.members
+        assert members is not None
+        if self.vet is None:
+            members.stated.clear()
+            return joiners
+        kept = []
+        for ch in joiners:
+            why = self.vet(members.stated.pop(ch.rank, b""))
+            if not why:
+                kept.append(ch)
+                continue
+            with contextlib.suppress(PeerError):
+                ch.send(Header(Kind.ERROR), {"message": f"this engine does not fit the session: {why}"})
+            self._drop(ch, HandshakeError(why))
+        return kept
 
     def _drop(self, ch: Channel, error: Exception) -> None:
         """Elastic: `ch` left (LEAVE, closed, died or broke the protocol): the refit goes on without it."""
@@ -553,6 +578,8 @@ class Sender:
             if not retry:  # (a retry's receivers may still be acknowledging the broken attempt: _settle saw to them)
                 members.sweep(self.channels, self._drop)
             joiners = members.take_ready()
+            if not self._transport_cls.uses_store:  # a group's joiners say READY (and are vetted) in _regroup
+                joiners = self._vetted(joiners)
             if self._transport_cls.uses_store and (joiners or self.channels != self._group):
                 self._regroup(joiners, after_break=retry)
                 joiners = []
@@ -706,12 +733,12 @@ def _named(departed: list[dict]) -> str:
     return "; ".join(f"receiver {d['receiver']}: {d['reason']}" for d in departed) or "no receiver"
 
 
-def _expect_ready(ch: Channel) -> None:
-    """READY for a new group, after whatever is left of a broken refit (acknowledgements, a DONE)."""
+def _expect_ready(ch: Channel) -> bytes:
+    """READY for a new group (its payload), after whatever is left of a broken refit (acknowledgements, a DONE)."""
     while True:
-        header, _ = ch.recv("joining the new group")
+        header, payload = ch.recv("joining the new group")
         if header.kind == Kind.READY:
-            return
+            return payload
         if header.kind not in (Kind.ACK, Kind.DONE):
             raise PeerError(f"{ch.peer} sent {header.kind.name} while joining the new group, expected READY")
 
