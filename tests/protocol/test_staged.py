@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -22,6 +23,7 @@ from trainer_ranks import line, start
 from refit import ModuleEngine, ModuleSource, RefitError, Sender, Settings, State
 from refit.checks.hashes import fingerprints
 from refit.engines.staging import Staging
+from refit.layout.planner import plan
 from refit.topology.receiver import Receiver
 
 SPECS = [
@@ -266,12 +268,12 @@ def test_the_split_stages_a_prefix_in_bucket_order_and_drops_staging_for_names_n
     split = staging.split(_manifest(SPECS))
     assert staging.direct == {"layer.1.weight", "steps"}  # steps would fit, but it arrives during the pause anyway
     assert (split.staged_nbytes, split.direct_wire_nbytes, split.first_direct_bucket) == (3100, 9240, 1)
+    assert staging.nbytes == 12340  # kept until the next refit begins: a version staged earlier may need them
+    staging.begin(2)
     assert staging.nbytes == 3100 and staging.held("layer.1.weight")[0] is live["layer.1.weight"]
 
 
 def _manifest(specs: list[list]):
-    from refit.layout.planner import plan
-
     return plan(ModuleSource(make_tensors(specs, seed=1)).specs(), capacity=4096, epoch=1)
 
 
@@ -429,7 +431,6 @@ def test_refit_plan_shows_the_staging_bytes_a_real_staging_allocates(capsys) -> 
 
 
 def test_refit_plan_with_staging_bytes_shows_the_split_a_bounded_staging_makes(capsys) -> None:
-    from refit.layout.planner import plan
     from refit.tools.bench.presets import PRESETS, specs
     from refit.tools.cli import main
 
@@ -488,3 +489,87 @@ def test_m_to_n_workers_stage_their_slices_and_apply_them_bitwise() -> None:
     finally:
         assert [p.wait(timeout=120) for p in ranks] == [0, 0]
         assert [p.wait(timeout=120) for p in workers] == [0, 0]
+
+
+# -- partial staging, driven directly: what the review of its pause found --------------------------------------
+
+PARTS = [[f"w{i}", [32, 32], "float32"] for i in range(4)]  # 4 KiB each, one bucket each at 4 KiB
+
+
+def _engine_loop_thread(staging: Staging) -> tuple[threading.Thread, dict]:
+    """An engine loop calling apply() between (empty) steps until one applies or raises."""
+    out: dict = {}
+
+    def loop() -> None:
+        try:
+            while (v := staging.apply()) is None:
+                time.sleep(0.001)  # a generation step
+            out["applied"] = v
+        except RefitError as e:
+            out["error"] = str(e)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_partial_refit_committed_then_cut_off_releases_the_paused_loop_and_fails_the_engine() -> None:
+    live = make_tensors(PARTS, seed=2)
+    engine = ModuleEngine(live)
+    engine.assume_current(0)
+    staging = Staging(engine, device=torch.device("cpu"), limit=4096, timeout_s=60)
+    staging.specs()
+    staging.split(plan(ModuleSource(live).specs(), capacity=4096, epoch=1))
+    thread, out = _engine_loop_thread(staging)
+    staging.begin(1)
+    for name, t in make_tensors(PARTS, seed=3).items():
+        staging.load([(name, t)])  # w1..w3 go live: the loop is paused from here
+    staging.commit(1)  # the receiver committed; then sending DONE fails and the receive side stops
+    staging.abort("DONE could not be sent")
+    thread.join(60)
+    assert not thread.is_alive() and "failed during the pause" in out["error"]
+    assert (engine.weights.state, engine.weights.target) == (State.FAILED, 1)
+    with pytest.raises(RefitError, match="engine weights are failed"):
+        engine.ensure_current()
+
+
+def test_a_handshake_moving_names_out_of_staging_leaves_the_ready_version_whole() -> None:
+    live = make_tensors(PARTS, seed=2)
+    engine = ModuleEngine(live)
+    engine.assume_current(0)
+    manifest = plan(ModuleSource(live).specs(), capacity=4096, epoch=1)
+    staging = Staging(engine, device=torch.device("cpu"))
+    staging.specs()
+    staging.split(manifest)
+    new = make_tensors(PARTS, seed=3)
+    staging.begin(1)
+    for name, t in new.items():
+        staging.load([(name, t)])
+    staging.commit(1)
+    staging.publish(1)
+    staging.limit = 8192  # a new epoch's handshake, with version 1 staged and not yet applied
+    staging.specs()
+    assert staging.split(manifest).num_direct == 2
+    assert staging.apply() == 1
+    assert all(torch.equal(live[n], new[n]) for n in live), "version 1 committed with tensors of version 0"
+
+
+def test_a_tied_name_loaded_live_is_never_overwritten_by_its_old_staging_copy() -> None:
+    shared = torch.zeros(8, 8)
+    live = {"a": shared, "b": shared}  # tied: the engine's primary name is 'a', the sender sends 'b'
+    engine = ModuleEngine(live)
+    engine.assume_current(0)
+    manifest = plan(ModuleSource({"b": torch.ones(8, 8)}).specs(), capacity=4096, epoch=1)
+    staging = Staging(engine, device=torch.device("cpu"), timeout_s=60)
+    for version, limit in ((1, None), (2, 0)):  # staged whole, then nothing fits: 'b' loads live
+        staging.limit = limit
+        staging.specs()
+        staging.split(manifest)
+        thread, out = _engine_loop_thread(staging)
+        staging.begin(version)
+        staging.load([("b", torch.full((8, 8), float(version)))])
+        staging.commit(version)
+        staging.publish(version)
+        thread.join(60)
+        assert out == {"applied": version} and engine.weights.version == version
+        assert torch.equal(shared, torch.full((8, 8), float(version))), f"version {version} holds {shared[0, 0]}"

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refit.engines.base import Engine, Region, State
+from refit.engines.base import Engine, Region
 from refit.errors import RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.packing import CopyPlan
@@ -155,6 +155,8 @@ class Staging(Engine):
         self._shard_plan: tuple[tuple, CopyPlan] | None = None
         self._direct: frozenset[str] = frozenset()
         """Partial staging: names loaded straight into `live` during the pause (the epoch's `split`)."""
+        self._refilter = False
+        """`_direct` changed: the next refit's begin drops the staging of those names."""
         self._seq = 0
         """Refits begun; the pause and its outcome are keyed by it (a retry reuses the version number)."""
         self._want: int | None = None
@@ -191,14 +193,26 @@ class Staging(Engine):
 
     def split(self, manifest: Manifest) -> Split:
         """Choose this epoch's staged tensors (`plan_split` under `limit`, in the engine's dtypes). Call after
-        `specs()`, before the epoch's first refit; staging tensors of names now loaded live are dropped."""
+        `specs()`, before the epoch's first refit; staging tensors of names now loaded live are dropped when
+        that refit begins (a version already staged, and not yet applied, still needs them)."""
         split, direct = plan_split(manifest, self.limit, primary=self._primary, dtypes=self._dtypes)
         with self._lock:
+            self._refilter = direct != self._direct or self._refilter
             self._direct = direct
-            self._tensors = {n: t for n, t in self._tensors.items() if n not in direct}
-            self._apply = list(self._tensors.items())
             self._plans = {}
         return split
+
+    def _drop_direct(self) -> None:
+        """(Lock held, at a refit's begin.) Forget the staging of every engine tensor now loaded live, under
+        any of its names: a tied name left in `_apply` would overwrite the live load with an old copy."""
+        if not self._refilter:
+            return
+        self._refilter = False
+        gone = self._direct | {self._primary.get(n, n) for n in self._direct}
+        kept = {n: t for n, t in self._tensors.items() if n not in gone and self._primary.get(n, n) not in gone}
+        if len(kept) != len(self._tensors):
+            self._tensors = kept
+            self._apply = list(kept.items())
 
     def shards(self) -> dict[str, Slice | None] | None:
         return self.live.shards()
@@ -209,6 +223,7 @@ class Staging(Engine):
             self._cond.wait_for(lambda: self._paused is None)
             self._ready = None
             self.live.note_staged(None)
+            self._drop_direct()
             self._seq += 1
             super().begin(version)
 
@@ -312,8 +327,10 @@ class Staging(Engine):
         """The receive side stopped (the session ended, or an unexpected error) with a refit under way: fail
         it, so that a paused engine loop never waits for it."""
         w = self.weights
-        if w.state == State.UPDATING and w.target is not None and self._ended[0] < self._seq:
-            self.fail(w.target, reason)
+        if self._ended[0] < self._seq:  # begun and neither published nor failed (it may have committed here)
+            version = w.target if w.target is not None else w.version
+            assert version is not None
+            self.fail(version, reason)
 
     def publish(self, version: int) -> None:
         """Every worker committed `version` (the verdict is in): it is ready for `apply()`."""

@@ -244,7 +244,7 @@ class MeshRefit:
             except RefitError:
                 here = True  # a broken pair: its refit says so, in the vote
             if not here:
-                missing.append(f"engine worker {w} departed and no replacement connected within {timeout:.0f} s")
+                missing.append(f"engine worker {w} departed and no replacement connected within {timeout:g} s")
         verdict = self.collective.vote("; ".join(missing))
         if verdict:
             raise PeerError(
