@@ -97,7 +97,14 @@ def _replace(model: Block, how: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "how", ["buffer-reassigned", "module-to", "load-state-dict-assign", "param-data", "submodule-rewrapped"]
+    "how",
+    [
+        pytest.param("buffer-reassigned", marks=pytest.mark.slow),
+        "module-to",
+        pytest.param("load-state-dict-assign", marks=pytest.mark.slow),
+        "param-data",
+        pytest.param("submodule-rewrapped", marks=pytest.mark.slow),
+    ],
 )
 def test_tensors_replaced_after_the_source_was_built_are_sent_from_the_module(how: str) -> None:
     torch.manual_seed(0)
@@ -232,8 +239,19 @@ def _change(live: dict[str, torch.Tensor], how: str) -> None:
 
 # Unverified (no longer the default) in the full tier only: the fast tier keeps the default.
 @pytest.mark.parametrize("verify", [pytest.param(None, marks=pytest.mark.slow), "fingerprint"])
+# The fast tier keeps four kinds of change (a process start each); the full tier runs all eight.
 @pytest.mark.parametrize(
-    "how", ["values", "identity", "storage", "offset", "layout", "restride-in-place", "dtype", "neg-view"]
+    "how",
+    [
+        "values",
+        "identity",
+        "storage",
+        pytest.param("offset", marks=pytest.mark.slow),
+        pytest.param("layout", marks=pytest.mark.slow),
+        "restride-in-place",
+        pytest.param("dtype", marks=pytest.mark.slow),
+        pytest.param("neg-view", marks=pytest.mark.slow),
+    ],
 )
 def test_cached_plans_and_signatures_are_dropped_by_every_kind_of_change(how: str, verify: str | None) -> None:
     """Packing replays a cached plan while the source's layout guard holds: every change the guard must

@@ -285,14 +285,18 @@ def test_bench_ranks_zero_still_means_the_colocated_mode_is_off() -> None:
     assert build_parser().parse_args(["bench", "--ranks", "0"]).ranks == 0
 
 
-@pytest.mark.parametrize("argv", [["plan", "--preset", "tiny"], ["doctor", "--no-probe"]])
+@pytest.mark.parametrize(
+    "argv", [["plan", "--preset", "tiny"], pytest.param(["doctor", "--no-probe"], marks=pytest.mark.slow)]
+)
 def test_quiet_prints_errors_only_on_every_command(argv: list[str]) -> None:
     result = _run(*argv, "-q")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "" and result.stderr == ""
 
 
-@pytest.mark.parametrize("command", [["plan", "--preset", "tiny"], ["doctor", "--no-probe"]])
+@pytest.mark.parametrize(
+    "command", [["plan", "--preset", "tiny"], pytest.param(["doctor", "--no-probe"], marks=pytest.mark.slow)]
+)
 def test_json_alone_goes_to_stdout_and_the_human_output_to_stderr(command: list[str]) -> None:
     result = _run(*command, "--json")
     assert result.returncode == 0, result.stderr
@@ -300,7 +304,9 @@ def test_json_alone_goes_to_stdout_and_the_human_output_to_stderr(command: list[
     assert result.stderr.strip(), "the human output should go to stderr"
 
 
-@pytest.mark.parametrize("command", [["plan", "--preset", "tiny"], ["doctor", "--no-probe"]])
+@pytest.mark.parametrize(
+    "command", [["plan", "--preset", "tiny"], pytest.param(["doctor", "--no-probe"], marks=pytest.mark.slow)]
+)
 def test_json_to_a_file_keeps_the_human_output_on_stdout(command: list[str], tmp_path) -> None:
     out = tmp_path / "out.json"
     result = _run(*command, "--json", str(out))
