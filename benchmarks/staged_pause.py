@@ -7,7 +7,8 @@ generates: one step is a forward pass over a fixed batch of tokens, and between 
 
 Measured in the engine's loop, per refit:
 - pause: the time of the `apply_staged()` call that applied the version;
-- throughput while staging: steps completed from the refit's request until its version was staged,
+- throughput while staging: steps completed from the refit's request until the `apply_staged()` call
+  that applied it began (its version staged; with `--staging-bytes`, partial staging: the pause began),
   over that window, against the steps/s of the same loop with no refit (measured just before);
 - the floor: one local copy of the model (`torch._foreach_copy_` of every parameter into a same-dtype
   tensor), timed right after the pause. Ratios are taken per refit, then their median. The first refit
@@ -102,21 +103,19 @@ def _refit_once(version: int, step, receiver: Receiver, child: subprocess.Popen,
     until `apply_staged()` applies it; then time the floor copy."""
     assert child.stdin is not None and child.stdout is not None
     base, step_cpu = _steps_per_s(step, baseline_s)
-    engine = receiver.staging.live if receiver.staging is not None else receiver.engine
     t0, cpu = time.perf_counter(), time.process_time()
     child.stdin.write(f"refit {version}\n")
     child.stdin.flush()
     steps = 0
-    while engine.weights.staged != version:
-        step()
-        steps += 1
-    window, cpu = time.perf_counter() - t0, time.process_time() - cpu
-    while True:  # the next step boundary applies it
+    while True:  # an engine loop: apply_staged() at every step boundary (partial staging pauses inside it)
         t = time.perf_counter()
         applied = receiver.apply_staged()
         pause = time.perf_counter() - t
         if applied:
             break
+        step()
+        steps += 1
+    window, cpu = t - t0, time.process_time() - cpu
     copy = floor.time()
     sent = json.loads(child.stdout.readline())
     return {"pause_s": pause, "floor_s": copy, "no_refit_steps_per_s": base, "staging_steps_per_s": steps / window,
@@ -136,6 +135,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1, help="refits run first and not counted (the first connects)")
     p.add_argument("--threads", type=int, help="torch threads in each process (default: torch's own)")
     p.add_argument("--trainer-nice", type=int, default=0, help="niceness of the trainer process (it shares the cores)")
+    p.add_argument("--staging-bytes", type=int, help="bound the staging memory (partial staging); default: none")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -153,7 +153,7 @@ def main() -> int:
     engine = ModuleEngine(model)
     engine.assume_current(0)  # built from the trainer's seed: its version 0
     commits: list[int] = []
-    receiver = Receiver(engine, rendezvous, staged=True, on_commit=commits.append)
+    receiver = Receiver(engine, rendezvous, staged=True, staging_bytes=args.staging_bytes, on_commit=commits.append)
     thread = threading.Thread(target=receiver.serve, name="refit-receive", daemon=True)
     thread.start()
     tokens = torch.arange(args.tokens).remainder(model.config.vocab_size).unsqueeze(0)
@@ -178,6 +178,7 @@ def main() -> int:
     out = {
         "model_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
         "staging_bytes": receiver.staging.nbytes if receiver.staging is not None else 0,
+        "staging_split": receiver.staging_split.describe() if receiver.staging_split is not None else "",
         "refits": args.refits,
         "warmup_refits": args.warmup,
         "floor_copy_s": med["floor_s"],
