@@ -96,7 +96,7 @@ def plan_split(
     direct: set[str] = set()
     staged: dict[str, int] = {}
     total: dict[str, int] = {}
-    wire, first, num_staged, num_direct = 0, None, 0, 0
+    wire, first, num_staged, num_direct, staged_nbytes = 0, None, 0, 0, 0
     for p in sorted(manifest.entries, key=lambda p: (p.bucket, p.offset)):
         names = [n for n in p.spec.names if n in primary]
         if not names:
@@ -104,16 +104,17 @@ def plan_split(
         keys = {primary[n] for n in names}
         cost = {k: p.spec.numel * dtypes[names[0]].itemsize for k in keys - total.keys()}
         total.update(cost)
-        fits = first is None and (limit is None or sum(staged.values()) + sum(cost.values()) <= limit)
+        fits = first is None and (limit is None or staged_nbytes + sum(cost.values()) <= limit)
         if fits or keys & staged.keys():  # an engine tensor already staged takes this entry too: no second home
             staged.update(cost)
+            staged_nbytes += sum(cost.values())
             num_staged += 1
             continue
         first = p.bucket if first is None else first
         direct.update(names)
         wire += p.nbytes
         num_direct += 1
-    split = Split(sum(staged.values()), sum(total.values()), num_staged, num_direct, wire, first, manifest.num_buckets)
+    split = Split(staged_nbytes, sum(total.values()), num_staged, num_direct, wire, first, manifest.num_buckets)
     return split, frozenset(direct)
 
 
