@@ -276,7 +276,10 @@ def test_over_gloo_a_receiver_dying_mid_refit_breaks_the_group_which_is_formed_a
         rank_a = _assert_current(a.report(), sender, tensors, 1)
         rank_b = _assert_current(b.report(), sender, tensors, 1)
         _step(tensors)
+        start = time.monotonic()
         second = sender.refit(2)  # B dies at its third bucket; the group of three breaks; retried in a group of two
+        # A, waiting on bytes the broken group will never bring, stopped when the sender's REGROUP came
+        assert time.monotonic() - start < TIMEOUT_S
         assert second.receivers == [rank_a] and [d["receiver"] for d in second.departed] == [rank_b]
         assert second.handshake  # the retry's new group came with a new epoch
         report = a.report()

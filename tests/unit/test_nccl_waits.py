@@ -11,6 +11,7 @@ import pytest
 from refit import Settings
 from refit.errors import PeerError
 from refit.transports import nccl
+from refit.transports.base import Interrupted
 from refit.transports.nccl import NcclTransport
 
 
@@ -76,3 +77,21 @@ def test_nccl_close_reports_a_failed_shutdown_instead_of_swallowing_it(caplog: p
     with caplog.at_level(logging.WARNING, logger="refit"):
         t.close()
     assert "communicator broken" in caplog.text
+
+
+def test_nccl_receive_the_sender_gave_up_on_aborts_the_group_when_interrupted_not_at_the_timeout() -> None:
+    group = _Group()
+    t = _transport(1, group)
+    looks = 0
+
+    def gave_up() -> bool:
+        nonlocal looks
+        looks += 1
+        return looks == 2
+
+    pending = t._pending(_NeverDone(), "nccl receive of 8 bytes from the sender")  # type: ignore[arg-type]
+    start = time.monotonic()
+    with pytest.raises(Interrupted, match="nccl receive of 8 bytes from the sender was interrupted"):
+        pending.wait(60.0, gave_up)
+    assert looks == 2 and group.aborted == 1
+    assert time.monotonic() - start < 30.0

@@ -21,9 +21,10 @@ from refit.layout.packing import Unpacker, copy_share
 from refit.log import get_logger
 from refit.protocol.wire import Channel, Header, Kind, parse_json
 from refit.settings import Settings
+from refit.topology.membership import readable
 from refit.topology.stats import RefitStats
 from refit.topology.verification import compare
-from refit.transports.base import Pending, Transport
+from refit.transports.base import Interrupted, Pending, Transport
 
 log = get_logger("receiver")
 
@@ -129,7 +130,9 @@ class ReceivePath:
         """Wait for bucket `b`, verify and load it, then acknowledge it (with status 1 after a failure)."""
         t = time.perf_counter()
         try:
-            handle.wait(self.settings.timeout_s)
+            handle.wait(self.settings.timeout_s, lambda: readable(self.channel))
+        except Interrupted:
+            raise self._broken_off(header.version, b) from None
         except PeerError as e:
             raise PeerError(f"{e} (during refit {header.version}, bucket {b})") from None
         stats.add("recv", time.perf_counter() - t)
@@ -139,6 +142,15 @@ class ReceivePath:
         self.transport.release(slot)
         self.channel.send(Header(Kind.ACK, status=int(failure is not None), slot=slot, index=b, version=header.version))
         return failure
+
+    def _broken_off(self, version: int, b: int) -> PeerError:
+        """The sender spoke while bucket `b` was in flight, which it does only once it gave up on this refit
+        (its ERROR is raised here; a REGROUP or CLOSE is kept for the caller): stop waiting for the bytes."""
+        header, payload = self.channel.recv(f"refit {version}, bucket {b}")
+        self.channel.stray = (header, payload)
+        return PeerError(
+            f"{self.channel.peer} sent {header.kind.name} while bucket {b} of refit {version} was in flight"
+        )
 
     def _load(self, b: int, slot: int, header: Header, stats: RefitStats) -> RefitError | None:
         """Check bucket `b`'s checksum (when sent), unpack it from `slot` and load it into the engine."""

@@ -425,8 +425,8 @@ class Sender:
     def _regroup(self, joiners: list[Channel], *, after_break: bool = False) -> None:
         """Elastic gloo/nccl, between refits: a new group of the receivers still here and the joiners (a fixed-size
         group cannot shrink or grow), then a new epoch's handshake for all (their receive paths were on the old one).
-        `after_break`: a receiver may still be blocked in the broken group's last operation until its timeout
-        (aborting the group here does not reach it), so the new group waits twice REFIT_TIMEOUT for it."""
+        `after_break`: a receiver waiting on the broken group's bytes stops when this REGROUP reaches it, but one
+        busy in its engine (loading a bucket) reads it only after that, so the new group waits twice REFIT_TIMEOUT."""
         members = self._session.members
         assert members is not None
         everyone = [*self.channels, *joiners]

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
+from refit.errors import PeerError
 from refit.settings import Settings
+
+
+class Interrupted(PeerError):
+    """A wait for a transfer given up because the caller's `interrupted()` said the peer gave up on it."""
 
 
 class Pending(ABC):
@@ -18,8 +24,9 @@ class Pending(ABC):
     """True when the bytes are already in place and `wait` returns at once."""
 
     @abstractmethod
-    def wait(self, timeout_s: float) -> None:
-        """Block until done; raise PeerError if the peer fails or the timeout passes."""
+    def wait(self, timeout_s: float, interrupted: Callable[[], bool] | None = None) -> None:
+        """Block until done; raise PeerError if the peer fails or the timeout passes, and Interrupted as soon as
+        `interrupted()` holds (checked now and then while waiting: the other side gave up on this transfer)."""
 
 
 class Done(Pending):
@@ -27,7 +34,7 @@ class Done(Pending):
 
     ready = True
 
-    def wait(self, timeout_s: float) -> None:
+    def wait(self, timeout_s: float, interrupted: Callable[[], bool] | None = None) -> None:
         return None
 
 

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 from refit.errors import PeerError
-from refit.transports.base import Pending
+from refit.transports.base import Interrupted, Pending
 from refit.transports.group import BroadcastTransport
+
+_SLICE_S = 0.05
+"""How often a wait that can be interrupted looks up from gloo (a blocking wait, released at once when done)."""
 
 
 class _Work(Pending):
@@ -16,11 +21,22 @@ class _Work(Pending):
         self._work = work
         self._what = what
 
-    def wait(self, timeout_s: float) -> None:
-        try:
-            self._work.wait(datetime.timedelta(seconds=timeout_s))
-        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses with its own wording
-            raise PeerError(f"{self._what} failed: {e}; did a peer exit, or is REFIT_TIMEOUT too short?") from None
+    def wait(self, timeout_s: float, interrupted: Callable[[], bool] | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            step = left if interrupted is None else min(_SLICE_S, left)
+            try:
+                self._work.wait(datetime.timedelta(seconds=max(step, 0.0)))
+                return
+            except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses with its own wording
+                # An op still running only outlasted this slice; one that completed failed (or the deadline passed).
+                if self._work.is_completed() or time.monotonic() >= deadline:
+                    raise PeerError(
+                        f"{self._what} failed: {e}; did a peer exit, or is REFIT_TIMEOUT too short?"
+                    ) from None
+            if interrupted is not None and interrupted():
+                raise Interrupted(f"{self._what} was interrupted")
 
 
 class GlooTransport(BroadcastTransport):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from refit.errors import PeerError
 from refit.log import get_logger
-from refit.transports.base import Pending
+from refit.transports.base import Interrupted, Pending
 from refit.transports.group import BroadcastTransport
 
 log = get_logger("nccl")
@@ -29,6 +29,10 @@ log = get_logger("nccl")
 _POLL_MAX_S = 1e-4
 """Longest pause between polls. Every bucket's wait polls, and a 1 GiB broadcast takes about 3 ms on
 NVLink: a pause that grew to 10 ms would add up to a bucket's own time to each one."""
+
+
+_INTERRUPT_EVERY_S = 0.05
+"""How often a wait that can be interrupted asks whether it was (a select() on the control socket)."""
 
 
 def _stream_marker() -> Any:
@@ -49,10 +53,10 @@ class _StreamWork(Pending):
     def __init__(self, work: dist.Work, what: str, transport: NcclTransport) -> None:
         self._work, self._what, self._transport = work, what, transport
 
-    def wait(self, timeout_s: float) -> None:
+    def wait(self, timeout_s: float, interrupted: Callable[[], bool] | None = None) -> None:
         try:
             self._work.wait()
-            self._transport.until(self._work.is_completed, timeout_s, self._what)
+            self._transport.until(self._work.is_completed, timeout_s, self._what, interrupted)
         except PeerError:
             raise
         except RuntimeError as e:  # torch.distributed's errors (DistBackendError and kin) are RuntimeErrors
@@ -68,10 +72,20 @@ class NcclTransport(BroadcastTransport):
         """Who this rank waits for: the sender (rank 0), or every receiver."""
         return "the sender (rank 0)" if self._rank else f"receiver ranks 1..{self._size - 1}"
 
-    def until(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:
-        """Poll `done` until it holds; past `timeout_s` abort the communicator and raise PeerError."""
+    def until(
+        self, done: Callable[[], bool], timeout_s: float, what: str, interrupted: Callable[[], bool] | None = None
+    ) -> None:
+        """Poll `done` until it holds; past `timeout_s` abort the communicator and raise PeerError. When
+        `interrupted()` holds (looked at every _INTERRUPT_EVERY_S), abort it too and raise Interrupted: the
+        kernel would otherwise block this device's stream for good."""
         deadline, pause = time.monotonic() + timeout_s, 1e-5
+        look = time.monotonic() + _INTERRUPT_EVERY_S
         while not done():
+            if interrupted is not None and time.monotonic() >= look:
+                look = time.monotonic() + _INTERRUPT_EVERY_S
+                if interrupted():
+                    self._abort()
+                    raise Interrupted(f"{what} was interrupted; the NCCL group was aborted")
             if time.monotonic() >= deadline:
                 self._abort()
                 raise PeerError(
