@@ -1,7 +1,8 @@
 """An engine process for the elastic tests: peer.py's recording engine behind a Receiver that may leave.
 
 Run as `python tests/helpers/elastic_peer.py '<json>'` with peer.py's arguments plus `leave_after` (a
-version: after committing it, the receiver says LEAVE with `reason` and exits 0). Reports JSON lines on
+version: after committing it, the receiver says LEAVE with `reason` and exits 0) or `close_after` (the same
+with a plain `Receiver.close()`). Reports JSON lines on
 stdout as peer.py does (event "refit", "error" or "left"), after "started" once its imports are done.
 """
 
@@ -43,6 +44,10 @@ def main() -> int:
             if stats.version == args.get("leave_after"):
                 receiver.leave(args.get("reason", "leaving"))
                 print(MARK + json.dumps({"event": "left"}), flush=True)
+                return 0
+            if stats.version == args.get("close_after"):
+                receiver.close()
+                print(MARK + json.dumps({"event": "closed"}), flush=True)
                 return 0
     finally:
         receiver.close()

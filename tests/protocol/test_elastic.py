@@ -138,6 +138,24 @@ def test_a_receiver_that_leaves_gives_its_reason_to_the_next_refit_stats() -> No
 
 
 @pytest.mark.slow
+def test_a_receiver_closed_on_purpose_is_named_as_closed_not_as_crashed() -> None:
+    with elastic(receivers=2) as (sender, tensors, args):
+        a = ElasticPeer(args)
+        b = ElasticPeer({**args, "close_after": 1})
+        sender.refit(1)
+        rank_a = _assert_current(a.report(), sender, tensors, 1)
+        rank_b = _assert_current(b.report(), sender, tensors, 1)
+        assert b.report() == {"event": "closed"}
+        assert b.wait() == 0
+        _step(tensors)
+        second = sender.refit(2)
+        assert second.departed == [{"receiver": rank_b, "reason": "the receiver closed"}]
+        assert second.receivers == [rank_a]
+        _assert_current(a.report(), sender, tensors, 2)
+    assert a.wait() == 0
+
+
+@pytest.mark.slow
 def test_without_elastic_a_receiver_that_leaves_fails_the_next_refit_at_once() -> None:
     with elastic(receivers=2, is_elastic=False) as (sender, tensors, args):
         a = ElasticPeer(args)

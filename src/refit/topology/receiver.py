@@ -68,6 +68,8 @@ class Receiver:
         self.manifest: Manifest | None = None
         self._path: ReceivePath | None = None
         self._broken = ""
+        self._ended = False
+        """The sender ended the session (CLOSE), or this side already said LEAVE: nothing more to tell it."""
         self._idle_timeout_s = self.settings.timeout_s
         self.warn_unverified = True
         """Log the tensors the fingerprint cannot read back (once per epoch); M:N logs it for one pair only."""
@@ -198,7 +200,9 @@ class Receiver:
         except BaseException as e:
             self._abort_staged(f"the receive side stopped: {type(e).__name__}: {e}")
             raise
-        if stats is not None:
+        if stats is None:
+            self._ended = True
+        else:
             self._committed(stats.version)
         return stats
 
@@ -450,14 +454,21 @@ class Receiver:
         """Leave the session on purpose, between refits: the sender is told LEAVE with `reason` (an elastic
         sender drops this receiver and names it in `RefitStats.departed`; any other fails its next refit
         saying so), then everything is closed as by `close`."""
-        if self.channel is not None and not self._broken:
-            with contextlib.suppress(PeerError):
-                self.channel.send(Header(Kind.LEAVE), {"reason": str(reason)[:MAX_REASON_CHARS]})
+        self._say_leave(reason)
         self.close()
 
+    def _say_leave(self, reason: str) -> None:
+        """LEAVE with `reason`, once, unless the session is over already (CLOSE came, or it broke)."""
+        if self.channel is not None and not self._broken and not self._ended:
+            self._ended = True
+            with contextlib.suppress(PeerError):
+                self.channel.send(Header(Kind.LEAVE), {"reason": str(reason)[:MAX_REASON_CHARS]})
+
     def close(self) -> None:
-        """End the session: close the channel and transport, and drop every view into the receive buffers
-        (the engine's copy plans, the receive path), so no mapping of them outlives the session."""
+        """End the session: tell the sender (LEAVE, "the receiver closed", so that it does not read this as a
+        crash), close the channel and transport, and drop every view into the receive buffers (the engine's
+        copy plans, the receive path), so no mapping of them outlives the session."""
+        self._say_leave("the receiver closed")
         self._abort_staged("the receiver closed")
         if self.channel is not None:
             self.channel.close()
