@@ -120,36 +120,26 @@ def test_a_receiver_dying_mid_refit_is_dropped_and_the_refit_commits_on_the_rest
 
 
 @pytest.mark.slow
-def test_a_receiver_that_leaves_gives_its_reason_to_the_next_refit_stats() -> None:
+@pytest.mark.parametrize(
+    ("how", "event", "reason"),
+    [
+        ({"leave_after": 1, "reason": "drained for maintenance"}, "left", "drained for maintenance"),
+        ({"close_after": 1}, "closed", "the receiver closed"),  # a plain close() is named as such, not as a crash
+    ],
+    ids=["leave", "close"],
+)
+def test_a_receiver_that_leaves_gives_its_reason_to_the_next_refit_stats(how: dict, event: str, reason: str) -> None:
     with elastic(receivers=2) as (sender, tensors, args):
         a = ElasticPeer(args)
-        b = ElasticPeer({**args, "leave_after": 1, "reason": "drained for maintenance"})
+        b = ElasticPeer({**args, **how})
         sender.refit(1)
         rank_a = _assert_current(a.report(), sender, tensors, 1)
         rank_b = _assert_current(b.report(), sender, tensors, 1)
-        assert b.report() == {"event": "left"}
+        assert b.report() == {"event": event}
         assert b.wait() == 0
         _step(tensors)
         second = sender.refit(2)
-        assert second.departed == [{"receiver": rank_b, "reason": "drained for maintenance"}]
-        assert second.receivers == [rank_a]
-        _assert_current(a.report(), sender, tensors, 2)
-    assert a.wait() == 0
-
-
-@pytest.mark.slow
-def test_a_receiver_closed_on_purpose_is_named_as_closed_not_as_crashed() -> None:
-    with elastic(receivers=2) as (sender, tensors, args):
-        a = ElasticPeer(args)
-        b = ElasticPeer({**args, "close_after": 1})
-        sender.refit(1)
-        rank_a = _assert_current(a.report(), sender, tensors, 1)
-        rank_b = _assert_current(b.report(), sender, tensors, 1)
-        assert b.report() == {"event": "closed"}
-        assert b.wait() == 0
-        _step(tensors)
-        second = sender.refit(2)
-        assert second.departed == [{"receiver": rank_b, "reason": "the receiver closed"}]
+        assert second.departed == [{"receiver": rank_b, "reason": reason}]
         assert second.receivers == [rank_a]
         _assert_current(a.report(), sender, tensors, 2)
     assert a.wait() == 0
