@@ -73,3 +73,17 @@ def session(
         sender.close()
         for p in peers:
             p.wait()
+
+
+class FailingSource(ModuleSource):
+    """A trainer whose own code raises while the refit is under way (at the third bucket of version 2)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.calls, self.armed = 0, False
+
+    def tensors(self, names):
+        self.calls += 1
+        if self.armed and self.calls == 3:
+            raise RuntimeError("optimizer state is corrupt")
+        return super().tensors(names)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from elastic_peer import ElasticPeer
 from peer import make_tensors
-from sessions import live_fingerprints
+from sessions import FailingSource, live_fingerprints
 
 from refit import ModuleSource, PeerError, Sender, Settings
 
@@ -27,12 +27,12 @@ TIMEOUT_S = 60.0
 
 @contextlib.contextmanager
 def elastic(
-    receivers: int = 1, *, is_elastic: bool = True, transport: str = "shm"
+    receivers: int = 1, *, is_elastic: bool = True, transport: str = "shm", source: type[ModuleSource] = ModuleSource
 ) -> Iterator[tuple[Sender, dict, dict]]:
     """A sender over deterministic tensors (elastic unless told), and the arguments a peer needs."""
     tensors = make_tensors(SPECS, seed=1)
     sender = Sender(
-        ModuleSource(tensors),
+        source(tensors),
         transport=transport,
         num_receivers=receivers,
         settings=Settings(bucket_bytes=4096, timeout_s=TIMEOUT_S),
@@ -298,6 +298,25 @@ def test_over_gloo_a_receiver_dying_mid_refit_breaks_the_group_which_is_formed_a
         assert sender.refit(3).receivers == [rank_a]
         _assert_current(a.report(), sender, tensors, 3)
     assert a.wait() == 0
+
+
+@pytest.mark.slow
+def test_over_gloo_a_trainer_failure_mid_refit_ends_an_elastic_receivers_session_at_once() -> None:
+    with elastic(transport="gloo", source=FailingSource) as (sender, tensors, args):
+        a = ElasticPeer(args)
+        sender.refit(1)
+        _assert_current(a.report(), sender, tensors, 1)
+        source = sender.source
+        assert isinstance(source, FailingSource)
+        source.calls, source.armed = 0, True
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="optimizer state is corrupt"):
+            sender.refit(2)
+        report = a.report()  # the sender's ERROR ends it: no REGROUP follows, so none is waited for
+        assert time.monotonic() - start < TIMEOUT_S / 2
+        assert report["type"] == "PeerFailed" and "the trainer failed during refit 2" in report["message"]
+        assert (report["state"], report["version"]) == ("failed", 1)
+    assert a.wait() == 3
 
 
 @pytest.mark.slow

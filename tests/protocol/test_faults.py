@@ -14,13 +14,12 @@ import pytest
 import torch
 from locations import helper, pythonpath
 from peer import Peer, make_tensors
-from sessions import live_fingerprints, session
+from sessions import FailingSource, live_fingerprints, session
 
 from refit import (
     HandshakeError,
     IntegrityError,
     ModuleEngine,
-    ModuleSource,
     PeerError,
     Receiver,
     RefitError,
@@ -239,23 +238,9 @@ def test_soak_200_refits_bitwise_without_growth(transport: str) -> None:
     assert rss[-1] - rss[19] < 8 * 1024, f"the receiver's memory grew from {rss[19]} to {rss[-1]} kB"
 
 
-class _FailingSource(ModuleSource):
-    """A trainer whose own code raises while the refit is under way (at the third bucket of version 2)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        super().__init__(tensors)
-        self.calls, self.armed = 0, False
-
-    def tensors(self, names):
-        self.calls += 1
-        if self.armed and self.calls == 3:
-            raise RuntimeError("optimizer state is corrupt")
-        return super().tensors(names)
-
-
 def test_a_trainer_failure_mid_refit_reaches_the_receivers_at_once() -> None:
     tensors = make_tensors(SPECS, seed=1)
-    source = _FailingSource(tensors)
+    source = FailingSource(tensors)
     with session(SPECS, transport="shm", tensors=tensors, source=source, timeout_s=120) as (sender, _, (peer,)):
         sender.refit(1)
         peer.report()
@@ -265,7 +250,7 @@ def test_a_trainer_failure_mid_refit_reaches_the_receivers_at_once() -> None:
             sender.refit(2)
         report = peer.report()
         assert time.monotonic() - start < 60  # told at once, not after the 120 s timeout
-        assert report["type"] == "PeerError" and "the trainer failed during refit 2" in report["message"]
+        assert report["type"] == "PeerFailed" and "the trainer failed during refit 2" in report["message"]
         assert (report["state"], report["version"], report["target"]) == ("failed", 1, 2)
         with pytest.raises(PeerError, match="this session broke earlier"):
             sender.refit(3)

@@ -363,3 +363,30 @@ def test_closing_both_sides_leaves_no_mapping_of_a_refit_buffer() -> None:
     receiver.close()
     gc.collect()
     assert _refit_mappings() == before
+
+
+def test_a_receiver_left_by_an_exception_tells_the_sender_why_it_closed() -> None:
+    tensors = make_tensors(SPECS, seed=1)
+    sender = Sender(ModuleSource(tensors), transport="shm", settings=Settings(timeout_s=30), elastic=True)
+    engine = ModuleEngine(make_tensors(SPECS, seed=2))
+    failures: list[BaseException] = []
+
+    def engine_process() -> None:
+        try:
+            with Receiver(engine, sender.rendezvous()) as receiver:
+                receiver.receive()
+                raise ValueError("the engine's own loop failed")
+        except ValueError as e:
+            failures.append(e)
+
+    t = threading.Thread(target=engine_process)
+    t.start()
+    try:
+        assert sender.refit(1).receivers == [1]
+        t.join()
+        assert engine.weights.version == 1 and len(failures) == 1
+        second = sender.refit(2)
+        reason = "the receiver closed after ValueError: the engine's own loop failed"
+        assert second.departed == [{"receiver": 1, "reason": reason}] and second.receivers == []
+    finally:
+        sender.close()

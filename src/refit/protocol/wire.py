@@ -66,6 +66,10 @@ MAX_REASON_CHARS = 500
 """Longest LEAVE reason kept (a reason is for a log line and RefitStats, not a document)."""
 
 
+class PeerFailed(PeerError):
+    """The peer said ERROR: it gave up (on the session, or on this side); the message says why."""
+
+
 class Left(PeerError):
     """The peer said LEAVE: it closed on purpose; `reason` is what it said."""
 
@@ -169,15 +173,24 @@ class Channel:
             return -1
 
     def recv(
-        self, stage: str, *, idle: bool = False, max_payload: int = MAX_JSON_BYTES, timeout_s: float | None = None
+        self,
+        stage: str,
+        *,
+        idle: bool = False,
+        max_payload: int = MAX_JSON_BYTES,
+        timeout_s: float | None = None,
+        heartbeats: bool = False,
     ) -> tuple[Header, bytes]:
-        """The next message, read whole within the timeout; an ERROR from the peer is raised as PeerError."""
+        """The next message, read whole within the timeout; an ERROR from the peer is raised as PeerFailed (a
+        PeerError). A HEARTBEAT is skipped, or with `heartbeats` returned (to a caller that only looks)."""
         timeout_s = timeout_s or self.timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
             header = Header.unpack(self._read(HEADER.size, stage, deadline, timeout_s))
             if header.kind == Kind.HEARTBEAT:
                 self.heartbeats += 1
+                if heartbeats:
+                    return header, b""
                 if idle:  # the peer proved alive: wait on
                     deadline = time.monotonic() + timeout_s
                 continue
@@ -189,7 +202,7 @@ class Channel:
             payload = self._read(header.nbytes, stage, deadline, timeout_s) if header.kind in WITH_PAYLOAD else b""
             self.bytes_received += HEADER.size + len(payload)
             if header.kind == Kind.ERROR:
-                raise PeerError(f"{self.peer} failed: {_message(payload)}")
+                raise PeerFailed(f"{self.peer} failed: {_message(payload)}")
             if header.kind == Kind.LEAVE:
                 raise Left(self.peer, leave_reason(payload))
             return header, payload

@@ -169,8 +169,11 @@ class Membership:
 
 
 def readable(ch: Channel) -> bool:
-    """Whether `ch` has bytes (or its end) to read now, without waiting."""
+    """Whether `ch` has bytes (or its end) to read now, without waiting. poll, not select: select refuses
+    descriptors from 1024 on, which a process with many files open (an inference engine) hands out."""
     try:
-        return bool(select.select([ch.sock], [], [], 0)[0])
+        poller = select.poll()
+        poller.register(ch.sock, select.POLLIN)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True  # a closed socket: reading it says so

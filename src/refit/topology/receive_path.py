@@ -129,10 +129,11 @@ class ReceivePath:
     ) -> RefitError | None:
         """Wait for bucket `b`, verify and load it, then acknowledge it (with status 1 after a failure)."""
         t = time.perf_counter()
+        watch = Watch(self.channel)
         try:
-            handle.wait(self.settings.timeout_s, lambda: readable(self.channel))
+            handle.wait(self.settings.timeout_s, watch)
         except Interrupted:
-            raise self._broken_off(header.version, b) from None
+            raise watch.broken_off(header.version, b) from None
         except PeerError as e:
             raise PeerError(f"{e} (during refit {header.version}, bucket {b})") from None
         stats.add("recv", time.perf_counter() - t)
@@ -142,15 +143,6 @@ class ReceivePath:
         self.transport.release(slot)
         self.channel.send(Header(Kind.ACK, status=int(failure is not None), slot=slot, index=b, version=header.version))
         return failure
-
-    def _broken_off(self, version: int, b: int) -> PeerError:
-        """The sender spoke while bucket `b` was in flight, which it does only once it gave up on this refit
-        (its ERROR is raised here; a REGROUP or CLOSE is kept for the caller): stop waiting for the bytes."""
-        header, payload = self.channel.recv(f"refit {version}, bucket {b}")
-        self.channel.stray = (header, payload)
-        return PeerError(
-            f"{self.channel.peer} sent {header.kind.name} while bucket {b} of refit {version} was in flight"
-        )
 
     def _load(self, b: int, slot: int, header: Header, stats: RefitStats) -> RefitError | None:
         """Check bucket `b`'s checksum (when sent), unpack it from `slot` and load it into the engine."""
@@ -246,3 +238,33 @@ def _verify(buf: torch.Tensor, header: Header, b: int) -> None:
             f"bucket {b} is corrupted: checksum {got:#018x}, sender computed {header.checksum:#018x}; "
             "the bytes changed in transit or the buffer was overwritten"
         )
+
+
+class Watch:
+    """While a bucket is in flight the sender says nothing on the control channel until its ACK, unless it
+    gave up on the refit (REGROUP, ERROR, CLOSE). Called between waits: whether it spoke (heartbeats aside)."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.error: RefitError | None = None
+        """What reading its message raised: its ERROR (PeerFailed), or the connection's end."""
+
+    def __call__(self) -> bool:
+        while readable(self.channel):
+            try:
+                header, payload = self.channel.recv("a bucket in flight", heartbeats=True)
+            except RefitError as e:
+                self.error = e
+                return True
+            if header.kind != Kind.HEARTBEAT:
+                self.channel.stray = (header, payload)  # for the caller that handles it (a REGROUP, a CLOSE)
+                return True
+        return False
+
+    def broken_off(self, version: int, b: int) -> RefitError:
+        """The error to stop the refit with, once the sender spoke while bucket `b` was in flight."""
+        if self.error is not None:
+            return self.error
+        assert self.channel.stray is not None
+        kind = self.channel.stray[0].kind.name
+        return PeerError(f"{self.channel.peer} sent {kind} while bucket {b} of refit {version} was in flight")

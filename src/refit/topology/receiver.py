@@ -21,7 +21,7 @@ from refit.layout.manifest import Manifest
 from refit.log import get_logger
 from refit.protocol import auth
 from refit.protocol.store import AuthenticatedStores
-from refit.protocol.wire import MAX_HELLO_BYTES, MAX_REASON_CHARS, Channel, Header, Kind, parse_json
+from refit.protocol.wire import MAX_HELLO_BYTES, MAX_REASON_CHARS, Channel, Header, Kind, PeerFailed, parse_json
 from refit.settings import Settings
 from refit.topology.receive_path import ReceivePath
 from refit.topology.stats import RefitStats
@@ -391,7 +391,8 @@ class Receiver:
                 )
         except RefitError as e:
             self.engine.fail(version, str(e))
-            if isinstance(e, PeerError) and self._regroups:
+            # a broken group is formed again; the sender's ERROR (PeerFailed) says it gave up: no REGROUP follows
+            if isinstance(e, PeerError) and not isinstance(e, PeerFailed) and self._regroups:
                 return self._after_broken_group(version, e)
             raise
         t = time.perf_counter()
@@ -484,7 +485,9 @@ class Receiver:
     def __enter__(self) -> Receiver:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        if error is not None:  # the sender is told why this side closed, not only that it did
+            self._say_leave(f"the receiver closed after {type(error).__name__}: {error}")
         self.close()
 
 

@@ -26,17 +26,27 @@ class _Work(Pending):
         while True:
             left = deadline - time.monotonic()
             step = left if interrupted is None else min(_SLICE_S, left)
-            try:
-                self._work.wait(datetime.timedelta(seconds=max(step, 0.0)))
+            try:  # at least 1 ms: a zero timeout would be torch's "no timeout"
+                self._work.wait(datetime.timedelta(seconds=max(step, 1e-3)))
                 return
             except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses with its own wording
-                # An op still running only outlasted this slice; one that completed failed (or the deadline passed).
-                if self._work.is_completed() or time.monotonic() >= deadline:
-                    raise PeerError(
-                        f"{self._what} failed: {e}; did a peer exit, or is REFIT_TIMEOUT too short?"
-                    ) from None
+                if self._work.is_completed():  # failed, or done just after the slice ran out: its own outcome
+                    self._outcome()
+                    return
+                if time.monotonic() >= deadline:
+                    raise self._failed(e) from None
             if interrupted is not None and interrupted():
                 raise Interrupted(f"{self._what} was interrupted")
+
+    def _outcome(self) -> None:
+        """A completed operation's result: returns, or raises its error as PeerError."""
+        try:
+            self._work.wait()
+        except Exception as e:  # noqa: BLE001 - as above
+            raise self._failed(e) from None
+
+    def _failed(self, e: Exception) -> PeerError:
+        return PeerError(f"{self._what} failed: {e}; did a peer exit, or is REFIT_TIMEOUT too short?")
 
 
 class GlooTransport(BroadcastTransport):
