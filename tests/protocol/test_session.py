@@ -385,6 +385,7 @@ def test_a_receiver_left_by_an_exception_tells_the_sender_why_it_closed() -> Non
         assert sender.refit(1).receivers == [1]
         t.join()
         assert engine.weights.version == 1 and len(failures) == 1
+        assert all(torch.equal(engine.module[n], t) for n, t in tensors.items())  # the trainer's live tensors
         second = sender.refit(2)
         reason = "the receiver closed after ValueError: the engine's own loop failed"
         assert second.departed == [{"receiver": 1, "reason": reason}] and second.receivers == []

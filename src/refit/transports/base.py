@@ -12,6 +12,9 @@ import torch.distributed as dist
 from refit.errors import PeerError
 from refit.settings import Settings
 
+INTERRUPT_EVERY_S = 0.05
+"""How often a wait that can be interrupted asks whether it was (a look at the control socket)."""
+
 
 class Interrupted(PeerError):
     """A wait for a transfer given up because the caller's `interrupted()` said the peer gave up on it."""

@@ -9,11 +9,8 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from refit.errors import PeerError
-from refit.transports.base import Interrupted, Pending
+from refit.transports.base import INTERRUPT_EVERY_S, Interrupted, Pending
 from refit.transports.group import BroadcastTransport
-
-_SLICE_S = 0.05
-"""How often a wait that can be interrupted looks up from gloo (a blocking wait, released at once when done)."""
 
 
 class _Work(Pending):
@@ -25,7 +22,7 @@ class _Work(Pending):
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
-            step = left if interrupted is None else min(_SLICE_S, left)
+            step = left if interrupted is None else min(INTERRUPT_EVERY_S, left)
             try:  # at least 1 ms: a zero timeout would be torch's "no timeout"
                 self._work.wait(datetime.timedelta(seconds=max(step, 1e-3)))
                 return

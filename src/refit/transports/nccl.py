@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from refit.errors import PeerError
 from refit.log import get_logger
-from refit.transports.base import Interrupted, Pending
+from refit.transports.base import INTERRUPT_EVERY_S, Interrupted, Pending
 from refit.transports.group import BroadcastTransport
 
 log = get_logger("nccl")
@@ -29,10 +29,6 @@ log = get_logger("nccl")
 _POLL_MAX_S = 1e-4
 """Longest pause between polls. Every bucket's wait polls, and a 1 GiB broadcast takes about 3 ms on
 NVLink: a pause that grew to 10 ms would add up to a bucket's own time to each one."""
-
-
-_INTERRUPT_EVERY_S = 0.05
-"""How often a wait that can be interrupted asks whether it was (a select() on the control socket)."""
 
 
 def _stream_marker() -> Any:
@@ -76,13 +72,13 @@ class NcclTransport(BroadcastTransport):
         self, done: Callable[[], bool], timeout_s: float, what: str, interrupted: Callable[[], bool] | None = None
     ) -> None:
         """Poll `done` until it holds; past `timeout_s` abort the communicator and raise PeerError. When
-        `interrupted()` holds (looked at every _INTERRUPT_EVERY_S), abort it too and raise Interrupted: the
+        `interrupted()` holds (looked at every INTERRUPT_EVERY_S), abort it too and raise Interrupted: the
         kernel would otherwise block this device's stream for good."""
         deadline, pause = time.monotonic() + timeout_s, 1e-5
-        look = time.monotonic() + _INTERRUPT_EVERY_S
+        look = time.monotonic() + INTERRUPT_EVERY_S
         while not done():
             if interrupted is not None and time.monotonic() >= look:
-                look = time.monotonic() + _INTERRUPT_EVERY_S
+                look = time.monotonic() + INTERRUPT_EVERY_S
                 if interrupted():
                     self._abort()
                     raise Interrupted(f"{what} was interrupted; the NCCL group was aborted")
