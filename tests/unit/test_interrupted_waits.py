@@ -128,7 +128,7 @@ def _pair() -> tuple[Channel, socket.socket]:
 
 def test_the_watch_skips_heartbeats_and_keeps_what_the_sender_said_for_the_caller() -> None:
     ch, sender = _pair()
-    watch = Watch(ch)
+    watch = Watch(ch, "refit 7, bucket 3")
     assert not watch()
     sender.sendall(Header(Kind.HEARTBEAT).pack())
     assert not watch()  # a beat is no sign that the refit was given up
@@ -136,20 +136,20 @@ def test_the_watch_skips_heartbeats_and_keeps_what_the_sender_said_for_the_calle
     sender.sendall(Header(Kind.CLOSE).pack())
     assert watch()
     assert ch.stray is not None and ch.stray[0].kind == Kind.CLOSE
-    assert "sender sent CLOSE while bucket 3 of refit 7 was in flight" in str(watch.broken_off(7, 3))
+    assert "sender sent CLOSE during refit 7, bucket 3, while its bytes were in flight" in str(watch.broken_off())
 
 
 def test_the_watch_keeps_the_senders_error_and_the_connections_end() -> None:
     ch, sender = _pair()
     Channel(sender, peer="receiver", timeout_s=5.0).send(Header(Kind.ERROR), {"message": "the trainer failed"})
-    watch = Watch(ch)
+    watch = Watch(ch, "refit 7, bucket 3")
     assert watch()
-    error = watch.broken_off(7, 3)
+    error = watch.broken_off()
     assert isinstance(error, PeerFailed) and "the trainer failed" in str(error)
     sender.close()
-    ended = Watch(ch)
+    ended = Watch(ch, "refit 7, bucket 3")
     assert ended()
-    assert "closed the connection" in str(ended.broken_off(7, 3))
+    assert "closed the connection during refit 7, bucket 3" in str(ended.broken_off())
 
 
 def test_a_channel_on_a_descriptor_past_1023_is_watched_not_taken_for_closed() -> None:

@@ -129,11 +129,11 @@ class ReceivePath:
     ) -> RefitError | None:
         """Wait for bucket `b`, verify and load it, then acknowledge it (with status 1 after a failure)."""
         t = time.perf_counter()
-        watch = Watch(self.channel)
+        watch = Watch(self.channel, f"refit {header.version}, bucket {b}")
         try:
             handle.wait(self.settings.timeout_s, watch)
         except Interrupted:
-            raise watch.broken_off(header.version, b) from None
+            raise watch.broken_off() from None
         except PeerError as e:
             raise PeerError(f"{e} (during refit {header.version}, bucket {b})") from None
         stats.add("recv", time.perf_counter() - t)
@@ -244,15 +244,15 @@ class Watch:
     """While a bucket is in flight the sender says nothing on the control channel until its ACK, unless it
     gave up on the refit (REGROUP, ERROR, CLOSE). Called between waits: whether it spoke (heartbeats aside)."""
 
-    def __init__(self, channel: Channel) -> None:
-        self.channel = channel
+    def __init__(self, channel: Channel, stage: str) -> None:
+        self.channel, self.stage = channel, stage
         self.error: RefitError | None = None
         """What reading its message raised: its ERROR (PeerFailed), or the connection's end."""
 
     def __call__(self) -> bool:
         while readable(self.channel):
             try:
-                header, payload = self.channel.recv("a bucket in flight", heartbeats=True)
+                header, payload = self.channel.recv(self.stage, heartbeats=True)
             except RefitError as e:
                 self.error = e
                 return True
@@ -261,10 +261,10 @@ class Watch:
                 return True
         return False
 
-    def broken_off(self, version: int, b: int) -> RefitError:
-        """The error to stop the refit with, once the sender spoke while bucket `b` was in flight."""
+    def broken_off(self) -> RefitError:
+        """The error to stop the refit with, once the sender spoke while the bucket was in flight."""
         if self.error is not None:
             return self.error
         assert self.channel.stray is not None
         kind = self.channel.stray[0].kind.name
-        return PeerError(f"{self.channel.peer} sent {kind} while bucket {b} of refit {version} was in flight")
+        return PeerError(f"{self.channel.peer} sent {kind} during {self.stage}, while its bytes were in flight")
