@@ -25,6 +25,21 @@ def test_loads_in_place_through_a_name_map_and_tracks_versions() -> None:
         engine.ensure_current()
 
 
+def test_a_name_map_that_would_hide_a_module_tensor_is_refused_and_a_swap_loads_both() -> None:
+    own = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    # sender 'b' -> module 'a' while the module has its own 'b': one of them would never be loaded
+    with pytest.raises(ValueError, match=r"sender name 'b' to 'a', but the module also has a tensor named 'b'"):
+        ModuleEngine(own, name_map={"b": "a"})
+    with pytest.raises(ValueError, match=r"several sender names to one module tensor \('a' <- \['x', 'y'\]\)"):
+        ModuleEngine(own, name_map={"x": "a", "y": "a"})
+    engine = ModuleEngine(own, name_map={"a": "b", "b": "a"})
+    assert sorted(s.name for s in engine.specs()) == ["a", "b"]
+    engine.begin(1)
+    engine.load([("a", torch.ones(2)), ("b", torch.full((2,), 2.0))])
+    engine.commit(1)
+    assert torch.equal(own["b"], torch.ones(2)) and torch.equal(own["a"], torch.full((2,), 2.0))
+
+
 def test_copy_plans_of_an_old_manifest_are_dropped_after_one_refit() -> None:
     engine = ModuleEngine({"w": torch.zeros(4)})
     old = [("w", torch.ones(4))]

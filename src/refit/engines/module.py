@@ -46,6 +46,7 @@ class ModuleEngine(Engine):
         unknown = sorted(v for v in name_map.values() if v not in own)
         if unknown:
             raise ValueError(f"name_map targets names the module does not have: {unknown[:10]}")
+        _check_name_map(name_map, own)
         self._inverse = {v: k for k, v in name_map.items()}
         self._plans: dict[int, tuple[list, CopyPlan]] = {}
         self._fused: dict[int, tuple[list, _DigestedLoad]] = {}
@@ -209,6 +210,28 @@ def _written_once(targets: dict[str, torch.Tensor]) -> frozenset[str]:
     bad[torch.nonzero(full).view(-1)[order]] = clash
     flags = bad.tolist()
     return frozenset(n for n, k in owners if not flags[k])
+
+
+def _check_name_map(name_map: dict[str, str], own: Mapping[str, torch.Tensor]) -> None:
+    """Every module tensor must keep one sender name: two sender names for one tensor, or a sender name
+    that is also an unmapped module name (whose own tensor it would hide), would leave a tensor unloaded."""
+    targets: dict[str, list[str]] = {}
+    for sender_name, module_name in name_map.items():
+        targets.setdefault(module_name, []).append(sender_name)
+    shared = {m: sorted(s) for m, s in targets.items() if len(s) > 1}
+    if shared:
+        first = sorted(shared)[0]
+        raise ValueError(
+            f"name_map maps several sender names to one module tensor ({first!r} <- {shared[first]}); "
+            "map each module tensor from one sender name"
+        )
+    hidden = sorted(s for s in name_map if s in own and s not in targets)
+    if hidden:
+        raise ValueError(
+            f"name_map maps sender name {hidden[0]!r} to {name_map[hidden[0]]!r}, but the module also has a tensor "
+            f"named {hidden[0]!r}, which would never be loaded; map {hidden[0]!r} too (to another sender name), "
+            "or rename one of them"
+        )
 
 
 def _spec(names: list[str], t: torch.Tensor) -> TensorSpec:
