@@ -93,7 +93,15 @@ class MeshRefit:
         self.elastic = elastic
         pair = shared_budget(self.settings, num_workers)
         self.senders = [
-            Sender(source, transport=transport, settings=pair, device=device, verify=verify, elastic=elastic)
+            Sender(
+                source,
+                transport=transport,
+                settings=pair,
+                device=device,
+                verify=verify,
+                elastic=elastic,
+                min_receivers=0,  # a pair that reached no worker fails here, naming it (_pair_refit)
+            )
             for _ in range(num_workers)
         ]
         for w, s in enumerate(self.senders):

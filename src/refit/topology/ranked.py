@@ -165,7 +165,8 @@ class RankedRefit:
         sender = self.sender
         if not self._elastic:
             return sender.refit(version)
-        sender.await_receivers(1, timeout_s=sender.settings.connect_timeout_s)
+        if not sender.await_receivers(1, timeout_s=sender.settings.connect_timeout_s):
+            raise PeerError(f"no engine worker of trainer rank {self.rank} is connected (none replaced the last)")
         stats = sender.refit(version)
         if not stats.receivers:  # no worker took part, so no vote was cast: the shard went nowhere
             raise PeerError(f"no engine worker of trainer rank {self.rank} is connected (none replaced the last)")

@@ -176,8 +176,8 @@ class SendPath:
         if self.zero_copy:
             digests.take_all(source)
         verify = Header(Kind.VERIFY, epoch=m.epoch, version=version, digest=m.digest)
-        sends = dict(zip(map(id, self.channels), digests.payloads()))
-        each(self.channels, lambda ch: ch.send(verify, {"digests": sends[id(ch)]}), self.on_lost)
+        sends = digests.payloads()
+        each(self.channels, lambda ch: ch.send(verify, {"digests": sends[ch.rank]}), self.on_lost)
         stats.add("verify", time.perf_counter() - t)
 
 

@@ -135,6 +135,7 @@ class Sender:
         zero_copy: bool = False,
         port: int = 0,
         elastic: bool = False,
+        min_receivers: int = 1,
     ) -> None:
         """`verify="fingerprint"` (the default; `verify=None` turns it off): after the last bucket, each
         receiver compares a digest of what its engine now holds with a digest of the trainer's live
@@ -146,13 +147,22 @@ class Sender:
         are exported once per epoch; the source must hold contiguous device tensors in their wire dtype.
         `elastic`: receivers beyond the first `num_receivers` may join at any time (they take part from
         the next refit), and one that leaves or dies is dropped while the refit goes on with the rest
-        (`RefitStats.departed` names it); without it any lost receiver fails the refit and the session."""
+        (`RefitStats.departed` names it); without it any lost receiver fails the refit and the session.
+        `min_receivers` (elastic): a refit that commits on fewer receivers raises RefitError naming who left
+        and why (those that committed hold the version); 0 lets a refit with no receiver at all pass."""
         if num_receivers < 1:
             raise ValueError(f"num_receivers ({num_receivers}) must be >= 1")
         if num_slots < 1:
             raise ValueError(f"num_slots ({num_slots}) must be >= 1 (2 overlaps packing with transfer)")
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if min_receivers < 0:
+            raise ValueError(f"min_receivers ({min_receivers}) must be >= 0")
+        if not elastic and min_receivers > num_receivers:
+            raise ValueError(
+                f"min_receivers ({min_receivers}) is for an elastic Sender (elastic=True); a fixed one always "
+                f"needs all num_receivers ({num_receivers})"
+            )
         if elastic and zero_copy:
             raise ValueError("elastic=True cannot be combined with zero_copy (a joiner would need the source handles)")
         if zero_copy and (transport != "cuda-ipc" or not source.stable_tensors):
@@ -164,6 +174,7 @@ class Sender:
         self.zero_copy = zero_copy
         self.verify = verify
         self.elastic = elastic
+        self.min_receivers = min_receivers
         self._broken = ""
         self._connected = False
         self.source = source
@@ -403,10 +414,10 @@ class Sender:
         return failures
 
     def _digest_plan(self) -> DigestPlan | None:
-        """The fingerprint plan for the current manifest and receivers (regions in channel order)."""
+        """The fingerprint plan for the current manifest and receivers (regions by receiver rank)."""
         if not self.verify or self.manifest is None:
             return None
-        return DigestPlan(self.manifest, [self._regions.get(ch.rank, {}) for ch in self.channels])
+        return DigestPlan(self.manifest, {ch.rank: self._regions.get(ch.rank, {}) for ch in self.channels})
 
     def _admit_joiners(self, joiners: list[Channel]) -> None:
         """Elastic, at refit start: each joiner validates the current manifest alone (no other receiver sees it
@@ -481,10 +492,9 @@ class Sender:
     def _drop(self, ch: Channel, error: Exception) -> None:
         """Elastic: `ch` left (LEAVE, closed, died or broke the protocol): the refit goes on without it."""
         if ch in self.channels:
-            i = self.channels.index(ch)
-            del self.channels[i]
-            if self._digests is not None and i < len(self._digests.regions):
-                del self._digests.regions[i]
+            self.channels.remove(ch)
+        if self._digests is not None:
+            self._digests.forget(ch.rank)
         self._regions.pop(ch.rank, None)
         assert self._session.members is not None
         self._session.members.drop(ch, error)
@@ -584,6 +594,8 @@ class Sender:
                 self._regroup(joiners, after_break=retry)
                 joiners = []
             if not self.channels and not joiners:
+                if self.min_receivers:
+                    raise RefitError(self._too_few(version, "reached", 0, members.departed))
                 log.warning("refit of version %d reached no receiver: none is connected", version)
                 return RefitStats(version=version, epoch=self._epoch, departed=members.take_departed())
         signature = self.source.signature()
@@ -670,6 +682,9 @@ class Sender:
             )
         if self.verify == "strict" and names and not failures and not errors:
             failures.append(_strict_failure(sorted(names)))
+        few = self.elastic and len(stats.receivers) < self.min_receivers and not failures and not errors
+        if few and self._two_phase():  # the verdict makes it fail on the receivers holding their commit open
+            failures.append(self._too_few(version, "committed on", len(stats.receivers), stats.departed))
         if failures or errors:
             own = (
                 f"refit of version {version} failed; receivers keep their last committed weights and report "
@@ -681,12 +696,25 @@ class Sender:
             own = self._decide(m, version, own, committed)
         if own:
             raise RefitError(own)
+        if few:  # committed where it reached: those receivers hold the version
+            raise RefitError(self._too_few(version, "committed on", len(stats.receivers), stats.departed))
 
     def _record_members(self, stats: RefitStats, committed: list[Channel], version: int) -> None:
         """Who took this refit, and (elastic) who departed since the last one's stats."""
         stats.receivers = sorted(ch.rank for ch in committed if ch in self.channels)
         if self._session.members is not None:
             stats.departed = self._session.members.take_departed()
+
+    def _too_few(self, version: int, did: str, count: int, departed: list[dict]) -> str:
+        """Elastic: fewer than `min_receivers` took the refit. Who left stays listed for the next refit's stats."""
+        members = self._session.members
+        if members is not None and departed is not members.departed:
+            members.departed[:0] = departed
+        return (
+            f"refit of version {version} {did} {count} receiver(s), fewer than min_receivers ({self.min_receivers}); "
+            f"departed since the last refit's stats: {_named(departed)}; start or reconnect an engine (await_receivers "
+            "waits for one), or pass min_receivers=0 to let a refit reach none"
+        )
 
     def _two_phase(self) -> bool:
         """Receivers hold their commit open until told the verdict: per-rank refits, and strict

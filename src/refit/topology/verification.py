@@ -12,7 +12,7 @@ tensor. Per refit, digests sit in one int64 vector: no per-name Python beyond wh
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -49,9 +49,11 @@ class DigestPlan:
     (`reset` before each refit). Each target has a slot in one int64 vector of results; per refit the
     packed digests land there by one indexed copy per bucket, and each receiver's payload is one gather."""
 
-    def __init__(self, m: Manifest, regions: Sequence[dict[str, Region]]) -> None:
+    def __init__(self, m: Manifest, regions: Mapping[int, dict[str, Region]]) -> None:
+        """`regions`: per receiver, by its session rank (never by its place in a list, which a departure
+        shifts), the regions it named at its handshake."""
         self.manifest = m
-        self.regions = list(regions)
+        self.regions = dict(regions)
         self._pending = Pending()
         self._keys: list[Target] = []
         self._known: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -66,7 +68,8 @@ class DigestPlan:
                 if m.last_bucket[s.entry] != b:
                     continue
                 spec = m.entries[s.entry].spec
-                targets = list(dict.fromkeys((n, r.get(n)) for n in spec.names for r in self.regions or [{}]))
+                every = list(self.regions.values()) or [{}]
+                targets = list(dict.fromkeys((n, r.get(n)) for n in spec.names for r in every))
                 base = len(self._slot)
                 self._slot.update((t, base + i) for i, t in enumerate(targets))
                 whole = s.lo == 0 and s.hi == spec.nbytes
@@ -81,9 +84,10 @@ class DigestPlan:
             if slots:
                 self._packed[b] = (torch.tensor(slots, dtype=torch.int64), torch.tensor(index, dtype=torch.int64))
         names = m.names
-        self._orders = [
-            torch.tensor([self._slot[(n, r.get(n))] for n in names], dtype=torch.int64) for r in self.regions or [{}]
-        ]
+        self._orders = {
+            rank: torch.tensor([self._slot[(n, r.get(n))] for n in names], dtype=torch.int64)
+            for rank, r in self.regions.items()
+        }
 
     def reset(self) -> None:
         """Forget the last refit's digests (the plan itself stays: it holds no tensor)."""
@@ -126,15 +130,20 @@ class DigestPlan:
             self._pending.add(views)
         self._keys.extend(target for target, _, _ in items)
 
-    def payloads(self) -> list[list[str]]:
-        """Per receiver, the hex digest of every name it loads, in `Manifest.names` order."""
+    def forget(self, rank: int) -> None:
+        """Receiver `rank` left: no payload for it (the others' are unchanged)."""
+        self.regions.pop(rank, None)
+        self._orders.pop(rank, None)
+
+    def payloads(self) -> dict[int, list[str]]:
+        """Per receiver rank, the hex digest of every name it loads, in `Manifest.names` order."""
         values = torch.zeros(len(self._slot), dtype=torch.int64)
         for slots, got in self._known:
             values[slots] = got.cpu()
         if self._keys:
             late = [int(h, 16) for h in self._pending.hexes()]
             values[[self._slot[k] for k in self._keys]] = torch.tensor([v - (v >> 63 << 64) for v in late])
-        return [to_hex(values[order]) for order in self._orders]
+        return {rank: to_hex(values[order]) for rank, order in self._orders.items()}
 
 
 def to_hex(values: torch.Tensor) -> list[str]:
