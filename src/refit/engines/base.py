@@ -62,6 +62,11 @@ class Engine(ABC):
     def specs(self) -> list[TensorSpec]:
         """Names (as the sender calls them), shapes and dtypes of everything the engine holds."""
 
+    def layout(self) -> list[TensorSpec]:
+        """What the engine holds now, as `specs` says it, called after `begin` to check that the epoch's
+        validated manifest still fits. Engines that re-read their tensors in `begin` may answer from that."""
+        return self.specs()
+
     @abstractmethod
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy these tensors in; they are views into a reused buffer, so copy before returning."""

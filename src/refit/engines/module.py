@@ -55,6 +55,8 @@ class ModuleEngine(Engine):
         self._names: tuple[str, ...] = ()
         self._guard: LayoutGuard | None = None
         self._targets: dict[str, torch.Tensor] = {}
+        self._specs: list[TensorSpec] | None = None
+        """The specs of the targets as of the last `_refresh` that saw them change (one list while they hold)."""
         self._refresh()
         self._shards = dict(shards or {})
         for name, part in self._shards.items():
@@ -74,13 +76,26 @@ class ModuleEngine(Engine):
         if names != self._names or self._guard is None or not self._guard.holds(values):
             self._plans, self._fused, self._names, self._guard = {}, {}, names, LayoutGuard(values)
             self._proven = _written_once(self._targets)
+            self._specs = None
 
     def specs(self) -> list[TensorSpec]:
         self._refresh()
-        ties: dict[tuple, list[str]] = {}
-        for n, t in self._targets.items():
-            ties.setdefault(_view_key(t), []).append(n)
-        return [_spec(names, self._targets[names[0]]) for names in ties.values()]
+        return self._own_specs()
+
+    def layout(self) -> list[TensorSpec]:
+        """The specs as of the last re-read of the targets (`begin` re-reads them): the same list object
+        while no target was replaced, recast, reshaped or moved, so comparing it costs nothing."""
+        if type(self).specs is not ModuleEngine.specs:  # a subclass states its own specs
+            return self.specs()
+        return self._own_specs()
+
+    def _own_specs(self) -> list[TensorSpec]:
+        if self._specs is None:
+            ties: dict[tuple, list[str]] = {}
+            for n, t in self._targets.items():
+                ties.setdefault(_view_key(t), []).append(n)
+            self._specs = [_spec(names, self._targets[names[0]]) for names in ties.values()]
+        return self._specs
 
     def begin(self, version: int) -> None:
         self._refresh()

@@ -30,7 +30,7 @@ from refit.errors import RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.packing import CopyPlan
 from refit.layout.reshard import Slice
-from refit.layout.spec import TensorSpec
+from refit.layout.spec import TensorSpec, changes
 from refit.log import get_logger
 
 log = get_logger("receiver")
@@ -141,6 +141,8 @@ class Staging(Engine):
         self._cond = threading.Condition(self._lock)
         self._tensors: dict[str, torch.Tensor] = {}
         """Staging tensor per name the sender loads under (an alias maps to its primary's tensor)."""
+        self._built: list[TensorSpec] | None = None
+        """The live engine's specs staging was built (and its versions verified) for: `apply` refuses others."""
         self._dtypes: dict[str, torch.dtype] = {}
         self._primary: dict[str, str] = {}
         self._plans: dict[int, tuple[list, CopyPlan, list]] = {}
@@ -186,7 +188,7 @@ class Staging(Engine):
         return self._direct
 
     def specs(self) -> list[TensorSpec]:
-        specs = self.live.specs()
+        specs = self._built = self.live.specs()
         self._dtypes = {n: s.dtype for s in specs for n in s.names}
         self._primary = {n: s.name for s in specs for n in s.names}
         self._plans = {}  # a handshake: the next refit's buffers and views are new
@@ -214,6 +216,22 @@ class Staging(Engine):
         if len(kept) != len(self._tensors):
             self._tensors = kept
             self._apply = list(kept.items())
+
+    def layout(self) -> list[TensorSpec]:
+        return self.live.specs()  # the engine loop may have changed the live engine since the handshake
+
+    def _check_live(self, version: int) -> None:
+        """Before writing into the live engine: its tensors must still be laid out as staging was built for,
+        or the same-dtype copy of the verified bytes would not be what it holds (a lossy cast, a wrong shape)."""
+        now = self.live.specs()
+        if now is self._built or now == self._built:
+            return
+        raise RefitError(
+            f"staged version {version} was not applied: the live engine's tensors changed since it was staged "
+            f"({changes(self._built, now)}), so it would not hold the verified bytes; the live weights are untouched "
+            f"(version {self.live.weights.version}) and version {version} stays staged (it applies once they are put "
+            "back); the next refit validates the new layout and stages for it"
+        )
 
     def shards(self) -> dict[str, Slice | None] | None:
         return self.live.shards()
@@ -282,6 +300,7 @@ class Staging(Engine):
                     f"loop did not pause within {self.timeout_s:g} s to receive the rest into the live weights; "
                     "call receiver.apply_staged() between generation steps (or raise staging_bytes)"
                 )
+            self._check_live(version)  # paused: the engine loop changes nothing from here on
             self.live.begin(version)
             self._live_begun = seq
 
@@ -354,6 +373,7 @@ class Staging(Engine):
                 version = self._ready
                 if version is None:
                     return None
+                self._check_live(version)
                 self.live.begin(version)
                 self._install(version)
         log.info("applied staged version %d", version)
@@ -368,6 +388,11 @@ class Staging(Engine):
         try:
             self._cond.wait_for(lambda: self._ended[0] >= seq)  # type: ignore[operator]
             reason, version = self._ended[1], self._ready
+            if (reason is not None or version is None) and self._live_begun != seq:
+                raise RefitError(
+                    f"staged refit of version {self.weights.target} failed during the pause, before writing into the "
+                    f"live engine: {reason}; the live weights are untouched"
+                )
             if reason is not None or version is None:
                 raise RefitError(
                     f"staged refit of version {self.weights.target} failed during the pause, after writing into "

@@ -71,3 +71,21 @@ _new = object.__new__
 _set_name, _set_shape, _set_dtype, _set_aliases, _set_nbytes = (
     TensorSpec.__dict__[f].__set__ for f in ("name", "shape", "dtype", "aliases", "nbytes")
 )
+
+
+def changes(before: list[TensorSpec] | None, now: list[TensorSpec]) -> str:
+    """The first few names whose spec differs between two layouts, as 'name: float32 (4, 4) -> float16 (4, 4)'."""
+    was = {n: s for s in before or [] for n in s.names}
+    out = []
+    for spec in now:
+        for n in spec.names:
+            old = was.pop(n, None)
+            if old is None or (old.shape, old.dtype) != (spec.shape, spec.dtype):
+                out.append(f"{n}: {said(old)} -> {said(spec)}")
+    out.extend(f"{n}: {said(old)} -> gone" for n, old in was.items())
+    return "; ".join(out[:5]) + (f" and {len(out) - 5} more" if len(out) > 5 else "") or "aliases changed"
+
+
+def said(spec: TensorSpec | None) -> str:
+    """A spec's dtype and shape, as an error message names them."""
+    return "absent" if spec is None else f"{str(spec.dtype).removeprefix('torch.')} {tuple(spec.shape)}"

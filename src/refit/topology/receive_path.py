@@ -64,11 +64,14 @@ class ReceivePath:
         self.sources: list[tuple[str, torch.Tensor]] = []
         """Zero-copy mode: the sender's tensors, mapped once per epoch (`open_sources`)."""
 
-    def take(self, begin: Header, stats: RefitStats) -> RefitError | None:
-        """One refit's weights into the engine: the buckets, or (zero-copy) the shared tensors."""
+    def take(self, begin: Header, stats: RefitStats, refused: RefitError | None = None) -> RefitError | None:
+        """One refit's weights into the engine: the buckets, or (zero-copy) the shared tensors. `refused`: the
+        refit failed before it began (the buckets are drained, nothing is loaded)."""
         self._digested = []
+        if refused is not None and begin.status & 1:
+            return refused
         with copy_share(self.transport.name):
-            return self._copy_sources(stats) if begin.status & 1 else self._stream(begin, stats)
+            return self._copy_sources(stats) if begin.status & 1 else self._stream(begin, stats, refused)
 
     def open_sources(self, payload: bytes) -> None:
         """Zero-copy mode: map the sender's tensors once per epoch."""
@@ -102,10 +105,9 @@ class ReceivePath:
         stats.add("load", time.perf_counter() - t)
         return None
 
-    def _stream(self, begin: Header, stats: RefitStats) -> RefitError | None:
+    def _stream(self, begin: Header, stats: RefitStats, failure: RefitError | None) -> RefitError | None:
         """Take every bucket; after a failure keep draining (so the sender never hangs) but load nothing."""
         m, transport = self.manifest, self.transport
-        failure: RefitError | None = None
         pending: tuple[int, Pending, Header] | None = None
         for b in range(m.num_buckets):
             t = time.perf_counter()

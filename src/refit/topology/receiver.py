@@ -18,6 +18,7 @@ from refit.engines.staging import Split, Staging
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.layout.budget import bucket_capacity, free_bytes
 from refit.layout.manifest import Manifest
+from refit.layout.spec import TensorSpec, changes
 from refit.log import get_logger
 from refit.protocol import auth
 from refit.protocol.store import AuthenticatedStores
@@ -67,6 +68,8 @@ class Receiver:
         self.rank = 0
         self.manifest: Manifest | None = None
         self._path: ReceivePath | None = None
+        self._layout: list[TensorSpec] | None = None
+        """The engine's specs this epoch's manifest was validated against (`_relayout` checks them per refit)."""
         self._broken = ""
         self._ended = False
         """The sender ended the session (CLOSE), or this side already said LEAVE: nothing more to tell it."""
@@ -328,9 +331,10 @@ class Receiver:
             except ValueError as e:
                 self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank} rejected the manifest: {e}"})
                 raise IntegrityError(f"sender's M:N pieces do not fit this worker: {e}") from None
+        layout = self.engine.specs()
         report = validate(
             [p.spec for p in manifest.entries],  # with aliases: which names share one source
-            self.engine.specs(),
+            layout,
             exact_shapes=self.engine.exact_shapes,
             optional=self.engine.optional_names,
         )
@@ -348,7 +352,7 @@ class Receiver:
         )
         if self.staging_split is not None and self.staging_split.num_direct:
             log.info("staged refit, epoch %d: %s", manifest.epoch, self.staging_split.describe())
-        self.manifest = manifest
+        self.manifest, self._layout = manifest, layout
         self._path = ReceivePath(
             self.engine,
             manifest,
@@ -380,7 +384,7 @@ class Receiver:
         done: dict = {}
         try:
             assert self._path is not None
-            failure = self._path.take(begin, stats)
+            failure = self._path.take(begin, stats, self._relayout(m, version))
             header, payload = ch.recv(f"commit of version {version}")
             if header.kind == Kind.VERIFY:
                 failure = failure or self._path.check_fingerprints(payload, stats, done)
@@ -412,6 +416,38 @@ class Receiver:
         stats.control_bytes = ch.bytes_sent + ch.bytes_received - ctrl0
         stats.seconds["total"] = time.perf_counter() - t0
         return stats
+
+    def _relayout(self, m: Manifest, version: int) -> RefitError | None:
+        """The engine's tensors changed since this epoch's manifest was validated (recast, reshaped): validate
+        it again here. A layout it still fits goes on (staging follows it); one it no longer fits refuses the
+        refit before any byte is loaded, naming the tensor."""
+        try:
+            now = self.engine.layout()
+            if now is self._layout or now == self._layout:
+                return None
+            now = self.engine.specs()  # staging re-reads the live engine's dtypes here
+            report = validate(
+                [p.spec for p in m.entries],
+                now,
+                exact_shapes=self.engine.exact_shapes,
+                optional=self.engine.optional_names,
+            )
+        except Exception as e:  # noqa: BLE001 - any engine error fails the refit, reported to the sender
+            return RefitError(f"engine failed to state its tensors for refit {version}: {type(e).__name__}: {e}")
+        changed = changes(self._layout, now)
+        if not report.ok:
+            return HandshakeError(
+                f"the engine's tensors changed since the handshake of epoch {m.epoch} ({changed}) and no longer fit "
+                f"the trainer's manifest: {report.message()}; nothing of refit {version} was loaded. Put them back, "
+                "or change the trainer's tensors (wire dtype or shape) so that the next refit starts a new epoch"
+            )
+        log.info(
+            "refit %d: the engine's tensors changed since the handshake (%s); the manifest still fits", version, changed
+        )
+        self._layout = now
+        if self.staging is not None:
+            self.staging_split = self.staging.split(m)
+        return None
 
     def _await_verdict(self, version: int) -> None:
         """The engine stays 'updating' until every worker committed; any error or silence here fails it."""
