@@ -166,3 +166,42 @@ def test_one_pairs_new_manifest_never_leaves_another_pair_writing_into_a_dropped
     refit(2)
     assert engine.got["x"].tolist() == [[3.0, 3.0]] * 2 + [[4.0, 4.0]] * 2
     assert engine.got["y"].dtype == torch.float16 and engine.got["y"].tolist() == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("how", ["dtype", "shape", "storage", "identity"])
+def test_a_worker_tensor_recast_or_reshaped_since_the_plan_is_refused_before_any_byte_a_moved_one_is_followed(
+    how: str,
+) -> None:
+    held = {"x": torch.zeros(2, 4)}
+    engine = ModuleEngine(held)
+    pair = PieceEngine(ShardTarget(engine, 1, timeout_s=10, device=torch.device("cpu")), 0)
+    m = _manifest([("x", (0, 0), (2, 4))])
+    pair.prepare(m)
+    bucket = [(m.entries[0].name, torch.ones(2, 4))]
+
+    def refit(version: int) -> None:
+        pair.target.reset()
+        pair.begin(version)
+        pair.load(bucket)
+        pair.commit(version)
+
+    refit(1)
+    t = held["x"]
+    with torch.no_grad():
+        if how == "dtype":
+            t.data = t.data.half()
+        elif how == "shape":
+            t.data = torch.zeros(4, 2)
+        elif how == "storage":
+            t.set_(torch.zeros(2, 4).untyped_storage(), 0, (2, 4), (4, 1))
+        else:
+            held["x"] = torch.zeros(2, 4)
+    bucket[0][1].fill_(5.0)
+    if how in ("dtype", "shape"):
+        with pytest.raises(RefitError, match=r"tensor x changed from torch.float32 \(2, 4\) to .* since the M:N plan"):
+            refit(2)
+        assert not (held["x"].float() == 5.0).any()  # nothing of version 2 written
+        assert engine.weights.state.value == "failed"
+        return
+    refit(2)
+    assert torch.equal(held["x"], torch.full((2, 4), 5.0)) and engine.weights.version == 2

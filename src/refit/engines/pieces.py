@@ -79,6 +79,13 @@ class _Part:
     """The part's shape when there is no target to read it from (the full spec with the slice applied)."""
     wire: torch.dtype = torch.float32
     staged: torch.Tensor | None = None
+    layout: tuple = ()
+    """`_layout` of `target` when it was taken: a tensor changed in place (`.data =`, `set_`) is the same
+    object as `target`, so only this snapshot shows what changed."""
+
+    def __post_init__(self) -> None:
+        if self.target is not None:
+            self.layout = _layout(self.target)
 
 
 class ShardTarget:
@@ -139,7 +146,11 @@ class ShardTarget:
     def _begin(self, version: int) -> str:
         self.version = version  # first: whatever fails below fails this version
         self.engine.begin(version)  # an engine re-reads its live tensors here
-        self._refresh_targets()
+        moved = self._refresh_targets()
+        if moved:
+            self.error = moved
+            self.engine.fail(version, moved)
+            return moved
         if not self._tiled:  # checked again after any pair's new manifest or a moved target
             problems = [p for p in map(_tiling, self._parts.values()) if p]
             if problems:
@@ -157,19 +168,29 @@ class ShardTarget:
         self.error = ""
         return ""
 
-    def _refresh_targets(self) -> None:
+    def _refresh_targets(self) -> str:
         """Re-read the engine's tensors (one replaced since, say by `module.to()`, gets the bytes); one
-        batched layout check while none moved."""
+        batched layout check while none moved. A target recast or reshaped since the plan is refused (its
+        pieces were planned and checked for the old one): the error, before any byte is written."""
         direct = [p for p in self._parts.values() if p.target is not None]
         now = [self.engine.shard_target(p.name) for p in direct]
         if all(t is not None for t in now) and self._guard is not None and self._guard.holds(now):  # type: ignore[arg-type]
-            return
+            return ""
         for part, t in zip(direct, now):
-            if t is None or _layout(t) != _layout(part.target):  # type: ignore[arg-type]
-                part.target = t
+            shape, dtype = part.layout[3], part.layout[5]
+            if t is not None and (t.dtype, tuple(t.shape)) != (dtype, shape):
+                return (
+                    f"this worker's tensor {part.name} changed from {dtype} {shape} to {t.dtype} {tuple(t.shape)} "
+                    "since the M:N plan, which its pieces were checked for; nothing was written. Put it back, or "
+                    "build a new MeshRefit for the new layout"
+                )
+        for part, t in zip(direct, now):
+            if t is None or _layout(t) != part.layout:
+                part.target, part.layout = t, () if t is None else _layout(t)
                 self.generation += 1
                 self._tiled = False
         self._guard = LayoutGuard([p.target for p in direct if p.target is not None])
+        return ""
 
     def view(self, pair: int, name: str, at: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         part = self._parts[name]
