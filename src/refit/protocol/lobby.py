@@ -10,7 +10,9 @@ proofs, other protocol versions and late arrivals are answered with ERROR. The t
 
 from __future__ import annotations
 
+import errno
 import json
+import resource
 import selectors
 import socket
 import threading
@@ -25,6 +27,9 @@ from refit.protocol.wire import HEADER, MAX_HELLO_BYTES, Channel, Header, Kind, 
 
 HELLO_TIMEOUT_S = 10.0
 """How long a new connection has to deliver its whole HELLO."""
+STARVED_PAUSE_S = 0.1
+"""How long the listener rests after accept() found no descriptor or memory for a new socket. The connection
+stays queued and the listener stays readable, so without a rest the accept loop would spin a core."""
 WRONG_TOKEN = "wrong token: this sender expects another REFIT_TOKEN; pass the token from Sender.rendezvous()"  # noqa: S105 - a message
 
 
@@ -78,6 +83,8 @@ class Lobby:
         """Connections refused so far (wrong token, malformed or silent)."""
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._starved = False
+        """accept() last failed for lack of descriptors or memory (warned once until an accept succeeds)."""
 
     def address(self) -> tuple[str, int]:
         host, port = self._listener.getsockname()[:2]
@@ -119,6 +126,7 @@ class Lobby:
     def _serve(self, on_arrival, deadline: float | None) -> None:  # type: ignore[no-untyped-def]
         """Accept and read HELLOs until `on_arrival` returns True, the deadline passes or the lobby closes."""
         pending: dict[int, _Pending] = {}
+        resting_until: float | None = None  # the listener rests after a starved accept(); handshakes go on
         with selectors.DefaultSelector() as sel:
             sel.register(self._listener, selectors.EVENT_READ)
             try:
@@ -126,26 +134,49 @@ class Lobby:
                     now = time.monotonic()
                     if deadline is not None and now >= deadline:
                         return
+                    if resting_until is not None and now >= resting_until:
+                        sel.register(self._listener, selectors.EVENT_READ)
+                        resting_until = None
                     for fd in [fd for fd, p in pending.items() if p.deadline <= now]:
                         self._drop(sel, pending.pop(fd), "sent no complete HELLO in time")
-                    wake = min([p.deadline for p in pending.values()] + ([deadline] if deadline else []) + [now + 0.2])
+                    wakes = [t for t in (deadline, resting_until) if t is not None]
+                    wake = min([p.deadline for p in pending.values()] + wakes + [now + 0.2])
                     for key, _ in sel.select(max(0.0, wake - now)):
                         if key.fileobj is self._listener:
-                            self._accept(sel, pending)
+                            if not self._accept(sel, pending):
+                                sel.unregister(self._listener)
+                                resting_until = time.monotonic() + STARVED_PAUSE_S
                         elif (arrival := self._read(sel, pending, key.fd)) is not None and on_arrival(arrival):
                             return
             finally:
                 for p in pending.values():
                     p.sock.close()
 
-    def _accept(self, sel: selectors.BaseSelector, pending: dict[int, _Pending]) -> None:
+    def _accept(self, sel: selectors.BaseSelector, pending: dict[int, _Pending]) -> bool:
+        """Take one queued connection; False when this process has no descriptor or memory for it (the
+        connection stays queued: the caller rests the listener and tries again)."""
         try:
             sock, addr = self._listener.accept()
-        except (BlockingIOError, OSError):
-            return
+        except BlockingIOError:
+            return True
+        except OSError as e:
+            if (shortage := _shortage(e)) is None:
+                return True  # that connection is gone (reset before we took it); the queue moves on
+            if not self._starved:
+                log.warning(
+                    "cannot accept connections: %s; new receivers wait until one is free, retrying every %gs",
+                    shortage,
+                    STARVED_PAUSE_S,
+                )
+            self._starved = True
+            return False
+        if self._starved:
+            log.info("accepting connections again")
+            self._starved = False
         sock.setblocking(False)
         pending[sock.fileno()] = _Pending(sock, f"{addr[0]}:{addr[1]}", time.monotonic() + self.hello_timeout_s)
         sel.register(sock, selectors.EVENT_READ)
+        return True
 
     def _read(self, sel: selectors.BaseSelector, pending: dict[int, _Pending], fd: int) -> Arrival | None:
         p = pending[fd]
@@ -225,6 +256,21 @@ class Lobby:
             self._thread.join()
         self._thread = None
         self._listener.close()
+
+
+def _shortage(e: OSError) -> str | None:
+    """What ran out, and the fix, when accept() failed for want of a resource; None for any other failure."""
+    if e.errno == errno.EMFILE:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return (
+            f"this process has used its {soft} file descriptors (RLIMIT_NOFILE); raise the open-file limit "
+            f"(`ulimit -n`) before starting the trainer, or close descriptors it leaks"
+        )
+    if e.errno == errno.ENFILE:
+        return "the system's open-file table is full; raise fs.file-max (sysctl) or close other processes' files"
+    if e.errno in (errno.ENOBUFS, errno.ENOMEM):
+        return f"the kernel has no memory for another socket ({e.strerror}); free memory on this host"
+    return None
 
 
 def _small_header(data: bytes, kind: Kind) -> Header:
