@@ -142,7 +142,10 @@ class Staging(Engine):
         self._tensors: dict[str, torch.Tensor] = {}
         """Staging tensor per name the sender loads under (an alias maps to its primary's tensor)."""
         self._built: list[TensorSpec] | None = None
-        """The live engine's specs staging was built (and its versions verified) for: `apply` refuses others."""
+        """The live engine's specs as of the last handshake (the dtypes staging tensors are made in)."""
+        self._staged_for: list[TensorSpec] | None = None
+        """`_built` when the refit now staged began: `apply` refuses a live engine laid out otherwise, even
+        after a later handshake moved `_built` (the staged bytes keep the old dtypes)."""
         self._dtypes: dict[str, torch.dtype] = {}
         self._primary: dict[str, str] = {}
         self._plans: dict[int, tuple[list, CopyPlan, list]] = {}
@@ -220,17 +223,21 @@ class Staging(Engine):
     def layout(self) -> list[TensorSpec]:
         return self.live.specs()  # the engine loop may have changed the live engine since the handshake
 
+    def follow(self) -> None:
+        """The refit under way stages for the layout the last `specs()` read (the receiver re-validated it)."""
+        self._staged_for = self._built
+
     def _check_live(self, version: int) -> None:
         """Before writing into the live engine: its tensors must still be laid out as staging was built for,
         or the same-dtype copy of the verified bytes would not be what it holds (a lossy cast, a wrong shape)."""
         now = self.live.specs()
-        if now is self._built or now == self._built:
+        if now is self._staged_for or now == self._staged_for:
             return
         raise RefitError(
             f"staged version {version} was not applied: the live engine's tensors changed since it was staged "
-            f"({changes(self._built, now)}), so it would not hold the verified bytes; the live weights are untouched "
-            f"(version {self.live.weights.version}) and version {version} stays staged (it applies once they are put "
-            "back); the next refit validates the new layout and stages for it"
+            f"({changes(self._staged_for, now)}), so it would not hold the verified bytes; the live weights are "
+            f"untouched (version {self.live.weights.version}); version {version} stays staged until the next refit "
+            "begins (it applies if they are put back first), and that refit validates the new layout and stages for it"
         )
 
     def shards(self) -> dict[str, Slice | None] | None:
@@ -243,6 +250,7 @@ class Staging(Engine):
             self._ready = None
             self.live.note_staged(None)
             self._drop_direct()
+            self._staged_for = self._built
             self._seq += 1
             super().begin(version)
 

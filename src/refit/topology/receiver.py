@@ -436,6 +436,7 @@ class Receiver:
             return RefitError(f"engine failed to state its tensors for refit {version}: {type(e).__name__}: {e}")
         changed = changes(self._layout, now)
         if not report.ok:
+            self._layout = None  # validated again at every refit, until a layout fits
             return HandshakeError(
                 f"the engine's tensors changed since the handshake of epoch {m.epoch} ({changed}) and no longer fit "
                 f"the trainer's manifest: {report.message()}; nothing of refit {version} was loaded. Put them back, "
@@ -447,6 +448,7 @@ class Receiver:
         self._layout = now
         if self.staging is not None:
             self.staging_split = self.staging.split(m)
+            self.staging.follow()
         return None
 
     def _await_verdict(self, version: int) -> None:
