@@ -1,0 +1,622 @@
+"""Refit sessions as a stateful property (hypothesis), all in one process over shm: random sequences of
+refits (new versions and retries), joins, leaves, kills (between refits and mid-refit), engine tensors
+recast or replaced (also while a version waits in staging), trainer tensors replaced or switched to
+another dtype (a new epoch), and `apply_staged()`, with one to three receivers, staged and unstaged,
+holding different rows of one tensor (tensor parallel) or everything.
+
+Invariant after every step, for every engine (members and departed ones alike): an engine that reads
+`current` at version v holds, bitwise, the trainer's tensors of v in the wire dtype (its rows only where
+it holds rows), by a cast that is exact; `on_commit` was called exactly for the versions its live engine
+committed. The model also says which refits must succeed (and on whom), which must fail (none reached,
+a handshake no engine can take), and what stays staged.
+
+Each Receiver is served by its own thread, which obeys commands (connect, receive one refit, leave,
+close) and reports each outcome as an event the test waits on, never a sleep. A receiver leaves only
+while its thread is not inside `receive()` (as an engine's serving loop does, between its calls): a
+thread blocked in `receive()` cannot be interrupted except by killing its connection, which `kill` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import queue
+import re
+import socket
+import sys
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from refit import HandshakeError, ModuleEngine, ModuleSource, PeerError, RefitError, Sender, Settings, State
+from refit.layout.spec import TensorSpec
+from refit.topology.receiver import Receiver
+from refit.topology.stats import RefitStats
+
+F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+TRAINER = {
+    "embed.weight": ((24, 32), F32),
+    "tp.weight": ((12, 32), F32),
+    "mlp.weight": ((32, 32), BF16),
+    "mlp.bias": ((32,), F32),
+    "norm.weight": ((40,), BF16),
+    "head.weight": ((16, 64), F32),
+}
+"""About 11 KB: at least three buckets of 4096 bytes, so every refit has at least three loads."""
+NAMES = list(TRAINER)
+TP = "tp.weight"
+ROWS = 4
+"""Region k of TP: rows [4k, 4k + 4)."""
+SWITCHED = {n: F32 if dtype == BF16 else BF16 for n, (_, dtype) in TRAINER.items()}
+"""The dtype a trainer tensor may switch to (a new epoch), and back: an engine holds bf16 as fp32, never the reverse."""
+DTYPES = {"float64": F64, "float32": F32, "bfloat16": BF16, "float16": F16}
+HOLDS = {(BF16, F32), (F16, F32), (BF16, F64), (F16, F64), (F32, F64)}
+"""(wire, held): an engine holding the wire dtype's values exactly in a wider dtype (the model's own table)."""
+MAX_MEMBERS = 3
+MAX_PEERS = 8
+"""Receivers started in one example at most (threads, sockets and shm mappings stay bounded)."""
+TIMEOUT_S = 30.0
+WAIT_S = 120.0
+"""Bound on waiting for an in-process receiver's outcome that must come (nothing starts a process here)."""
+SETTINGS = Settings(bucket_bytes=4096, timeout_s=TIMEOUT_S)
+MIN_RECEIVERS = 1
+REGION = st.sampled_from([None, 0, 1, 2])
+"""None: the receiver holds every tensor whole; k: rows [4k, 4k + 4) of TP, the rest whole."""
+PEER = st.tuples(st.booleans(), REGION)
+"""(staged, region) of a receiver."""
+
+
+def _values(name: str, version: int, dtype: torch.dtype) -> torch.Tensor:
+    """The trainer's values of `name` at `version`: the same for every attempt of a version."""
+    g = torch.Generator().manual_seed(version * 7919 + NAMES.index(name) + 1)
+    return torch.randn(TRAINER[name][0], generator=g).to(dtype)
+
+
+def _holds(wire: torch.dtype, held: torch.dtype) -> bool:
+    return wire == held or (wire, held) in HOLDS
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _wrong(got: torch.Tensor, want: torch.Tensor) -> str:
+    """'' when the engine's tensor holds `want` (wire dtype) bitwise by an exact cast, else what differs."""
+    if tuple(got.shape) != tuple(want.shape):
+        return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    cast = got.to(want.dtype)
+    if not torch.equal(_bytes(cast.to(got.dtype)), _bytes(got)):
+        return f"holds {got.dtype} values that {want.dtype} (the wire dtype) does not have"
+    if not torch.equal(_bytes(cast), _bytes(want)):
+        n = int((cast != want).sum())
+        return f"{n} of {want.numel()} values differ from the trainer's ({got.dtype} held, {want.dtype} on the wire)"
+    return ""
+
+
+class _Engine(ModuleEngine):
+    """A state-dict engine over its own tensors (not the trainer's); records the versions it committed."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.commits: list[int] = []
+
+    def commit(self, version: int) -> None:
+        super().commit(version)
+        self.commits.append(version)
+
+
+class _RowsEngine(_Engine):
+    """Holds rows [start, stop) of TP (stated through `held` and the global shape in `specs`), the rest whole."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], region: int) -> None:
+        self.start, self.stop = region * ROWS, (region + 1) * ROWS
+        super().__init__({**tensors, TP: tensors[TP][self.start : self.stop].clone()})
+
+    def specs(self) -> list[TensorSpec]:
+        shape = TRAINER[TP][0]
+        return [TensorSpec(s.name, shape, s.dtype, s.aliases) if s.name == TP else s for s in super().specs()]
+
+    def held(self, name: str):  # noqa: ANN201 - as the base
+        got = super().held(name)
+        return (got[0], (0, self.start, self.stop)) if got is not None and name == TP else got
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        super().load([(n, t[self.start : self.stop] if n == TP else t) for n, t in tensors])
+
+
+class _Peer:
+    """One Receiver served by its own thread, which runs the commands it is given and reports each outcome."""
+
+    def __init__(self, index: int, rendezvous: dict, *, staged: bool, region: int | None) -> None:
+        self.index, self.staged, self.region = index, staged, region
+        g = torch.Generator().manual_seed(1000 + index)
+        own = {n: torch.randn(shape, generator=g).to(dtype) for n, (shape, dtype) in TRAINER.items()}
+        self.live: _Engine = _RowsEngine(own, region) if region is not None else _Engine(own)
+        self.calls: list[int] = []
+        """What on_commit was called with."""
+        self.receiver = Receiver(
+            self.live,
+            rendezvous,
+            settings=SETTINGS,
+            device=torch.device("cpu"),
+            staged=staged,
+            on_commit=self.calls.append,
+        )
+        self.status = "starting"
+        """member | left | killed | died (mid-refit) | refused (at its join)."""
+        self.joiner = False
+        """In the session but not yet in a refit (its first refit validates the manifest alone)."""
+        self.pending = False
+        """A `receive` was asked and its outcome not yet taken."""
+        self.ready: int | None = None
+        """Staged: the version the model expects to wait for apply_staged()."""
+        self.expected: list[int] = []
+        """The versions the model expects the live engine to have committed, in order."""
+        self.taint: tuple[tuple, set[str]] | None = None
+        """After a recast that changed values: (the live weights state then, names); those names are not
+        checked while the engine still reads that state (the engine itself changed them, not a refit)."""
+        self.handshake_dtypes: dict[str, torch.dtype] | None = None
+        """The live dtypes at its last handshake that passed (what its staging tensors were made in)."""
+        self.arm: int | None = None
+        self.loads = 0
+        self.fired = False
+        """kill_mid_refit: at the `arm`-th load from now, its connection is shut down (it dies mid-refit)."""
+        inner = self.receiver.engine.load_digested  # the engine the protocol drives (staging, when staged)
+
+        def load_digested(tensors: list[tuple[str, torch.Tensor]]):  # noqa: ANN202 - as the base
+            if self.arm is not None:
+                self.loads += 1
+                if self.loads == self.arm:
+                    self.arm, self.fired = None, True
+                    assert self.receiver.channel is not None
+                    self.receiver.channel.sock.shutdown(socket.SHUT_RDWR)
+            return inner(tensors)
+
+        self.receiver.engine.load_digested = load_digested  # type: ignore[method-assign]
+        self._commands: queue.Queue[str] = queue.Queue()
+        self._outcomes: queue.Queue[object] = queue.Queue()
+        self._asked: list[str] = []
+        self.thread = threading.Thread(target=self._serve, name=f"modes-receiver-{index}", daemon=True)
+        self.thread.start()
+
+    def __repr__(self) -> str:
+        held = "whole" if self.region is None else f"rows {self.region * ROWS}-{(self.region + 1) * ROWS}"
+        return f"<receiver #{self.index} ({'staged' if self.staged else 'unstaged'}, {held})>"
+
+    @property
+    def rank(self) -> int:
+        return self.receiver.rank
+
+    def _serve(self) -> None:
+        while True:
+            command = self._commands.get()
+            if command == "stop":
+                return
+            try:
+                if command == "connect":
+                    self.receiver.connect()
+                    out: object = "connected"
+                elif command == "receive":
+                    out = self.receiver.receive()
+                elif command == "leave":
+                    self.receiver.leave("the test asked it to leave")
+                    out = "left"
+                else:
+                    self.receiver.close()
+                    out = "closed"
+            except Exception as e:  # noqa: BLE001 - the test reads it
+                out = e
+            self._outcomes.put(out)
+
+    def ask(self, command: str) -> None:
+        self._asked.append(command)
+        self._commands.put(command)
+
+    def outcome(self, wait_s: float = WAIT_S) -> object:
+        try:
+            out = self._outcomes.get(timeout=wait_s)
+        except queue.Empty:
+            raise AssertionError(f"{self!r} did not finish {self._asked[0]!r} within {wait_s:g} s") from None
+        self._asked.pop(0)
+        return out
+
+    def do(self, command: str) -> object:
+        self.ask(command)
+        return self.outcome()
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        return {n: t.dtype for n, t in self.live.module.items()}  # type: ignore[union-attr]
+
+
+def _sender(tensors: dict[str, torch.Tensor]) -> Sender:
+    kwargs = {"transport": "shm", "num_receivers": 1, "elastic": True, "settings": SETTINGS, "verify": "fingerprint"}
+    try:
+        return Sender(ModuleSource(tensors), min_receivers=MIN_RECEIVERS, **kwargs)
+    except TypeError:  # before min_receivers: the model still expects a refit that reaches no one to fail
+        return Sender(ModuleSource(tensors), **kwargs)
+
+
+def _open_fds() -> set[str]:
+    """This process's open descriptors, with what each points at (a number reused for another file differs)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            out.add(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+    return out
+
+
+def _specs_of(manifest: object) -> dict[str, tuple[tuple, torch.dtype]]:
+    return {e.name: (tuple(e.spec.shape), e.spec.dtype) for e in manifest.entries}  # type: ignore[attr-defined]
+
+
+def _named_ranks(error: HandshakeError) -> set[int]:
+    """The receivers a failed handshake names (each refused the manifest)."""
+    return {int(m.group(1)) for part in str(error).split(" | ") if (m := re.match(r"receiver (\d+): ", part))}
+
+
+class Sessions(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fds = _open_fds()
+        self.peers: list[_Peer] = []
+        self.sender: Sender | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.sent: dict[int, dict[str, torch.Tensor]] = {}
+        """Per version: the trainer's tensors right after it changed them for that version, in the wire dtype."""
+        self.next_version = 1
+        self.failed: tuple[int, dict] | None = None
+        self.empty_refits = 0
+        """Refits with no receiver in the session since the last join (one is enough to see it fail)."""
+        """The last refit, if it failed: (version, the trainer's dtypes then), for a retry of the same version."""
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _members(self) -> list[_Peer]:
+        return [p for p in self.peers if p.status == "member"]
+
+    def _idle_members(self) -> list[_Peer]:
+        return [p for p in self._members() if not p.pending]
+
+    def _start(self, staged: bool, region: int | None) -> _Peer:
+        assert self.sender is not None
+        p = _Peer(len(self.peers) + 1, self.sender.rendezvous(), staged=staged, region=region)
+        self.peers.append(p)
+        return p
+
+    def _specs(self) -> dict[str, tuple[tuple, torch.dtype]]:
+        return {n: (tuple(t.shape), t.dtype) for n, t in self.tensors.items()}
+
+    def _fits(self, p: _Peer, specs: dict) -> bool:
+        """Whether `p`'s live engine can hold `specs` as sent (what its handshake must say)."""
+        held = p.dtypes()
+        return all(_holds(dtype, held[n]) for n, (_, dtype) in specs.items())
+
+    def _live_weights(self, p: _Peer) -> tuple:
+        w = p.live.weights
+        return (w.state, w.version, w.target)
+
+    # -- session start -------------------------------------------------------------------------
+
+    @initialize(first=PEER, joiners=st.lists(PEER, max_size=MAX_MEMBERS - 1))
+    def start(self, first: tuple[bool, int | None], joiners: list[tuple[bool, int | None]]) -> None:
+        """The trainer's session and its first receiver (admitted by connect), then receivers that join."""
+        self.tensors = {n: _values(n, 0, dtype) for n, (_, dtype) in TRAINER.items()}
+        self.sender = _sender(self.tensors)
+        p = self._start(*first)
+        p.ask("connect")
+        self.sender.connect()  # admits num_receivers=1
+        assert p.outcome() == "connected"
+        p.status = "member"
+        for staged, region in joiners:
+            self._join(staged, region)
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def _join(self, staged: bool, region: int | None) -> None:
+        assert self.sender is not None
+        p = self._start(staged, region)
+        out = p.do("connect")
+        assert out == "connected", f"{p!r} could not join: {out!r}"
+        p.status, p.joiner = "member", True
+        self.empty_refits = 0
+        assert self.sender.await_receivers(len(self._members()), timeout_s=WAIT_S), "the joiner is not ready"
+
+    @precondition(lambda self: len(self._members()) < MAX_MEMBERS and len(self.peers) < MAX_PEERS)
+    @rule(region=REGION)
+    def join_unstaged(self, region: int | None) -> None:
+        self._join(False, region)
+
+    @precondition(lambda self: len(self._members()) < MAX_MEMBERS and len(self.peers) < MAX_PEERS)
+    @rule(region=REGION)
+    def join_staged(self, region: int | None) -> None:
+        self._join(True, region)
+
+    @precondition(lambda self: self._idle_members())
+    @rule(data=st.data())
+    def leave(self, data: st.DataObject) -> None:
+        p = data.draw(st.sampled_from(self._idle_members()))
+        assert p.do("leave") == "left"
+        p.status = "left"
+
+    @precondition(lambda self: self._members())
+    @rule(data=st.data(), at_load=st.sampled_from([None, 1, 2, 3]))
+    def kill(self, data: st.DataObject, at_load: int | None) -> None:
+        """A crash without LEAVE: now (between refits), or at its `at_load`-th load of the next refit that loads
+        (one armed earlier and not fired yet is killed now)."""
+        p = data.draw(st.sampled_from(self._members()))
+        if at_load is not None and p.arm is None:
+            p.arm, p.loads = at_load, 0
+            return
+        assert p.receiver.channel is not None
+        p.receiver.channel.sock.shutdown(socket.SHUT_RDWR)
+        p.status, p.arm = "killed", None
+        if p.pending:  # its thread was waiting for the next refit: it sees the end now
+            out = p.outcome()
+            assert isinstance(out, PeerError), f"{p!r} killed while waiting: {out!r}"
+            p.pending = False
+
+    # -- engine side ---------------------------------------------------------------------------
+
+    @precondition(lambda self: self._members())
+    @rule(data=st.data(), name=st.sampled_from(NAMES), how=st.sampled_from(["recast", "recast in place", "replace"]))
+    def change_engine_tensor(self, data: st.DataObject, name: str, how: str) -> None:
+        """The engine recasts one live tensor (`.data =`, or a new tensor under the name), or replaces it by
+        another object of the same spec and values (column-major where it has two dimensions); staged,
+        possibly while a version waits in staging."""
+        p = data.draw(st.sampled_from(self._members()))
+        old = p.live.module[name]  # type: ignore[index]
+        if how == "replace":
+            p.live.module[name] = old.t().contiguous().t() if old.dim() == 2 else old.clone()  # type: ignore[index]
+            return
+        dtype = DTYPES[data.draw(st.sampled_from([k for k, d in DTYPES.items() if d != old.dtype]))]
+        new = old.detach().to(dtype)
+        if not torch.equal(_bytes(new.to(old.dtype)), _bytes(old)):  # the engine changed its own values
+            now = self._live_weights(p)
+            names = p.taint[1] if p.taint is not None and p.taint[0] == now else set()
+            p.taint = (now, names | {name})
+        if how == "recast in place":
+            old.data = new
+        else:
+            p.live.module[name] = new  # type: ignore[index]
+
+    @precondition(lambda self: [p for p in self.peers if p.staged])
+    @rule(data=st.data())
+    def apply_staged(self, data: st.DataObject) -> None:
+        """The engine loop between generation steps (here, the test thread)."""
+        p = data.draw(st.sampled_from([p for p in self.peers if p.staged]))
+        before = p.live.weights
+        try:
+            applied, error = p.receiver.apply_staged(), None
+        except RefitError as e:
+            applied, error = False, e
+        if error is not None:
+            assert p.ready is not None, f"apply_staged() raised with nothing staged: {error}"
+            recast = p.handshake_dtypes is not None and p.dtypes() != p.handshake_dtypes
+            assert recast, f"apply_staged() of version {p.ready} refused an engine not recast since staging: {error}"
+            event("apply_staged: refused")
+        elif p.ready is None:
+            assert not applied and p.live.weights == before, "apply_staged() with nothing staged changed the engine"
+        else:
+            assert applied, f"apply_staged() did not apply the staged version {p.ready}"
+            p.expected.append(p.ready)
+            event("apply_staged: applied" + (" after a recast" if p.dtypes() != p.handshake_dtypes else ""))
+            w = p.live.weights
+            assert (w.state, w.version) == (State.CURRENT, p.ready), f"after applying {p.ready}: {w}"
+            p.ready = None
+
+    # -- trainer side --------------------------------------------------------------------------
+
+    @rule(name=st.sampled_from(NAMES), how=st.sampled_from(["replace", "switch dtype"]))
+    def change_trainer_tensor(self, name: str, how: str) -> None:
+        """The trainer replaces one tensor by another object of the same spec (column-major where it has two
+        dimensions; the source reads it live), or switches it to another dtype (the next refit starts a new
+        epoch; a second switch goes back)."""
+        old = self.tensors[name]
+        if how == "replace":
+            self.tensors[name] = old.t().contiguous().t() if old.dim() == 2 else old.clone()
+        else:
+            self.tensors[name] = old.to(SWITCHED[name] if old.dtype == TRAINER[name][1] else TRAINER[name][1])
+
+    @precondition(lambda self: self._members() or not self.empty_refits)
+    @rule()
+    def refit(self) -> None:
+        """A refit of a new version (with no receiver in the session: once, until one joins)."""
+        self._refit(self.next_version)
+        self.next_version += 1
+
+    @precondition(
+        lambda self: (
+            (self._members() or not self.empty_refits)
+            and self.failed is not None
+            and self.failed[1] == {n: t.dtype for n, t in self.tensors.items()}
+        )
+    )
+    @rule()
+    def retry_refit(self) -> None:
+        """The failed refit's version again (the trainer's values of a version are the same every time)."""
+        assert self.failed is not None
+        self._refit(self.failed[0])
+
+    def _refit(self, version: int) -> None:
+        assert self.sender is not None
+        dtypes = {n: t.dtype for n, t in self.tensors.items()}
+        self.empty_refits += not self._members()
+        with torch.no_grad():
+            for n, t in self.tensors.items():
+                t.copy_(_values(n, version, t.dtype))
+        record = {n: t.clone(memory_format=torch.contiguous_format) for n, t in self.tensors.items()}
+        if version in self.sent:
+            assert all(torch.equal(_bytes(record[n]), _bytes(self.sent[version][n])) for n in record)
+        self.sent[version] = record
+
+        members = self._members()
+        specs = self._specs()
+        # The sender's manifest, not the model's: a joiner that died before its first refit may be taken into
+        # a handshake that then has no one left to refuse it (legal), so only the sender knows it has one.
+        handshake = bool(members) and (self.sender.manifest is None or specs != _specs_of(self.sender.manifest))
+        refusers = {p for p in members if not self._fits(p, specs)} if handshake else set()
+        refused = {p for p in members if p.joiner and not handshake and not self._fits(p, specs)}
+        for p in members:
+            if not p.pending:
+                p.ask("receive")
+                p.pending = True
+        try:
+            stats, error = self.sender.refit(version), None
+        except RefitError as e:
+            stats, error = None, e
+        assert not isinstance(error, PeerError), f"refit {version} broke the elastic session: {error}"
+        self.failed = (version, dtypes) if error is not None else None
+
+        if refusers:  # the handshake fails; the receivers that validated it wait on for the next one
+            assert isinstance(error, HandshakeError), (
+                f"refit {version}: a handshake {refusers} refuse passed: {error!r}"
+            )
+            assert _named_ranks(error) == {p.rank for p in refusers}, f"refit {version}: {error}"
+            for p in refusers:
+                out = p.outcome()
+                p.pending = False
+                assert isinstance(out, HandshakeError), f"{p!r} at refit {version}: {out!r}"
+            for p in members:
+                p.joiner = False
+            event("refit: a handshake refused")
+            return
+        assert not isinstance(error, HandshakeError), f"refit {version}: no engine should refuse: {error}"
+        for p in members:
+            out = p.outcome()
+            p.pending = False
+            self._took(p, out, version, first=handshake or p.joiner, refused=p in refused)
+            p.joiner = False
+        survivors = [p for p in members if p.status == "member"]
+        if error is None:
+            assert stats is not None
+            assert stats.receivers == sorted(p.rank for p in survivors), (
+                f"refit {version} committed on {stats.receivers}, expected {survivors}"
+            )
+        if error is None and survivors:
+            assert self.sender.manifest is not None
+            wire = {p.name: p.spec.dtype for p in self.sender.manifest.entries}
+            assert wire == {n: t.dtype for n, t in record.items()}, "the model's wire dtypes are not the manifest's"
+        event(f"refit: {'failed' if error else 'committed'} on {len(survivors)} of {len(members)}")
+        lossy = [p for p in survivors if not self._fits(p, specs)]
+        if lossy:  # an engine recast to a dtype that cannot hold the wire's values refuses the refit (staged too)
+            return
+        if len(survivors) < MIN_RECEIVERS:
+            assert error is not None, (
+                f"refit {version} reached {len(survivors)} receiver(s) (departed: {stats.departed if stats else '?'}) "
+                f"and returned success; min_receivers={MIN_RECEIVERS} wants RefitError"
+            )
+        else:
+            assert error is None, f"refit {version} to {survivors} must succeed: {error}"
+
+    def _took(self, p: _Peer, out: object, version: int, *, first: bool, refused: bool) -> None:
+        """What receiver `p`'s receive of refit `version` ended in, and what that means for the model."""
+        if p.fired:
+            assert isinstance(out, PeerError), f"{p!r} died mid-refit {version} but reports {out!r}"
+            p.status, p.ready = "died", None
+            event("receiver: died mid-refit")
+        elif refused:
+            assert isinstance(out, HandshakeError), f"{p!r} joined unable to hold the manifest but: {out!r}"
+            p.status = "refused"
+            event("receiver: refused at its join")
+        elif isinstance(out, RefitStats):
+            assert out.version == version, f"{p!r} committed {out.version} during refit {version}"
+            if p.staged:
+                p.ready = version
+            else:
+                p.expected.append(version)
+        elif isinstance(out, PeerError) or out is None:
+            raise AssertionError(f"{p!r}'s session ended during refit {version}: {out!r}")
+        elif isinstance(out, RefitError):
+            p.ready = None  # begun and failed: nothing staged
+        else:
+            raise AssertionError(f"{p!r} raised during refit {version}") from out  # type: ignore[arg-type]
+        if first and not refused and not p.fired:
+            p.handshake_dtypes = p.dtypes()
+
+    # -- the invariant ---------------------------------------------------------------------------
+
+    @invariant()
+    def engines_hold_what_they_say(self) -> None:
+        problems = []
+        for p in self.peers:
+            w = p.live.weights
+            assert w.state != State.UPDATING, f"{p!r} reads {w} between refits"
+            if p.calls != p.expected or p.calls != p.live.commits:
+                problems.append(
+                    f"{p!r}: on_commit saw {p.calls}, the live engine committed {p.live.commits}, "
+                    f"the model expects {p.expected}"
+                )
+            if p.staged:
+                assert p.receiver.staging is not None
+                if p.receiver.staging.ready != p.ready:
+                    problems.append(f"{p!r}: staged version {p.receiver.staging.ready}, the model expects {p.ready}")
+            if w.state != State.CURRENT:
+                continue
+            if w.version not in self.sent:
+                problems.append(f"{p!r} reads current at version {w.version}, which the trainer never sent")
+                continue
+            skip = p.taint[1] if p.taint is not None and p.taint[0] == self._live_weights(p) else set()
+            for name, want in self.sent[w.version].items():
+                if name in skip:
+                    continue
+                if p.region is not None and name == TP:
+                    want = want[p.region * ROWS : (p.region + 1) * ROWS]
+                why = _wrong(p.live.module[name], want)  # type: ignore[index]
+                if why:
+                    problems.append(f"{p!r} reads current at version {w.version} but {name}: {why}")
+        assert not problems, "; ".join(problems)
+
+    # -- teardown --------------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        failing = sys.exc_info()[0] is not None  # a step failed: never hide its error behind a leak found here
+        if self.sender is not None:
+            self.sender.close()  # a receiver waiting in receive() is told CLOSE
+        for p in self.peers:
+            while p._asked:
+                p.outcome()
+            p.do("close")
+            p.ask("stop")
+        for p in self.peers:
+            p.thread.join(WAIT_S)
+        if failing:
+            return
+        alive = [p for p in self.peers if p.thread.is_alive()]
+        assert not alive, f"receiver threads still running after close: {alive}"
+        left = [t.name for t in threading.enumerate() if t.name.startswith(("refit-heartbeat", "refit-lobby"))]
+        assert not left, f"the sender's threads outlived close(): {left}"
+        self.peers.clear()
+        self.sender = None
+        gc.collect()
+        fds = _open_fds()
+        assert fds <= self.fds, f"descriptors left open by the session: {sorted(fds - self.fds)}"
+
+
+def _settings(**kw: object) -> settings:
+    return settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], **kw)  # type: ignore[arg-type]
+
+
+def test_refit_sessions_keep_every_current_engine_bitwise_the_trainers_fixed_seed() -> None:
+    run_state_machine_as_test(
+        Sessions,
+        settings=_settings(max_examples=12, stateful_step_count=15, derandomize=True, report_multiple_bugs=False),
+    )
+
+
+@pytest.mark.slow
+def test_refit_sessions_keep_every_current_engine_bitwise_the_trainers() -> None:
+    run_state_machine_as_test(
+        Sessions, settings=_settings(max_examples=40, stateful_step_count=25, derandomize=True, print_blob=True)
+    )
