@@ -53,10 +53,11 @@ def _holds(live: dict[str, torch.Tensor], trainer: dict[str, torch.Tensor]) -> b
 
 
 @contextlib.contextmanager
-def _session(**receiver_args: object) -> Iterator[tuple[Sender, dict, dict, Peer]]:
+def _session(verify: str | None = "fingerprint", **receiver_args: object) -> Iterator[tuple[Sender, dict, dict, Peer]]:
     trainer = _trainer()
     live = {n: torch.zeros_like(t) for n, t in trainer.items()}
-    sender = Sender(ModuleSource(trainer), transport="shm", settings=Settings(bucket_bytes=4096, timeout_s=60.0))
+    settings = Settings(bucket_bytes=4096, timeout_s=60.0)
+    sender = Sender(ModuleSource(trainer), transport="shm", settings=settings, verify=verify)
     peer = Peer(Receiver(ModuleEngine(live), sender.rendezvous(), **receiver_args))
     peer.ask("connect")
     try:
@@ -147,6 +148,28 @@ def test_partial_staging_follows_a_recast_engine_and_refuses_a_reshaped_one() ->
                 assert _holds(live, trainer)
 
 
+@pytest.mark.parametrize("verify", [None, "fingerprint"])
+def test_partial_staging_a_recast_that_moves_a_tensor_out_of_staging_loads_it_live(verify: str | None) -> None:
+    """Every tensor fits the staging bound as float32; "w" recast to float64 no longer does, so the refit that
+    follows the recast loads part of the model live. The old staging copies of the names that moved must not
+    be applied over their live load (with verify=None nothing else would notice)."""
+    limit = sum(t.numel() * t.element_size() for t in _trainer().values())
+    with _session(verify, staged=True, staging_bytes=limit) as (sender, trainer, live, peer):
+        for version, how in ((1, None), (2, "dtype-wider"), (3, None)):
+            if how is not None:
+                _change(live, how)
+            loop = threading.Thread(target=_loop, args=(peer, version))
+            loop.start()
+            got = _refit(sender, trainer, peer, version)
+            loop.join()
+            w = peer.engine.weights
+            assert isinstance(got, RefitStats), got
+            assert (w.state.value, w.version) == ("current", version) and _holds(live, trainer)
+            staging = peer.receiver.staging
+            assert staging is not None and bool(staging.direct) == (version > 1)
+            assert (got.direct_bytes > 0) == (version > 1) and got.staged_bytes <= limit
+
+
 def _loop(peer: Peer, version: int) -> None:
     """An engine loop calling apply_staged() between steps until `version` is live (or its refit failed)."""
     receiver = peer.receiver
@@ -154,5 +177,7 @@ def _loop(peer: Peer, version: int) -> None:
         with contextlib.suppress(RefitError):
             receiver.apply_staged()
         w = peer.engine.weights
-        if w.version == version or (receiver.staging is not None and receiver.staging._ended[0] >= version):
+        staging = receiver.staging
+        ended = staging is not None and staging._ended[0] >= version
+        if w.version == version or (ended and staging.ready is None):  # applied, or failed: nothing to apply
             return

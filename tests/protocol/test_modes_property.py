@@ -26,6 +26,7 @@ import re
 import socket
 import sys
 import threading
+import traceback
 
 import pytest
 import torch
@@ -228,7 +229,9 @@ class _Peer:
         try:
             out = self._outcomes.get(timeout=wait_s)
         except queue.Empty:
-            raise AssertionError(f"{self!r} did not finish {self._asked[0]!r} within {wait_s:g} s") from None
+            raise AssertionError(
+                f"{self!r} did not finish {self._asked[0]!r} within {wait_s:g} s; threads:\n{_stacks()}"
+            ) from None
         self._asked.pop(0)
         return out
 
@@ -602,6 +605,15 @@ class Sessions(RuleBasedStateMachine):
         gc.collect()
         fds = _open_fds()
         assert fds <= self.fds, f"descriptors left open by the session: {sorted(fds - self.fds)}"
+
+
+def _stacks() -> str:
+    """Where every thread is now (what a stuck receiver waits on)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(
+        f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    )
 
 
 def _settings(**kw: object) -> settings:

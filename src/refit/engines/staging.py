@@ -224,8 +224,11 @@ class Staging(Engine):
         return self.live.specs()  # the engine loop may have changed the live engine since the handshake
 
     def follow(self) -> None:
-        """The refit under way stages for the layout the last `specs()` read (the receiver re-validated it)."""
-        self._staged_for = self._built
+        """The refit under way stages for the layout the last `specs()` read (the receiver re-validated it and
+        split again): the staging of names that `split` moved to the live load goes now, before any byte."""
+        with self._lock:
+            self._staged_for = self._built
+            self._drop_direct()
 
     def _check_live(self, version: int) -> None:
         """Before writing into the live engine: its tensors must still be laid out as staging was built for,

@@ -224,8 +224,10 @@ class Receiver:
     def apply_staged(self) -> bool:
         """Between generation steps: load the staged version (if one is ready) into the live engine and commit
         it there; returns whether one was. Without one, or unstaged, a no-op costing well under a microsecond.
-        Partial staging (`staging_bytes`): when a refit needs the pause, stays until that refit ends (raises
-        RefitError if it failed after writing into the live engine, which then reads `failed`)."""
+        Partial staging (`staging_bytes`): when a refit needs the pause, stays until that refit ends, and raises
+        RefitError if it failed (after writing into the live engine, which then reads `failed`, or before, with
+        the live weights untouched). Raises RefitError, applying nothing, when the live engine's tensors changed
+        since the version was staged (it stays staged)."""
         version = None if self.staging is None else self.staging.apply()
         if version is None:
             return False
@@ -374,17 +376,16 @@ class Receiver:
             raise IntegrityError(msg)
         t0, version = time.perf_counter(), begin.version
         stats = RefitStats(version=version, epoch=m.epoch, num_buckets=m.num_buckets, nbytes=m.nbytes)
-        if self.staging_split is not None:
-            stats.staged_bytes, stats.direct_bytes = (
-                self.staging_split.staged_nbytes,
-                self.staging_split.direct_wire_nbytes,
-            )
         ctrl0 = ch.bytes_sent + ch.bytes_received
         self.engine.begin(version)
         done: dict = {}
         try:
             assert self._path is not None
-            failure = self._path.take(begin, stats, self._relayout(m, version))
+            refused = self._relayout(m, version)
+            if self.staging_split is not None:  # as split for this refit (a followed relayout splits again)
+                stats.staged_bytes = self.staging_split.staged_nbytes
+                stats.direct_bytes = self.staging_split.direct_wire_nbytes
+            failure = self._path.take(begin, stats, refused)
             header, payload = ch.recv(f"commit of version {version}")
             if header.kind == Kind.VERIFY:
                 failure = failure or self._path.check_fingerprints(payload, stats, done)
