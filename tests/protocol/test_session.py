@@ -195,17 +195,18 @@ def test_an_unclosed_sender_is_released_when_dropped() -> None:
 
 def test_a_per_rank_commit_stays_updating_until_the_verdict_and_fails_without_one() -> None:
     from refit import RefitError, State
+    from refit.topology.policies import Commit
 
-    sender = Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", settings=Settings(timeout_s=30))
     engine = ModuleEngine(make_tensors(SPECS, seed=2))
-    receiver = Receiver(engine, sender.rendezvous())
     seen: list = []
 
     def lost_verdict(own: str) -> str:  # the other trainer rank died after DONE: no verdict ever comes
         seen.append(engine.weights.state)
         raise RuntimeError("trainer rank 1 was killed")
 
-    sender.verdict = lost_verdict
+    source = ModuleSource(make_tensors(SPECS, seed=1))
+    sender = Sender(source, transport="shm", settings=Settings(timeout_s=30), commit=Commit(vote=lost_verdict))
+    receiver = Receiver(engine, sender.rendezvous())
     errors: list[BaseException] = []
     t = threading.Thread(target=lambda: _catch(receiver.receive, errors))
     t.start()

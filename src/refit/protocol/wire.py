@@ -11,7 +11,8 @@ import termios
 import threading
 import time
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import IntEnum, IntFlag
+from typing import Any
 
 from refit.errors import IntegrityError, PeerError
 
@@ -45,6 +46,47 @@ class Kind(IntEnum):
     AUTH = 16  # both ways, after HELLO: sender's nonce and proof, then the receiver's proof (refit.protocol.auth)
     LEAVE = 17  # receiver -> sender: it closes on purpose, JSON {"reason": ...}; the sender drops it (elastic)
     REGROUP = 18  # sender -> receiver, elastic gloo/nccl between refits: join a new group (JSON as WELCOME, MAC'd)
+
+
+class Begin(IntFlag):
+    """BEGIN's status bits (docs/PROTOCOL.md, the header table)."""
+
+    ZERO_COPY = 1
+    """Bit 0: no BUCKET follows; receivers copy from the source tensors opened at SOURCES."""
+    TWO_PHASE = 2
+    """Bit 1: after DONE, the receiver holds its commit open until a second COMMIT carries the verdict (a vote
+    across trainer ranks, or `verify="strict"`)."""
+
+
+class Offer(IntFlag):
+    """MANIFEST's status bits."""
+
+    FINGERPRINT = 1
+    """The fingerprint check is on: VERIFY follows the last bucket of every refit."""
+
+
+@dataclass(frozen=True)
+class Done:
+    """DONE's payload: `message` on failure (status 1); after a fingerprint check, how many tensors the engine
+    could not read back (`unverified`) and their names (at most MAX_UNVERIFIED_NAMES)."""
+
+    message: str = ""
+    unverified: int = 0
+    unverified_names: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Done:
+        """From a peer's JSON: a field of the wrong type is dropped, never trusted."""
+        message, count, names = obj.get("message"), obj.get("unverified"), obj.get("unverified_names")
+        return cls(
+            message=str(message) if message is not None else "",
+            unverified=count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 0,
+            unverified_names=tuple(str(n) for n in names[:MAX_UNVERIFIED_NAMES]) if isinstance(names, list) else (),
+        )
+
+
+MAX_UNVERIFIED_NAMES = 100_000
+"""Most unverified tensor names taken from one DONE."""
 
 
 WITH_PAYLOAD = {

@@ -103,6 +103,7 @@ class Membership:
             with self._lock:
                 self._arrived.wait_for(lambda: len(self._waiting) >= count, max(0.0, deadline - time.monotonic()))
                 waiting = list(self._waiting)
+            waiting = self._alive(waiting)
             unready = [ch for ch in waiting if not self._ready(ch)]
             ready = len(waiting) - len(unready)
             remaining = deadline - time.monotonic()
@@ -110,6 +111,20 @@ class Membership:
                 return ready
             # wake when a welcomed joiner's READY arrives, or (at the latest) to look at new arrivals
             select.select([ch.sock for ch in unready], [], [], min(remaining, 0.5) if unready else 0)
+
+    def _alive(self, waiting: list[Channel]) -> list[Channel]:
+        """The joiners whose connection is still open; one that hung up (after its READY, say) is dropped now,
+        so that it is not counted as ready for the next refit."""
+        alive = []
+        for ch in waiting:
+            if not hung_up(ch):
+                alive.append(ch)
+                continue
+            with self._lock:
+                if ch in self._waiting:
+                    self._waiting.remove(ch)
+            self.drop(ch, PeerError(f"{ch.peer} closed the connection before its first refit"))
+        return alive
 
     def take_ready(self) -> list[Channel]:
         """Refit start: the joiners whose READY arrived (read now); one not ready yet stays for a later refit
@@ -166,6 +181,16 @@ class Membership:
             with contextlib.suppress(PeerError):
                 ch.send(Header(Kind.CLOSE))
             ch.close()
+
+
+def hung_up(ch: Channel) -> bool:
+    """Whether the peer closed its end of `ch` (or it broke), even with bytes it sent still unread."""
+    try:
+        poller = select.poll()
+        poller.register(ch.sock, select.POLLRDHUP)
+        return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 def readable(ch: Channel) -> bool:

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,7 @@ from refit.settings import Settings
 from refit.sources.base import Source
 from refit.sources.pieces import PieceSource
 from refit.topology.collective import Collective
+from refit.topology.policies import Commit
 from refit.topology.ranked import departed
 from refit.topology.receiver import Receiver
 from refit.topology.sender import Sender
@@ -92,6 +94,8 @@ class MeshRefit:
         self.settings = settings or Settings()
         self.elastic = elastic
         pair = shared_budget(self.settings, num_workers)
+        self._ballot = _Ballot(num_workers)
+        commit = [Commit(strict=verify == "strict", vote=partial(self._cast, w)) for w in range(num_workers)]
         self.senders = [
             Sender(
                 source,
@@ -101,11 +105,11 @@ class MeshRefit:
                 verify=verify,
                 elastic=elastic,
                 min_receivers=0,  # a pair that reached no worker fails here, naming it (_pair_refit)
+                commit=commit[w],
+                vet=self._vet_for(w) if elastic else None,
             )
-            for _ in range(num_workers)
+            for w in range(num_workers)
         ]
-        for w, s in enumerate(self.senders):
-            s.vet = self._vet_for(w)
         self.plan: ReshardPlan | None = None
         self._planned: tuple = ()
         self._needs: list[dict[str, Holding]] = []
@@ -207,35 +211,21 @@ class MeshRefit:
         self._replan()
         if self.elastic:
             self._await_workers(version)
-        votes: list[str | None] = [None] * self.num_workers
-        cond, decided, verdict = threading.Condition(), threading.Event(), [""]
-
-        def hook(w: int):  # type: ignore[no-untyped-def]
-            def vote(own: str) -> str:
-                with cond:
-                    votes[w] = own
-                    cond.notify_all()
-                decided.wait()
-                return verdict[0]
-
-            return vote
-
-        for w, s in enumerate(self.senders):
-            s.verdict = hook(w)
+        ballot = self._ballot = _Ballot(self.num_workers)
         futures = [self._pool.submit(self._pair_refit, w, version) for w in range(self.num_workers)]
         for f in futures:
-            f.add_done_callback(lambda _: _notify(cond))
-        with cond:
-            cond.wait_for(lambda: all(v is not None or f.done() for v, f in zip(votes, futures)))
-        own = "; ".join(v or _failure(f) for v, f in zip(votes, futures) if (v or _failure(f)))
+            f.add_done_callback(lambda _: _notify(ballot.cond))
+        with ballot.cond:
+            ballot.cond.wait_for(lambda: all(v is not None or f.done() for v, f in zip(ballot.votes, futures)))
+        own = "; ".join(v or _failure(f) for v, f in zip(ballot.votes, futures) if (v or _failure(f)))
         try:
-            verdict[0] = self.collective.vote(own)
+            ballot.verdict = self.collective.vote(own)
         except BaseException as e:  # the trainer group itself failed: fail every pair rather than hang them
-            verdict[0] = f"the trainer ranks could not agree on version {version}: {type(e).__name__}: {e}"
-            self._broken = verdict[0]
+            ballot.verdict = f"the trainer ranks could not agree on version {version}: {type(e).__name__}: {e}"
+            self._broken = ballot.verdict
             raise
         finally:
-            decided.set()
+            ballot.decided.set()
         return self._stats(version, futures)
 
     def _await_workers(self, version: int) -> None:
@@ -271,6 +261,10 @@ class MeshRefit:
             why = f" (departed or refused: {left})" if left else ""
             raise PeerError(f"no engine worker {w} is connected to trainer rank {self.rank}{why}")
         return stats
+
+    def _cast(self, w: int, own: str) -> str:
+        """Pair `w`'s Sender votes (its Commit policy): its outcome in, this rank's verdict across ranks out."""
+        return self._ballot.cast(w, own)
 
     def _vet_for(self, w: int) -> Callable[[bytes], str]:
         """Elastic: a replacement for worker `w` must state what the worker it replaces stated (the plan's input)."""
@@ -317,6 +311,23 @@ class MeshRefit:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Ballot:
+    """One refit's votes from a rank's pairs: each pair's Sender casts its outcome, then waits for the verdict."""
+
+    def __init__(self, pairs: int) -> None:
+        self.cond = threading.Condition()
+        self.decided = threading.Event()
+        self.votes: list[str | None] = [None] * pairs
+        self.verdict = ""
+
+    def cast(self, w: int, own: str) -> str:
+        with self.cond:
+            self.votes[w] = own
+            self.cond.notify_all()
+        self.decided.wait()
+        return self.verdict
 
 
 def _notify(cond: threading.Condition) -> None:

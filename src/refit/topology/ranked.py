@@ -100,7 +100,7 @@ class RankedRefit:
         """Gather along the buckets, straight into the bucket buffers, when every rank has one layout."""
         self._cached: tuple = ((), None, 0)
         self.log = get_logger("sender", self.rank)
-        sender.verdict = self._vote
+        sender.vote_with(self._vote)
 
     @property
     def num_receivers(self) -> int:

@@ -19,7 +19,7 @@ from refit.errors import IntegrityError, PeerError, RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.packing import Unpacker, copy_share
 from refit.log import get_logger
-from refit.protocol.wire import Channel, Header, Kind, parse_json
+from refit.protocol.wire import Begin, Channel, Header, Kind, parse_json
 from refit.settings import Settings
 from refit.topology.membership import readable
 from refit.topology.stats import RefitStats
@@ -68,10 +68,10 @@ class ReceivePath:
         """One refit's weights into the engine: the buckets, or (zero-copy) the shared tensors. `refused`: the
         refit failed before it began (the buckets are drained, nothing is loaded)."""
         self._digested = []
-        if refused is not None and begin.status & 1:
+        if refused is not None and Begin.ZERO_COPY & begin.status:
             return refused
         with copy_share(self.transport.name):
-            return self._copy_sources(stats) if begin.status & 1 else self._stream(begin, stats, refused)
+            return self._copy_sources(stats) if Begin.ZERO_COPY & begin.status else self._stream(begin, stats, refused)
 
     def open_sources(self, payload: bytes) -> None:
         """Zero-copy mode: map the sender's tensors once per epoch."""

@@ -22,7 +22,17 @@ from refit.layout.spec import TensorSpec, changes
 from refit.log import get_logger
 from refit.protocol import auth
 from refit.protocol.store import AuthenticatedStores
-from refit.protocol.wire import MAX_HELLO_BYTES, MAX_REASON_CHARS, Channel, Header, Kind, PeerFailed, parse_json
+from refit.protocol.wire import (
+    MAX_HELLO_BYTES,
+    MAX_REASON_CHARS,
+    Begin,
+    Channel,
+    Header,
+    Kind,
+    Offer,
+    PeerFailed,
+    parse_json,
+)
 from refit.settings import Settings
 from refit.topology.receive_path import ReceivePath
 from refit.topology.stats import RefitStats
@@ -341,7 +351,7 @@ class Receiver:
             optional=self.engine.optional_names,
         )
         self.staging_split = self.staging.split(manifest) if report.ok and self.staging is not None else None
-        regions = engine_regions(manifest, self.engine) if header.status == 1 and report.ok else {}
+        regions = engine_regions(manifest, self.engine) if Offer.FINGERPRINT & header.status and report.ok else {}
         self.channel.send(Header(Kind.REPORT), {**report.to_json(), "regions": regions})
         if not report.ok:
             raise HandshakeError(report.message())
@@ -363,7 +373,7 @@ class Receiver:
             settings=self.settings,
             device=self.device,
             rank=self.rank,
-            fingerprint=header.status == 1,
+            fingerprint=bool(Offer.FINGERPRINT & header.status),
         )
         self._path._warned_unverified = not self.warn_unverified
 
@@ -402,15 +412,15 @@ class Receiver:
             raise
         t = time.perf_counter()
         self._flush(version)
-        ranked = bool(begin.status & 2)  # per-rank refit: committed only once every worker did (refit.topology.ranked)
-        failure = failure or self._finalize(version, ranked)
+        two_phase = bool(Begin.TWO_PHASE & begin.status)  # a vote across ranks, or strict: committed once told
+        failure = failure or self._finalize(version, two_phase)
         if failure is not None:
             self.engine.fail(version, str(failure))
             log.error("refit of version %d failed: %s", version, failure)
             ch.send(Header(Kind.DONE, status=1, version=version), {"message": f"receiver {self.rank}: {failure}"})
             raise failure
         ch.send(Header(Kind.DONE, version=version), done or None)
-        if ranked:
+        if two_phase:
             self._await_verdict(version)
         log.info("committed version %d (%d bytes, %d bucket(s))", version, m.nbytes, m.num_buckets)
         stats.add("commit", time.perf_counter() - t)
@@ -479,12 +489,12 @@ class Receiver:
                 self.channel.send(Header(Kind.ERROR), {"message": msg})
             raise PeerError(msg) from None
 
-    def _finalize(self, version: int, ranked: bool) -> RefitError | None:
-        """Commit the engine; one that fails here still answers the sender. In a per-rank refit the
+    def _finalize(self, version: int, two_phase: bool) -> RefitError | None:
+        """Commit the engine; one that fails here still answers the sender. In a two-phase refit the
         engine goes back to 'updating' (base-class state only, none of its own begin work) until the verdict."""
         try:
             self.engine.commit(version)
-            if ranked:
+            if two_phase:
                 Engine.begin(self.engine, version)
         except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")

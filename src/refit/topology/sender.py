@@ -1,23 +1,24 @@
-"""Sender: the trainer side's session (lobby and admission, transport setup, heartbeats, handshake per
-epoch, commit vote). Each refit's buckets go through the epoch's data path, `refit.topology.send_path`."""
+"""Sender: the trainer side's session (lobby and admission, transport setup, heartbeats, the handshake per
+epoch). Each refit is one `refit.topology.round.Round`; the modes are policies given at construction:
+`SenderOptions` (refit.topology.options), membership (`Fixed` or `Elastic`, refit.topology.elastic) and
+commit (`Commit`, refit.topology.policies)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Hashable
-from dataclasses import replace
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 
 from refit import transports
 from refit.checks.validation import Report
-from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
-from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes, needed_bytes
+from refit.errors import HandshakeError, PeerError, RefitError
+from refit.layout.budget import bucket_capacity, free_bytes, needed_bytes
 from refit.layout.manifest import Manifest
 from refit.layout.planner import forecast, plan
 from refit.log import get_logger
@@ -25,10 +26,15 @@ from refit.protocol import auth
 from refit.protocol.auth import manifest_binding
 from refit.protocol.lobby import Lobby
 from refit.protocol.store import AuthenticatedStores
-from refit.protocol.wire import Channel, Header, Kind, parse_json
+from refit.protocol.wire import Channel, Header, Kind, Offer, parse_json
 from refit.settings import Settings
 from refit.sources.base import Source
-from refit.topology.membership import Membership, readable
+from refit.topology.elastic import Elastic, Fixed
+from refit.topology.held import Held
+from refit.topology.options import VERIFY_MODES, SenderOptions
+from refit.topology.policies import Commit, Vet, Vote
+from refit.topology.pulse import HEARTBEAT_MAX_S, Pulse
+from refit.topology.round import Round
 from refit.topology.send_path import SendPath, each, share_sources
 from refit.topology.stats import RefitStats
 from refit.topology.verification import DigestPlan, parse_regions
@@ -36,81 +42,7 @@ from refit.transports import address
 from refit.transports.base import Transport
 
 log = get_logger("sender")
-VERIFY_MODES = (None, "fingerprint", "strict")
-HEARTBEAT_MAX_S = 5.0
-"""Longest gap between heartbeats to idle receivers (shorter when REFIT_TIMEOUT is short)."""
-UNREAD_LIMIT = 4096
-"""A receiver that has not read this many queued bytes is not waiting: skip its heartbeats, never block."""
-
-
-class _Pulse:
-    """Heartbeats to every receiver between refits, from a thread that holds no reference to the Sender
-    (so an unclosed Sender can still be collected). A refit holds `lock`; heartbeats never interleave with it."""
-
-    def __init__(
-        self, channels: list[Channel], interval_s: float, waiting: Callable[[], list[Channel]] | None = None
-    ) -> None:
-        self.channels = channels
-        self.waiting = waiting
-        """Elastic: the joiners welcomed but not yet in a refit, which must not time out either."""
-        self.lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(interval_s,), name="refit-heartbeat", daemon=True)
-        self._thread.start()
-
-    def _run(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            if not self.lock.acquire(blocking=False):
-                continue
-            try:
-                for ch in self.channels + (self.waiting() if self.waiting else []):
-                    if ch.unsent_bytes() < UNREAD_LIMIT:
-                        with contextlib.suppress(PeerError):  # the next refit reports the dead peer with its stage
-                            ch.send(Header(Kind.HEARTBEAT))
-            finally:
-                self.lock.release()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-
-
-class _Session:
-    """What a Sender holds open (lobby, heartbeats, channels, transport); closed by `close` or, for a
-    Sender never closed, when it is garbage collected or the interpreter exits."""
-
-    def __init__(self, lobby: Lobby) -> None:
-        self.lobby = lobby
-        self.pulse: _Pulse | None = None
-        self.channels: list[Channel] = []
-        self.transport: Transport | None = None
-        self.members: Membership | None = None
-
-    def drop_peers(self) -> None:
-        """After a failed connect: close every channel and the transport (the lobby stays until `close`)."""
-        for ch in self.channels:
-            ch.close()
-        self.channels.clear()
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
-
-    def close(self) -> None:
-        if self.pulse is not None:
-            self.pulse.stop()
-            self.pulse = None
-        self.lobby.close()
-        if self.members is not None:
-            self.members.close()
-        for ch in self.channels:
-            with contextlib.suppress(PeerError):
-                ch.send(Header(Kind.CLOSE))
-            ch.close()
-        self.channels.clear()
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
+__all__ = ["VERIFY_MODES", "Sender", "SenderOptions"]
 
 
 class Sender:
@@ -124,69 +56,39 @@ class Sender:
     def __init__(
         self,
         source: Source,
+        options: SenderOptions | None = None,
         *,
-        transport: str = "shm",
-        num_receivers: int = 1,
         settings: Settings | None = None,
         device: torch.device | None = None,
-        verify_checksum: bool = False,
-        verify: str | None = "fingerprint",
-        num_slots: int = NUM_SLOTS,
-        zero_copy: bool = False,
-        port: int = 0,
-        elastic: bool = False,
-        min_receivers: int = 1,
+        commit: Commit | None = None,
+        vet: Vet | None = None,
+        **overrides: Any,
     ) -> None:
-        """`verify="fingerprint"` (the default; `verify=None` turns it off): after the last bucket, each
-        receiver compares a digest of what its engine now holds with a digest of the trainer's live
-        tensors (after the wire cast), and the refit fails, naming the tensors that differ, unless all
-        agree; tensors an engine cannot read back are reported (`RefitStats.unverified_names`) but
-        accepted. `verify="strict"` verifies the same way and fails the refit (committed on no receiver)
-        when any tensor went unverified.
-        `zero_copy` (cuda-ipc only): receivers copy straight from the source tensors, whose IPC handles
-        are exported once per epoch; the source must hold contiguous device tensors in their wire dtype.
-        `elastic`: receivers beyond the first `num_receivers` may join at any time (they take part from
-        the next refit), and one that leaves or dies is dropped while the refit goes on with the rest
-        (`RefitStats.departed` names it); without it any lost receiver fails the refit and the session.
-        `min_receivers` (elastic): a refit that commits on fewer receivers raises RefitError naming who left
-        and why (those that committed hold the version); 0 lets a refit with no receiver at all pass."""
-        if num_receivers < 1:
-            raise ValueError(f"num_receivers ({num_receivers}) must be >= 1")
-        if num_slots < 1:
-            raise ValueError(f"num_slots ({num_slots}) must be >= 1 (2 overlaps packing with transfer)")
-        if verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-        if min_receivers < 0:
-            raise ValueError(f"min_receivers ({min_receivers}) must be >= 0")
-        if not elastic and min_receivers > num_receivers:
-            raise ValueError(
-                f"min_receivers ({min_receivers}) is for an elastic Sender (elastic=True); a fixed one always "
-                f"needs all num_receivers ({num_receivers})"
-            )
-        if elastic and zero_copy:
-            raise ValueError("elastic=True cannot be combined with zero_copy (a joiner would need the source handles)")
-        if zero_copy and (transport != "cuda-ipc" or not source.stable_tensors):
-            raise ValueError(
-                f"zero_copy needs the cuda-ipc transport ({transport!r} given) and a source whose "
-                "tensors persist between refits (not a gathering one)"
-            )
-        self.num_slots = num_slots
-        self.zero_copy = zero_copy
-        self.verify = verify
-        self.elastic = elastic
-        self.min_receivers = min_receivers
+        """`options` (see SenderOptions: transport, num_receivers, verify, zero_copy, elastic, min_receivers, ...),
+        or any of them as keyword arguments (`Sender(source, transport="gloo")`).
+        `commit`: how a refit is decided (default from `verify`: strict or not); per-rank and M:N drivers pass
+        `Commit(vote=...)`. `vet` (elastic M:N): judges what a joiner states with READY before it is taken in."""
+        o = SenderOptions.of(options, overrides)
+        if o.zero_copy and not source.stable_tensors:
+            raise ValueError("zero_copy needs a source whose tensors persist between refits (not a gathering one)")
+        self.options = o
+        self.num_slots, self.zero_copy, self.verify = o.num_slots, o.zero_copy, o.verify
+        self.elastic, self.min_receivers = o.elastic, o.min_receivers
+        self.verify_checksum, self.num_receivers = o.verify_checksum, o.num_receivers
+        self.commit = commit or Commit(strict=o.verify == "strict")
+        if self.commit.strict != (o.verify == "strict"):
+            raise ValueError(f"commit={self.commit} disagrees with verify={o.verify!r}: strict is verify='strict'")
         self._broken = ""
         self._connected = False
         self.source = source
-        self.transport_name = transport
-        self._transport_cls = transports.get(transport)
-        self.num_receivers = num_receivers
+        self.transport_name = o.transport
+        self._transport_cls = transports.get(o.transport)
         self.settings = settings or Settings()
-        self.device = device or transports.default_device(transport)
-        self.verify_checksum = verify_checksum
-        lobby = Lobby(address.listen_host(self.settings), port, self.settings.token, backlog=num_receivers + 8)
-        self._session = _Session(lobby)
+        self.device = device or transports.default_device(o.transport)
+        lobby = Lobby(address.listen_host(self.settings), o.port, self.settings.token, backlog=o.num_receivers + 8)
+        self._session = Held(lobby)
         self._finalizer = weakref.finalize(self, self._session.close)
+        self.membership: Fixed = Elastic(self, min_receivers=o.min_receivers, vet=vet) if o.elastic else Fixed(self)
         self.capacity = 0
         self.manifest: Manifest | None = None
         self._regions: dict[int, dict] = {}
@@ -196,31 +98,29 @@ class Sender:
         self._path: SendPath | None = None
         self._epoch = 0
         self._generation = 0
-        self._group: list[Channel] = []
-        """Elastic gloo/nccl: the receivers the transport's group was formed with (a change means a new group)."""
         self._begun = False
         self.statements: list[bytes] = []
         """What each receiver sent with READY: M:N shard statements (JSON; refit.topology.mesh), else empty."""
-        self.verdict: Callable[[str], str] | None = None
-        """Set by a per-rank driver (refit.topology.ranked): given this Sender's failure ('' when its receivers
-        committed), returns the failure across every trainer rank ('' when every worker committed).
-        When set, receivers hold their commit open until they are told this verdict."""
-        self.vet: Callable[[bytes], str] | None = None
-        """Elastic, set by M:N (refit.topology.mesh): given what a joiner sent with READY, '' to take it in, else
-        why not (it is told so and dropped before it sees a manifest)."""
+
+    def vote_with(self, vote: Vote) -> None:
+        """A per-rank driver (refit.topology.ranked) that wraps this Sender decides its refits by `vote`: its
+        Commit policy becomes a vote across trainer ranks. Only before the first refit."""
+        if self._connected:
+            raise ValueError("vote_with() must come before this Sender's first refit (or connect)")
+        self.commit = Commit(strict=self.commit.strict, vote=vote)
 
     @property
     def channels(self) -> list[Channel]:
         return self._session.channels
 
     @property
-    def _lost(self) -> Callable[[Channel, Exception], None] | None:
-        """Elastic: what to do with a receiver lost mid-refit (drop it); else None: the loss fails the refit."""
-        return self._drop if self.elastic else None
-
-    @property
     def transport(self) -> Transport | None:
         return self._session.transport
+
+    @property
+    def uses_store(self) -> bool:
+        """A group transport (gloo, nccl): its setup is a group formed through a store, fixed in size."""
+        return bool(self._transport_cls.uses_store)
 
     def bucket_buffer(self, b: int) -> torch.Tensor | None:
         """The slot buffer bucket `b` of `manifest` will be packed into (None before the first handshake).
@@ -239,15 +139,10 @@ class Sender:
     def await_receivers(self, count: int, *, timeout_s: float) -> bool:
         """Elastic: wait until `count` receivers take part in the next refit (those in the session, plus
         joiners whose READY arrived), at most `timeout_s`; True when they do. Connects first if needed."""
-        if not self.elastic:
+        if not isinstance(self.membership, Elastic):
             raise ValueError("await_receivers is for an elastic Sender (Sender(..., elastic=True))")
         self.connect()
-        members, pulse = self._session.members, self._session.pulse
-        assert members is not None and pulse is not None
-        with pulse.lock:  # who left since the last refit does not count
-            members.sweep(self.channels, self._drop)
-        need = count - len(self.channels)
-        return need <= 0 or members.await_ready(need, timeout_s) >= need
+        return self.membership.await_receivers(count, timeout_s)
 
     # -- session setup ---------------------------------------------------------------------------
 
@@ -279,8 +174,7 @@ class Sender:
         )
         # Fixed for the session: a model that grows later (a dtype switch) takes more buckets of this size.
         self.capacity = min([own, *limits])
-        uses_store = self._transport_cls.uses_store
-        store = {"store": AuthenticatedStores(self.settings.token, self.settings)} if uses_store else {}
+        store = {"store": AuthenticatedStores(self.settings.token, self.settings)} if self.uses_store else {}
         transport, info = self._transport_cls.offer(
             capacity=self.capacity,
             num_slots=self.num_slots,
@@ -304,23 +198,9 @@ class Sender:
             ch.send(Header(Kind.WELCOME, digest=auth.tag(ch.key, b"WELCOME", data)), data)
         transport.establish()
         self.statements = [ch.expect(Kind.READY, "transport setup")[1] for ch in self.channels]
-        if self.elastic:  # the buffers stay open to later joiners (shm keeps its memfds until close)
-            members = Membership(
-                capacity=self.capacity,
-                transport=self.transport_name,
-                info=None if uses_store else info,  # a group's joiners are welcomed into the next group
-                heartbeat_s=interval,
-                timeout_s=self.settings.timeout_s,
-            )
-            members.start(first_rank=self.num_receivers)
-            self._session.members = members
-            self._group = list(self.channels)
-            self._session.lobby.serve_late(members.arrive)
-        else:
-            transport.joined()
-            self._session.lobby.refuse_late(self.num_receivers)
+        self.membership.start(transport, info, interval)
         waiting = self._session.members.waiting if self._session.members else None
-        self._session.pulse = _Pulse(self._session.channels, interval, waiting)
+        self._session.pulse = Pulse(self._session.channels, interval, waiting)
         log.info(
             "connected %d receiver(s) over %s, buckets of %d bytes",
             self.num_receivers,
@@ -398,7 +278,8 @@ class Sender:
 
         def offer(ch: Channel) -> None:  # each receiver's copy is bound to its session: digest is a MAC under its key
             binding = auth.tag(ch.key, b"MANIFEST", manifest_binding(manifest.epoch, manifest.digest))
-            ch.send(Header(Kind.MANIFEST, epoch=manifest.epoch, digest=binding, status=int(bool(self.verify))), payload)
+            flags = Offer.FINGERPRINT if self.verify else Offer(0)
+            ch.send(Header(Kind.MANIFEST, epoch=manifest.epoch, digest=binding, status=flags), payload)
 
         failures: list[str] = []
 
@@ -409,8 +290,8 @@ class Sender:
             if not report.ok:
                 failures.append(f"receiver {ch.rank}: {report.message()}")
 
-        each(channels, offer, self._lost)
-        each(channels, report, self._lost)
+        each(channels, offer, self.membership.lost)
+        each(channels, report, self.membership.lost)
         return failures
 
     def _digest_plan(self) -> DigestPlan | None:
@@ -419,85 +300,21 @@ class Sender:
             return None
         return DigestPlan(self.manifest, {ch.rank: self._regions.get(ch.rank, {}) for ch in self.channels})
 
-    def _admit_joiners(self, joiners: list[Channel]) -> None:
-        """Elastic, at refit start: each joiner validates the current manifest alone (no other receiver sees it
-        again); one that refuses it is told why and dropped, and the refit goes on without it."""
-        assert self.manifest is not None and self._path is not None
-        for ch in joiners:
-            refused = self._offer_manifest(self.manifest, [ch])
-            if refused:
-                with contextlib.suppress(PeerError):
-                    ch.send(Header(Kind.ERROR), {"message": f"this engine does not fit the session: {refused[0]}"})
-                self._drop(ch, HandshakeError(refused[0]))
-            elif ch.rank in self._regions:  # a joiner lost during its handshake has no regions
-                self.channels.append(ch)
-        self._digests = self._path.digests = self._digest_plan()
-
-    def _regroup(self, joiners: list[Channel], *, after_break: bool = False) -> None:
-        """Elastic gloo/nccl, between refits: a new group of the receivers still here and the joiners (a fixed-size
-        group cannot shrink or grow), then a new epoch's handshake for all (their receive paths were on the old one).
-        `after_break`: a receiver waiting on the broken group's bytes stops when this REGROUP reaches it, but one
-        busy in its engine (loading a bucket) reads it only after that, so the new group waits twice REFIT_TIMEOUT."""
-        members = self._session.members
-        assert members is not None
-        everyone = [*self.channels, *joiners]
-        old = self._session.transport
-        if old is not None:  # abort: a member still blocked in the old group (a broken refit) fails at once
-            getattr(old, "abort", old.close)()
-            self._session.transport = None
-        self._path, self.manifest, self._group = None, None, []
-        if not everyone:  # the next joiner forms the next group
-            return
-        settings = replace(self.settings, timeout_s=2 * self.settings.timeout_s) if after_break else self.settings
-        transport, info = self._transport_cls.offer(
-            capacity=self.capacity,
-            num_slots=self.num_slots,
-            num_receivers=max(1, len(everyone)),
-            device=self.device,
-            settings=settings,
-            store=AuthenticatedStores(self.settings.token, settings),
-        )
-        self._session.transport = transport
-        for g, ch in enumerate(everyone, start=1):
-            members.welcome(ch, Kind.WELCOME if ch in joiners else Kind.REGROUP, {**info, "group_rank": g})
-        transport.establish()  # every member joins the new group, or this raises (the session is over)
-        for ch in everyone:
-            statement = _expect_ready(ch)
-            if ch in joiners:
-                members.stated[ch.rank] = statement
-        self.channels[:] = everyone
-        self._group = list(everyone)
-        log.info("formed a new %s group of %d receiver(s)", self.transport_name, len(everyone))
-        if len(self._vetted(joiners)) < len(joiners):  # a refused joiner is in the group: form it again without
-            self._regroup([], after_break=after_break)
-
-    def _vetted(self, joiners: list[Channel]) -> list[Channel]:
-        """The joiners whose READY statement `vet` accepts; each other one is told why and dropped."""
-        members = self._session.members
-        assert members is not None
-        if self.vet is None:
-            members.stated.clear()
-            return joiners
-        kept = []
-        for ch in joiners:
-            why = self.vet(members.stated.pop(ch.rank, b""))
-            if not why:
-                kept.append(ch)
-                continue
-            with contextlib.suppress(PeerError):
-                ch.send(Header(Kind.ERROR), {"message": f"this engine does not fit the session: {why}"})
-            self._drop(ch, HandshakeError(why))
-        return kept
-
-    def _drop(self, ch: Channel, error: Exception) -> None:
-        """Elastic: `ch` left (LEAVE, closed, died or broke the protocol): the refit goes on without it."""
-        if ch in self.channels:
-            self.channels.remove(ch)
-        if self._digests is not None:
-            self._digests.forget(ch.rank)
-        self._regions.pop(ch.rank, None)
-        assert self._session.members is not None
-        self._session.members.drop(ch, error)
+    def prepare(self, joiners: list[Channel]) -> bool:
+        """At a round's start: a new epoch's handshake (with `joiners`) if there is none yet or the source's
+        tensors changed, else the joiners validate the current manifest alone. True for a handshake."""
+        signature = self.source.signature()
+        moved = signature != self._signature
+        handshake = self.manifest is None or (moved and self._changed())
+        if handshake:
+            self.channels.extend(joiners)
+            self._handshake()
+        elif joiners:
+            self.membership.admit(joiners)
+        if moved or not self.source.signature_covers_layout:
+            self._generation += 1  # cached copy plans must check their tensors' layout again
+        self._signature = signature
+        return handshake
 
     def _changed(self) -> bool:
         """The cheap signature moved: does that need a new epoch? Yes if any spec or alias changed, and in
@@ -519,13 +336,14 @@ class Sender:
             raise PeerError(f"this session broke earlier ({self._broken}); close() it and build a new Sender")
         if not self._finalizer.alive:
             raise ValueError("this Sender is closed; start a new one")
-        pulse = self._session.pulse
+        t_connect = time.perf_counter()
         self._begun = False
         try:
-            if pulse is None:
-                return self._refit(version)
-            with pulse.lock:
-                return self._refit(version)
+            self.connect()
+            pulse = self._session.pulse
+            assert pulse is not None
+            with pulse.lock:  # heartbeats never interleave with a refit
+                return self._round(version, t_connect)
         except PeerError as e:
             self._broken = self._broken or str(e)
             log.error("session broken: %s", e)
@@ -535,6 +353,15 @@ class Sender:
                 self._abort(version, e)
             raise
 
+    def _round(self, version: int, t_connect: float) -> RefitStats:
+        try:
+            return Round(self, version, t_connect).run()
+        except PeerError as e:
+            if not (self._begun and self.membership.retries(e)):
+                raise
+            self._begun = False
+            return Round(self, version, t_connect, retry=True).run()
+
     def _abort(self, version: int, error: Exception) -> None:
         """The trainer side failed mid-refit (its source raised, say): tell every receiver at once, so none
         waits out its timeout, and end the session (their weights are mixed; they report 'failed')."""
@@ -543,195 +370,6 @@ class Sender:
         for ch in self.channels:
             with contextlib.suppress(PeerError):
                 ch.send(Header(Kind.ERROR), {"message": self._broken})
-
-    def _refit(self, version: int) -> RefitStats:
-        t_connect = time.perf_counter()
-        if not self._connected:
-            self.connect()
-            if self._session.pulse is not None:  # connected inside this call: hold off heartbeats as refit() does
-                with self._session.pulse.lock:
-                    return self._refit_connected(version, t_connect)
-        return self._refit_connected(version, t_connect)
-
-    def _refit_connected(self, version: int, t_connect: float) -> RefitStats:
-        try:
-            return self._refit_once(version, t_connect)
-        except PeerError as e:
-            if not (self.elastic and self._transport_cls.uses_store and self._begun):
-                raise
-            # A member died mid-refit and broke the group for everyone: drop it, form a new group, retry once.
-            log.warning(
-                "the %s group broke during refit %d (%s); retrying it once in a new group",
-                self.transport_name,
-                version,
-                e,
-            )
-            self._settle()
-            self._group, self._begun = [], False
-            return self._refit_once(version, t_connect, retry=True)
-
-    def _settle(self) -> None:
-        """After a broken group: drop each receiver whose connection ended; read (and forget) what the rest said
-        of the broken refit so far."""
-        for ch in list(self.channels):
-            try:
-                while readable(ch):
-                    ch.recv("the refit the group broke in")
-            except (PeerError, IntegrityError) as e:
-                self._drop(ch, e)
-
-    def _refit_once(self, version: int, t_connect: float, *, retry: bool = False) -> RefitStats:
-        t0 = time.perf_counter()
-        members = self._session.members
-        joiners = []
-        if members is not None:  # elastic: who left since the last refit, who is ready to join
-            if not retry:  # (a retry's receivers may still be acknowledging the broken attempt: _settle saw to them)
-                members.sweep(self.channels, self._drop)
-            joiners = members.take_ready()
-            if not self._transport_cls.uses_store:  # a group's joiners say READY (and are vetted) in _regroup
-                joiners = self._vetted(joiners)
-            if self._transport_cls.uses_store and (joiners or self.channels != self._group):
-                self._regroup(joiners, after_break=retry)
-                joiners = []
-            if not self.channels and not joiners:
-                if self.min_receivers:
-                    raise RefitError(self._too_few(version, "reached", 0, members.departed))
-                log.warning("refit of version %d reached no receiver: none is connected", version)
-                return RefitStats(version=version, epoch=self._epoch, departed=members.take_departed())
-        signature = self.source.signature()
-        moved = signature != self._signature
-        handshake = self.manifest is None or (moved and self._changed())
-        if handshake:
-            self.channels.extend(joiners)
-            self._handshake()
-        elif joiners:
-            self._admit_joiners(joiners)
-        if moved or not self.source.signature_covers_layout:
-            self._generation += 1  # cached copy plans must check their tensors' layout again
-        self._signature = signature
-        m = self.manifest
-        assert m is not None
-        stats = RefitStats(
-            version=version, epoch=m.epoch, handshake=handshake, num_buckets=m.num_buckets, nbytes=m.nbytes
-        )
-        stats.add("connect", t0 - t_connect)
-        stats.add("handshake", time.perf_counter() - t0)
-        ctrl0 = self._control_bytes()
-        begin = Header(
-            Kind.BEGIN,
-            epoch=m.epoch,
-            version=version,
-            digest=m.digest,
-            index=m.num_buckets,
-            status=int(self.zero_copy) | (2 if self._two_phase() else 0),
-        )
-        if self.zero_copy:  # the optimizer's writes must be done before receivers read the tensors
-            torch.cuda.current_stream(self.device).synchronize()
-        each(self.channels, lambda ch: ch.send(begin), self._lost)
-        self._begun = True
-        assert self._path is not None
-        errors = self._path.send(
-            self.source, version, stats, self._generation, verify_checksum=self.verify_checksum, on_lost=self._lost
-        )
-        self._commit(m, version, stats, errors)
-        stats.control_bytes = max(0, self._control_bytes() - ctrl0)  # a receiver dropped mid-refit takes its count
-        stats.seconds["total"] = time.perf_counter() - t0
-        log.info(
-            "committed version %d: %d bytes in %d bucket(s), %.1f ms",
-            version,
-            m.nbytes,
-            m.num_buckets,
-            stats.seconds["total"] * 1e3,
-        )
-        return stats
-
-    def _commit(self, m: Manifest, version: int, stats: RefitStats, errors: list[str]) -> None:
-        t = time.perf_counter()
-        commit = Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest)
-        each(self.channels, lambda ch: ch.send(commit), self._lost)
-        failures: list[str] = []
-        committed: list[Channel] = []
-        names: set[str] = set()
-
-        def done(ch: Channel) -> None:  # every DONE is read, whatever it says, so the next refit starts in step
-            header, payload = ch.expect(Kind.DONE, f"commit of version {version}")
-            try:
-                answer = parse_json(payload, "DONE") if payload else {}
-            except IntegrityError as e:
-                failures.append(f"{ch.peer}: {e}")
-                return
-            if header.status:
-                failures.append(f"{ch.peer}: {answer.get('message', 'unknown error')}")
-            else:
-                committed.append(ch)
-            unverified = answer.get("unverified")
-            if isinstance(unverified, int) and not isinstance(unverified, bool):
-                stats.unverified = max(stats.unverified, unverified)
-            listed = answer.get("unverified_names")
-            if isinstance(listed, list):
-                names.update(str(n) for n in listed[:100_000])
-
-        each(self.channels, done, self._lost)
-        stats.add("commit", time.perf_counter() - t)
-        _set_unverified_names(stats, sorted(names))
-        self._record_members(stats, committed, version)
-        if self.verdict is not None and self.elastic and not committed and not failures:
-            failures.append(
-                f"its engine worker departed during the refit ({_named(stats.departed)}); its shard has no other "
-                "holder, so no worker commits; a replacement under the same worker index takes the next refit"
-            )
-        if self.verify == "strict" and names and not failures and not errors:
-            failures.append(_strict_failure(sorted(names)))
-        few = self.elastic and len(stats.receivers) < self.min_receivers and not failures and not errors
-        if few and self._two_phase():  # the verdict makes it fail on the receivers holding their commit open
-            failures.append(self._too_few(version, "committed on", len(stats.receivers), stats.departed))
-        if failures or errors:
-            own = (
-                f"refit of version {version} failed; receivers keep their last committed weights and report "
-                f"state 'failed': {'; '.join(failures or errors)}"
-            )
-        else:
-            own = ""
-        if self._two_phase():
-            own = self._decide(m, version, own, committed)
-        if own:
-            raise RefitError(own)
-        if few:  # committed where it reached: those receivers hold the version
-            raise RefitError(self._too_few(version, "committed on", len(stats.receivers), stats.departed))
-
-    def _record_members(self, stats: RefitStats, committed: list[Channel], version: int) -> None:
-        """Who took this refit, and (elastic) who departed since the last one's stats."""
-        stats.receivers = sorted(ch.rank for ch in committed if ch in self.channels)
-        if self._session.members is not None:
-            stats.departed = self._session.members.take_departed()
-
-    def _too_few(self, version: int, did: str, count: int, departed: list[dict]) -> str:
-        """Elastic: fewer than `min_receivers` took the refit. Who left stays listed for the next refit's stats."""
-        members = self._session.members
-        if members is not None and departed is not members.departed:
-            members.departed[:0] = departed
-        return (
-            f"refit of version {version} {did} {count} receiver(s), fewer than min_receivers ({self.min_receivers}); "
-            f"departed since the last refit's stats: {_named(departed)}; start or reconnect an engine (await_receivers "
-            "waits for one), or pass min_receivers=0 to let a refit reach none"
-        )
-
-    def _two_phase(self) -> bool:
-        """Receivers hold their commit open until told the verdict: per-rank refits, and strict
-        verification (whose verdict needs every receiver's list of unverified tensors)."""
-        return self.verdict is not None or self.verify == "strict"
-
-    def _decide(self, m: Manifest, version: int, own: str, committed: list[Channel]) -> str:
-        """Agree with the other trainer ranks (per-rank refit), then tell the receivers that committed."""
-        verdict = self.verdict(own) if self.verdict is not None else own
-        told = Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest, status=int(bool(verdict)))
-        still = [ch for ch in committed if ch in self.channels]
-        each(still, lambda ch: ch.send(told, {"message": verdict}), self._lost)
-        return own or (
-            f"refit of version {version} failed on another trainer rank; every worker reports state 'failed': {verdict}"
-            if verdict
-            else ""
-        )
 
     def _control_bytes(self) -> int:
         return sum(ch.bytes_sent + ch.bytes_received for ch in self.channels)
@@ -755,31 +393,3 @@ class Sender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _named(departed: list[dict]) -> str:
-    return "; ".join(f"receiver {d['receiver']}: {d['reason']}" for d in departed) or "no receiver"
-
-
-def _expect_ready(ch: Channel) -> bytes:
-    """READY for a new group (its payload), after whatever is left of a broken refit (acknowledgements, a DONE)."""
-    while True:
-        header, payload = ch.recv("joining the new group")
-        if header.kind == Kind.READY:
-            return payload
-        if header.kind not in (Kind.ACK, Kind.DONE):
-            raise PeerError(f"{ch.peer} sent {header.kind.name} while joining the new group, expected READY")
-
-
-def _set_unverified_names(stats: RefitStats, names: list[str]) -> None:
-    """Record the tensors no receiver could read back (RefitStats may not have the field in older installs)."""
-    with contextlib.suppress(AttributeError, TypeError):
-        stats.unverified_names = names  # type: ignore[attr-defined]
-
-
-def _strict_failure(names: list[str]) -> str:
-    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-    return (
-        f"verify='strict': {len(names)} tensor(s) could not be read back from the engine to verify: {shown}; "
-        "verify='fingerprint' accepts unverified tensors"
-    )

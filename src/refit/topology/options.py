@@ -1,0 +1,66 @@
+"""A Sender's options, typed and checked once: the one declaration `Sender`, `MeshRefit` and the vLLM trainer
+API share (their keyword arguments are a thin convenience over it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+from refit.layout.budget import NUM_SLOTS
+
+Verify = Literal["fingerprint", "strict"] | None
+VERIFY_MODES: tuple[Verify, ...] = (None, "fingerprint", "strict")
+
+
+@dataclass(frozen=True)
+class SenderOptions:
+    """`verify="fingerprint"` (the default; None turns it off): after the last bucket, each receiver compares a
+    digest of what its engine now holds with a digest of the trainer's live tensors (after the wire cast), and
+    the refit fails, naming the tensors that differ, unless all agree; tensors an engine cannot read back are
+    reported (`RefitStats.unverified_names`) but accepted. `verify="strict"` verifies the same way and fails the
+    refit (committed on no receiver) when any tensor went unverified.
+    `zero_copy` (cuda-ipc only): receivers copy straight from the source tensors, whose IPC handles are exported
+    once per epoch; the source must hold contiguous device tensors in their wire dtype.
+    `elastic`: receivers beyond the first `num_receivers` may join at any time (they take part from the next
+    refit), and one that leaves or dies is dropped while the refit goes on with the rest (`RefitStats.departed`
+    names it); without it any lost receiver fails the refit and the session.
+    `min_receivers` (elastic): a refit that commits on fewer receivers raises RefitError naming who left and why
+    (those that committed hold the version); 0 lets a refit with no receiver at all pass."""
+
+    transport: str = "shm"
+    num_receivers: int = 1
+    verify: Verify = "fingerprint"
+    verify_checksum: bool = False
+    num_slots: int = NUM_SLOTS
+    zero_copy: bool = False
+    port: int = 0
+    elastic: bool = False
+    min_receivers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_receivers < 1:
+            raise ValueError(f"num_receivers ({self.num_receivers}) must be >= 1")
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots ({self.num_slots}) must be >= 1 (2 overlaps packing with transfer)")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
+        if self.min_receivers < 0:
+            raise ValueError(f"min_receivers ({self.min_receivers}) must be >= 0")
+        if not self.elastic and self.min_receivers > self.num_receivers:
+            raise ValueError(
+                f"min_receivers ({self.min_receivers}) is for an elastic Sender (elastic=True); a fixed one always "
+                f"needs all num_receivers ({self.num_receivers})"
+            )
+        if self.elastic and self.zero_copy:
+            raise ValueError("elastic=True cannot be combined with zero_copy (a joiner would need the source handles)")
+        if self.zero_copy and self.transport != "cuda-ipc":
+            raise ValueError(f"zero_copy needs the cuda-ipc transport ({self.transport!r} given)")
+
+    @classmethod
+    def of(cls, options: SenderOptions | None, overrides: dict[str, Any]) -> SenderOptions:
+        """`options` (default: all defaults) with the keyword arguments a caller gave on top."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown Sender option(s) {unknown}; the options are {sorted(known)}")
+        return replace(options or cls(), **overrides)

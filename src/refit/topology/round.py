@@ -1,0 +1,142 @@
+"""One refit of a Sender's session: begin, stream the buckets, verify, collect every DONE, decide.
+
+The session (refit.topology.sender) holds what lasts: lobby, heartbeats, transport, the epoch's manifest
+and send path. A Round lives for one version and reads them; the policies the Sender was built with
+(membership: who takes part; commit: how the outcome is decided) answer for the modes."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from refit.errors import IntegrityError, RefitError
+from refit.layout.manifest import Manifest
+from refit.log import get_logger
+from refit.protocol.wire import Begin, Channel, Done, Header, Kind, parse_json
+from refit.topology.seat import Session
+from refit.topology.send_path import each
+from refit.topology.stats import RefitStats
+
+log = get_logger("sender")
+
+
+class Round:
+    def __init__(self, sender: Session, version: int, t_connect: float, *, retry: bool = False) -> None:
+        self.s = sender
+        self.version = version
+        self.t_connect = t_connect
+        self.retry = retry
+
+    def run(self) -> RefitStats:
+        s, version = self.s, self.version
+        t0 = time.perf_counter()
+        joiners = s.membership.gather(version, self.retry)
+        if isinstance(joiners, RefitStats):  # no receiver to reach, and that may pass
+            return joiners
+        handshake = s.prepare(joiners)
+        m = s.manifest
+        assert m is not None and s._path is not None
+        stats = RefitStats(
+            version=version, epoch=m.epoch, handshake=handshake, num_buckets=m.num_buckets, nbytes=m.nbytes
+        )
+        stats.add("connect", t0 - self.t_connect)
+        stats.add("handshake", time.perf_counter() - t0)
+        ctrl0 = s._control_bytes()
+        flags = (Begin.ZERO_COPY if s.zero_copy else Begin(0)) | (Begin.TWO_PHASE if s.commit.two_phase else Begin(0))
+        begin = Header(Kind.BEGIN, epoch=m.epoch, version=version, digest=m.digest, index=m.num_buckets, status=flags)
+        if s.zero_copy:  # the optimizer's writes must be done before receivers read the tensors
+            torch.cuda.current_stream(s.device).synchronize()
+        lost = s.membership.lost
+        each(s.channels, lambda ch: ch.send(begin), lost)
+        s._begun = True
+        errors = s._path.send(s.source, version, stats, s._generation, verify_checksum=s.verify_checksum, on_lost=lost)
+        self._commit(m, stats, errors)
+        stats.control_bytes = max(0, s._control_bytes() - ctrl0)  # a receiver dropped mid-refit takes its count
+        stats.seconds["total"] = time.perf_counter() - t0
+        log.info(
+            "committed version %d: %d bytes in %d bucket(s), %.1f ms",
+            version,
+            m.nbytes,
+            m.num_buckets,
+            stats.seconds["total"] * 1e3,
+        )
+        return stats
+
+    def _commit(self, m: Manifest, stats: RefitStats, errors: list[str]) -> None:
+        s, version = self.s, self.version
+        t = time.perf_counter()
+        commit = Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest)
+        each(s.channels, lambda ch: ch.send(commit), s.membership.lost)
+        failures, committed, names = self._collect(stats)
+        stats.add("commit", time.perf_counter() - t)
+        _set_unverified_names(stats, sorted(names))
+        s.membership.record(stats, committed)
+        if s.commit.strict and names and not failures and not errors:
+            failures.append(_strict_failure(sorted(names)))
+        few = s.membership.shortfall(version, stats, committed, failures, errors)
+        if failures or errors:
+            own = (
+                f"refit of version {version} failed; receivers keep their last committed weights and report "
+                f"state 'failed': {'; '.join(failures or errors)}"
+            )
+        else:
+            own = ""
+        if s.commit.two_phase:
+            own = self._decide(m, own, committed)
+        if own:
+            raise RefitError(own)
+        if few:  # committed where it reached: those receivers hold the version
+            raise RefitError(s.membership.too_few(version, "committed on", len(stats.receivers), stats.departed))
+
+    def _collect(self, stats: RefitStats) -> tuple[list[str], list[Channel], set[str]]:
+        """Every receiver's DONE, whatever it says, so the next refit starts in step: (failures, the channels
+        that committed, the tensors some receiver could not read back)."""
+        failures: list[str] = []
+        committed: list[Channel] = []
+        names: set[str] = set()
+
+        def done(ch: Channel) -> None:
+            header, payload = ch.expect(Kind.DONE, f"commit of version {self.version}")
+            try:
+                answer = Done.from_json(parse_json(payload, "DONE") if payload else {})
+            except IntegrityError as e:
+                failures.append(f"{ch.peer}: {e}")
+                return
+            if header.status:
+                failures.append(f"{ch.peer}: {answer.message or 'unknown error'}")
+            else:
+                committed.append(ch)
+            stats.unverified = max(stats.unverified, answer.unverified)
+            names.update(answer.unverified_names)
+
+        each(self.s.channels, done, self.s.membership.lost)
+        return failures, committed, names
+
+    def _decide(self, m: Manifest, own: str, committed: list[Channel]) -> str:
+        """Agree with the other trainer ranks (a vote), then tell the receivers that committed."""
+        s, version = self.s, self.version
+        verdict = s.commit.decide(own)
+        told = Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest, status=int(bool(verdict)))
+        still = [ch for ch in committed if ch in s.channels]
+        each(still, lambda ch: ch.send(told, {"message": verdict}), s.membership.lost)
+        return own or (
+            f"refit of version {version} failed on another trainer rank; every worker reports state 'failed': {verdict}"
+            if verdict
+            else ""
+        )
+
+
+def _set_unverified_names(stats: RefitStats, names: list[str]) -> None:
+    """Record the tensors no receiver could read back (RefitStats may not have the field in older installs)."""
+    with contextlib.suppress(AttributeError, TypeError):
+        stats.unverified_names = names  # type: ignore[attr-defined]
+
+
+def _strict_failure(names: list[str]) -> str:
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return (
+        f"verify='strict': {len(names)} tensor(s) could not be read back from the engine to verify: {shown}; "
+        "verify='fingerprint' accepts unverified tensors"
+    )
