@@ -1,6 +1,6 @@
-"""Import paths users already wrote keep working: the old module paths (with a DeprecationWarning naming the
-new one), the strings vLLM and pip resolve (worker extension, entry points), and the public API without the
-optional dependencies installed."""
+"""The public API resolves lazily (no torch at `import refit`, every name in `__all__`, `dir`), the strings vLLM
+and pip resolve (worker extension, entry points) name real modules, and the API works without the optional
+dependencies installed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import warnings
 
 import pytest
 from locations import ROOT
@@ -22,80 +21,47 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
-OLD_NAMES = {
-    "refit.fsdp": ["FsdpSource", "sharded_refit"],
-    "refit.megatron": ["MegatronSource", "megatron_refit"],
-    "refit.colocated": ["RankedRefit", "pick"],
-    "refit.engines.vllm": ["VllmRefit", "HttpEngine", "RefitWorkerExtension"],
-    "refit.manifest": ["Manifest", "Placement"],
-    "refit.source": ["ModuleSource"],
-    "refit.spec": ["TensorSpec", "dtype_name"],
-}
-"""Old module paths named in README.md, docs/ and examples of earlier releases, with names imported from them."""
-
-
 OPTIONAL = ("vllm", "megatron", "ray")
 """Top-level packages of the optional extras: a name that needs one may fail to import where it is missing."""
 
 
-def _fresh_import(name: str, monkeypatch: pytest.MonkeyPatch):
-    """Import `name` as a first import would (so the finder runs and warns), restoring sys.modules afterwards."""
-    monkeypatch.delitem(sys.modules, name, raising=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(name)
-    return module, [w for w in caught if issubclass(w.category, DeprecationWarning)]
+def _run(code: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter (a first `import refit`), with this checkout's src first on the path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), *sys.path])}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
 
 
-def _public(module) -> list[str]:
-    return [n for n in vars(module) if not n.startswith("_")]
+def test_import_refit_loads_no_torch() -> None:
+    r = _run("import sys, refit; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "[]"
 
 
-def test_the_old_paths_the_docs_named_cover_the_moved_table() -> None:
-    assert set(OLD_NAMES) <= set(refit._MOVED)
+def test_every_name_in_all_resolves_to_its_module() -> None:
+    for name in refit.__all__:
+        obj = getattr(refit, name)
+        assert obj is getattr(importlib.import_module(refit._EXPORTS[name]), name), name
 
 
-@pytest.mark.parametrize("old", sorted(OLD_NAMES))
-def test_an_old_import_path_still_gives_its_names_with_a_deprecation_warning(
-    old: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    module, deprecations = _fresh_import(old, monkeypatch)
-    assert any(old in str(w.message) and refit._MOVED[old][0] in str(w.message) for w in deprecations), [
-        str(w.message) for w in deprecations
-    ]
-    for name in OLD_NAMES[old]:
-        got = getattr(module, name)
-        homes = [importlib.import_module(m) for m in refit._MOVED[old]]
-        assert any(getattr(h, name, None) is got for h in homes), (old, name)
-    exec(f"from {old} import {', '.join(OLD_NAMES[old])}", {})
+def test_dir_lists_the_public_names_before_any_is_imported() -> None:
+    r = _run("import json, refit; print(json.dumps(dir(refit)))")
+    assert r.returncode == 0, r.stderr[-3000:]
+    listed = json.loads(r.stdout)
+    assert set(refit.__all__) <= set(listed) and "__version__" in listed
+    assert listed == sorted(listed)
 
 
-@pytest.mark.parametrize("old", sorted(refit._MOVED))
-def test_every_moved_module_imports_with_a_warning_and_resolves_its_new_modules_names(
-    old: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    module, deprecations = _fresh_import(old, monkeypatch)
-    assert [str(w.message) for w in deprecations] == [
-        f"{old} moved to {' and '.join(refit._MOVED[old])}; import from there"
-    ]
-    seen: set[str] = set()
-    for new in refit._MOVED[old]:
-        home = importlib.import_module(new)
-        names = getattr(home, "__all__", None) or _public(home)
-        for name in names:
-            if name in seen:
-                continue
-            seen.add(name)
-            try:
-                expected = getattr(home, name)
-            except ModuleNotFoundError as e:  # a name whose module imports an optional dependency
-                assert (e.name or "").split(".")[0] in OPTIONAL, e
-                with pytest.raises(ModuleNotFoundError):
-                    getattr(module, name)
-                continue
-            assert getattr(module, name) is expected, (old, new, name)
-    with pytest.raises(AttributeError, match=re.escape(old)):
-        module.no_such_name  # noqa: B018
+def test_an_unknown_name_is_an_attribute_error_naming_it() -> None:
+    for name in ("Manifest", "plan", "no_such_name"):
+        with pytest.raises(AttributeError, match=f"module 'refit' has no attribute '{name}'"):
+            getattr(refit, name)
+
+
+def test_refit_installs_no_import_hook() -> None:
+    """The layout of module paths before the packages was never released: nothing resolves it."""
+    assert not [f for f in sys.meta_path if type(f).__module__.split(".")[0] == "refit"]
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("refit.fsdp")
 
 
 def _resolve(value: str):
@@ -135,67 +101,57 @@ def test_the_vllm_plugin_entry_point_names_the_backend_module() -> None:
 
 
 def test_dotted_refit_names_in_the_docs_resolve() -> None:
-    """Every `refit.x.y` a reader may copy from README.md or docs/ is a module or an attribute of one."""
-    docs = [os.path.join(ROOT, "README.md")] + [
+    """Every `refit.x.y` a reader may copy from README.md, BENCHMARKS.md or docs/ is a module or an attribute of one."""
+    docs = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "BENCHMARKS.md")] + [
         os.path.join(ROOT, "docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs"))) if f.endswith(".md")
     ]
     names = set()
     for path in docs:
         with open(path) as f:
-            names |= set(re.findall(r"(?<![\w./-])refit(?:\.[A-Za-z_]\w*)+", f.read()))
+            # Not a format tag such as "refit.manifest/1", which names no module.
+            names |= set(re.findall(r"(?<![\w./-])refit(?:\.[A-Za-z_]\w*)+(?![\w/])", f.read()))
     unresolved = []
     for name in sorted(names):
         parts = name.split(".")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            for i in range(len(parts), 0, -1):
-                try:
-                    obj = importlib.import_module(".".join(parts[:i]))
-                except ModuleNotFoundError as e:
-                    if (e.name or "").split(".")[0] in OPTIONAL:
-                        break  # names a module of an optional dependency's integration
-                    continue
-                try:
-                    for part in parts[i:]:
-                        obj = getattr(obj, part)
-                except AttributeError:
-                    unresolved.append(name)
-                break
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ModuleNotFoundError as e:
+                if (e.name or "").split(".")[0] in OPTIONAL:
+                    break  # names a module of an optional dependency's integration
+                continue
+            try:
+                for part in parts[i:]:
+                    obj = getattr(obj, part)
+            except AttributeError:
+                unresolved.append(name)
+            break
     assert not unresolved, unresolved
 
 
 _NO_OPTIONALS = r"""
-import sys, warnings, json
+import importlib, json, sys
 sys.modules["vllm"] = None
 sys.modules["megatron"] = None
 sys.modules["ray"] = None
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    import refit
-    refit.FsdpSource, refit.MegatronSource, refit.RankedRefit, refit.VllmRefit
-    resolved = {name: type(getattr(refit, name)).__name__ for name in refit.__all__}
-deprecations = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and "refit" in str(w.message)]
+import refit
+refit.FsdpSource, refit.MegatronSource, refit.RankedRefit, refit.VllmRefit
+resolved = {name: type(getattr(refit, name)).__name__ for name in refit.__all__}
 # What vLLM does with worker_extension_cls= (vllm.utils.import_utils.resolve_obj_by_qualname).
-import importlib
-qualname = "refit.engines.vllm.RefitWorkerExtension"
-module_name, obj_name = qualname.rsplit(".", 1)
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    extension = getattr(importlib.import_module(module_name), obj_name)
+module_name, obj_name = "refit.integrations.vllm.RefitWorkerExtension".rsplit(".", 1)
+extension = getattr(importlib.import_module(module_name), obj_name)
 assert isinstance(extension, type), extension
 leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "megatron", "ray") and sys.modules[m] is not None)
-print(json.dumps({"resolved": resolved, "deprecations": deprecations, "leaked": leaked}))
+print(json.dumps({"resolved": resolved, "leaked": leaked}))
 """
 
 
 def test_the_public_api_resolves_without_vllm_megatron_or_ray() -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), *sys.path])}
-    r = subprocess.run([sys.executable, "-c", _NO_OPTIONALS], capture_output=True, text=True, env=env)
+    r = _run(_NO_OPTIONALS)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert sorted(got["resolved"]) == sorted(refit.__all__)
     assert {"FsdpSource", "MegatronSource", "RankedRefit", "VllmRefit"} <= set(got["resolved"])
-    assert got["deprecations"] == [], "a public name resolves through a deprecated path"
     assert got["leaked"] == []
 
 
@@ -205,9 +161,4 @@ def test_the_worker_extension_string_resolves_as_vllm_resolves_it() -> None:
     import_utils = pytest.importorskip("vllm.utils.import_utils")
     from refit.integrations.vllm import RefitWorkerExtension
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        assert import_utils.resolve_obj_by_qualname("refit.engines.vllm.RefitWorkerExtension") is RefitWorkerExtension
-        assert (
-            import_utils.resolve_obj_by_qualname("refit.integrations.vllm.RefitWorkerExtension") is RefitWorkerExtension
-        )
+    assert import_utils.resolve_obj_by_qualname("refit.integrations.vllm.RefitWorkerExtension") is RefitWorkerExtension

@@ -380,9 +380,11 @@ def _doctor(args: argparse.Namespace, console: Console) -> int:
     from refit import transports
     from refit.tools.doctor import diagnose
 
-    asked = [t.strip() for t in (args.transport or ",".join(transports.names())).split(",") if t.strip()]
+    known = transports.names()
+    asked = [t.strip() for t in (args.transport or ",".join(known)).split(",") if t.strip()]
     for name in asked:
-        transports.get(name)
+        if name not in known:
+            raise ValueError(f"unknown transport {name!r}; choose one of {known}")
     with progress_console(quiet=args.verbosity < 0).status(
         "checking this machine (the CUDA IPC probe starts a second process)"
     ):

@@ -23,6 +23,7 @@ import torch
 from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes
 from refit.log import get_logger
 from refit.settings import Settings
+from refit.transports import get as transport_class
 
 log = get_logger("doctor")
 OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
@@ -463,18 +464,14 @@ def ipc_child() -> None:
 
 def verdict(report: Report, transport: str) -> Verdict:
     """Turn the checks into whether `transport` works here."""
-    need = {
-        "shm": ["torch", "rendezvous", "/dev/shm", "memory cpu"],
-        "gloo": ["torch", "rendezvous", "memory cpu"],
-        "cuda-ipc": ["cuda", "rendezvous"],
-        "nccl": ["cuda", "rendezvous", "nccl"],
-    }[transport]
+    if transport not in NEEDS:
+        return _registered_verdict(report, transport)
+    need = list(NEEDS[transport])
     if transport in ("cuda-ipc", "nccl"):
         need += [c.name for c in report.checks if c.name.startswith("memory cuda")]
-    for name in need:
-        c = report.by_name(name)
-        if c is not None and c.status == FAIL:
-            return Verdict(transport=transport, status=FAIL, reason=f"{name}: {c.detail}", fix=c.fix)
+    failed = _first_failure(report, transport, need)
+    if failed is not None:
+        return failed
     if transport == "cuda-ipc":
         return _cuda_ipc_verdict(report)
     if transport == "nccl" and torch.cuda.device_count() < 2:
@@ -489,6 +486,44 @@ def verdict(report: Report, transport: str) -> Verdict:
     if transport == "nccl" and shm is not None and shm.status != OK:
         return Verdict(transport=transport, status=WARN, reason=f"/dev/shm: {shm.detail}", fix=shm.fix)
     return Verdict(transport=transport, status=OK, reason=USE[transport])
+
+
+NEEDS = {
+    "shm": ["torch", "rendezvous", "/dev/shm", "memory cpu"],
+    "gloo": ["torch", "rendezvous", "memory cpu"],
+    "cuda-ipc": ["cuda", "rendezvous"],
+    "nccl": ["cuda", "rendezvous", "nccl"],
+}
+"""The checks each built-in transport needs to pass."""
+
+
+def _first_failure(report: Report, transport: str, need: list[str]) -> Verdict | None:
+    for name in need:
+        c = report.by_name(name)
+        if c is not None and c.status == FAIL:
+            return Verdict(transport=transport, status=FAIL, reason=f"{name}: {c.detail}", fix=c.fix)
+    return None
+
+
+def _registered_verdict(report: Report, transport: str) -> Verdict:
+    """A transport from `refit.transports.register` or an entry point: refit knows only where its buffers live."""
+    try:
+        cls = transport_class(transport)
+    except ValueError as e:
+        return Verdict(transport=transport, status=FAIL, reason=str(e))
+    if cls.device_type == "cuda":
+        need = ["cuda", "rendezvous"] + [c.name for c in report.checks if c.name.startswith("memory cuda")]
+    else:
+        need = ["torch", "rendezvous", "memory cpu"]
+    failed = _first_failure(report, transport, need)
+    if failed is not None:
+        return failed
+    return Verdict(
+        transport=transport,
+        status=OK,
+        reason=f"{cls.__module__}:{cls.__qualname__}, not built in: checked only what any {cls.device_type} "
+        "transport needs",
+    )
 
 
 USE = {
