@@ -67,7 +67,7 @@ QUIET_ENV = {
     "TORCH_CPP_LOG_LEVEL": "ERROR",
     "PYTHONWARNINGS": "ignore::FutureWarning",
 }
-"""Set by the `refit` command unless -v (explicit settings win); listed in the README."""
+"""Set by the `refit` command unless -v (explicit settings win); listed in docs/USAGE.md ("Environment variables")."""
 
 
 def quiet_libraries(verbosity: int) -> None:

@@ -55,7 +55,7 @@ def cpu_kernel_enabled() -> bool:
 
 @dataclass(kw_only=True, slots=True)
 class Settings:
-    """Session settings; defaults come from the environment (see the README's table)."""
+    """Session settings; defaults come from the environment (see the table in docs/USAGE.md)."""
 
     ratio: float = field(default_factory=_ratio)
     """Fraction of free memory the bucket buffers of one side may take (REFIT_BUFFER_MEMORY_RATIO)."""

@@ -1,11 +1,13 @@
-"""The README's examples run: every block marked `<!-- ci: runs -->` in README.md, in real processes.
+"""The documentation's examples run: every block marked `<!-- ci: runs -->` in README.md and
+docs/USAGE.md, in real processes.
 
-A small parser takes the marked blocks out of README.md; placeholders (`model`, `hf_model`,
+A small parser takes the marked blocks out of each file; placeholders (`model`, `hf_model`,
 `train_step`, `for step in ...`, `hand_to_engine`, `path/to/config.json`) are filled with a tiny
 Llama built locally from a transformers config (nothing from a model hub). The Python examples run
 their trainer and engine halves as separate processes and end with the engine's weights compared,
 by fingerprint in the wire dtype, with the trainer's live weights. The quick start's venv and
-install are not re-run: its `refit demo` part runs (with the tiny model's flags).
+install are not re-run: its `refit demo` part runs (with the tiny model's flags). Each marked block
+is one test, named by its file and line (`README.md:15`, `docs/USAGE.md:58`).
 """
 
 from __future__ import annotations
@@ -18,11 +20,16 @@ import socket
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 
 import pytest
 from locations import ROOT, SRC, pythonpath
 
 README = os.path.join(ROOT, "README.md")
+USAGE = os.path.join(ROOT, "docs", "USAGE.md")
+DOCS = (README, USAGE)
+"""The files whose marked blocks run."""
+CI = os.path.join(ROOT, ".ci", "run")
 MARK = "<!-- ci: runs -->"
 TINY_DEMO = "--layers 2 --hidden 128 --bucket-bytes 262144 --steps 2 --dtype-change-at 0".split()
 """The demo's tiny model: several buckets, a dtype change, seconds per refit on 2 cores."""
@@ -30,38 +37,89 @@ STEPS = "range(1, 3)"
 """What `for step in ...:` iterates in the Python examples: two refits."""
 
 
-def marked_blocks(text: str) -> list[tuple[str, str]]:
-    """(language, code) of every fenced block right after a `<!-- ci: runs -->` line."""
+@dataclass(frozen=True)
+class Block:
+    """A fenced block marked `<!-- ci: runs -->`."""
+
+    path: str
+    line: int
+    """1-based line of the opening fence."""
+    language: str
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{os.path.relpath(self.path, ROOT)}:{self.line}"
+
+
+def marked_blocks(text: str, name: str = "README.md") -> list[tuple[int, str, str]]:
+    """(line of the fence, language, code) of every fenced block right after a `<!-- ci: runs -->` line."""
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         if lines[i].strip() == MARK:
             fence = lines[i + 1].strip()
-            assert fence.startswith("```"), f"README line {i + 2}: {MARK} must sit right above a fenced block"
+            assert fence.startswith("```"), f"{name} line {i + 2}: {MARK} must sit right above a fenced block"
             end = lines.index("```", i + 2)
-            blocks.append((fence[3:], "\n".join(lines[i + 2 : end])))
+            blocks.append((i + 2, fence[3:], "\n".join(lines[i + 2 : end])))
             i = end
         i += 1
     return blocks
 
 
-def _blocks() -> list[tuple[str, str]]:
-    with open(README) as f:
-        return marked_blocks(f.read())
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
-def _one(predicate) -> str:  # type: ignore[no-untyped-def]
-    [code] = [code for _, code in _blocks() if predicate(code)]
-    return code
+def _blocks(path: str) -> list[Block]:
+    name = os.path.relpath(path, ROOT)
+    return [Block(path, line, lang, code) for line, lang, code in marked_blocks(_read(path), name)]
 
 
-def test_the_readme_lists_the_blocks_ci_runs_and_marks_the_others() -> None:
-    with open(README) as f:
-        text = f.read()
-    codes = [code for _, code in marked_blocks(text)]
-    assert len(codes) == 4, codes  # quick start, more of the demo, Use, FSDP2
-    assert any("refit bench --quick" in c for c in codes) and any("refit plan" in c for c in codes)
+def _all_blocks() -> list[Block]:
+    return [b for path in DOCS for b in _blocks(path)]
+
+
+def _kind(block: Block) -> str | None:
+    """Which runner a marked block needs; None when no runner knows it (a test then fails)."""
+    code = block.code
+    if "python3 -m venv" in code and "refit demo" in code:
+        return "quick start"
+    if (
+        block.language == "bash"
+        and _commands(code)
+        and all(line.strip().startswith("refit ") for line in code.splitlines() if line.strip())
+    ):
+        return "commands"
+    if block.language == "python" and "# engine process" in code:
+        return "use"
+    if block.language == "python" and "sharded_refit" in code:
+        return "fsdp"
+    return None
+
+
+_FILES = [pytest.param(path, id=os.path.relpath(path, ROOT)) for path in DOCS]
+
+
+@pytest.mark.parametrize(
+    ("path", "kinds"),
+    [
+        pytest.param(README, ["quick start"], id="README.md"),  # the quick start alone
+        pytest.param(USAGE, ["commands", "use", "fsdp"], id="docs/USAGE.md"),  # more of the demo, Use, FSDP2
+    ],
+)
+def test_the_docs_list_the_blocks_ci_runs_and_mark_the_others(path: str, kinds: list[str]) -> None:
+    text = _read(path)
+    blocks = _blocks(path)
+    assert [_kind(b) for b in blocks] == kinds, [(b.id, _kind(b)) for b in blocks]
     unmarked = re.findall(r"\n\n```", text)  # every block carries a ci: line saying whether it runs
-    assert not unmarked, "a README code block without a `<!-- ci: ... -->` line above it"
+    assert not unmarked, f"a {os.path.relpath(path, ROOT)} code block without a `<!-- ci: ... -->` line above it"
+
+
+def test_more_of_the_demo_lists_the_cpu_commands() -> None:
+    [more] = [b for b in _all_blocks() if "refit bench --quick" in b.code]
+    assert len(_commands(more.code)) == 5, more.code
+    assert any("refit plan" in b.code for b in _all_blocks())
 
 
 def _sessions_made(code: str) -> list[str]:
@@ -70,15 +128,45 @@ def _sessions_made(code: str) -> list[str]:
     return [line for line in lines if re.search(r"\b(Sender|Receiver)\(", line)]
 
 
-def test_every_readme_example_opens_its_sender_and_receiver_as_context_managers() -> None:
-    with open(README) as f:
-        text = f.read()
-    python = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+@pytest.mark.parametrize("path", _FILES)
+def test_every_example_opens_its_sender_and_receiver_as_context_managers(path: str) -> None:
+    python = re.findall(r"```python\n(.*?)```", _read(path), flags=re.S)
     made = [line for code in python for line in _sessions_made(code)]
     assert made and all(line.lstrip().startswith("with ") or "RankedRefit(" in line for line in made), (
         made
     )  # RankedRefit owns its Sender and closes it
     assert any("with Receiver(" in line for line in made)
+
+
+def _fences(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_the_readme_example_is_usages_use_example_which_runs() -> None:
+    """The README's one example is not run a second time: it is, character for character, the Use
+    example of docs/USAGE.md, which runs (test_marked_block_runs)."""
+    [example] = _fences(_read(README))
+    [use] = [b for b in _blocks(USAGE) if _kind(b) == "use"]
+    assert example.rstrip("\n") == use.code
+
+
+def _pytest_steps(code: str) -> list[str]:
+    return [step.strip() for step in code.split("&&")]
+
+
+def test_the_readmes_test_commands_are_what_ci_runs() -> None:
+    """.ci/run runs the README's two test commands (each step of them, one line each, bar its -q pip flags)."""
+    text = _read(README)
+    commands = [c for c in re.findall(r"```bash\n(.*?)```", text, flags=re.S) if "pytest" in c]
+    assert len(commands) == 2, commands  # the fast tier, the full suite
+    ci = [line.strip() for line in _read(CI).splitlines()]
+    for code in commands:
+        for step in _pytest_steps(code):
+            if step.startswith("python3 -m venv") or step.startswith(". "):
+                continue  # CI makes its venvs itself (the fast tier's outside the checkout)
+            step = step.replace("pip ", "python -m pip ", 1) if step.startswith("pip ") else step
+            step = step.replace("pip install ", "pip install -q ").replace("pip uninstall -y", "pip uninstall -q -y")
+            assert step in ci, (step, CI)
 
 
 def _env() -> dict[str, str]:
@@ -106,10 +194,8 @@ def _commands(code: str) -> list[str]:
     return [line for line in code.splitlines() if line.strip().startswith("refit ")]
 
 
-@pytest.mark.slow
-def test_the_quick_start_installs_then_runs_the_demo(tmp_path) -> None:
-    code = _one(lambda c: "python3 -m venv" in c and "refit demo" in c)
-    steps = [s.strip() for s in code.split("&&")]
+def _run_quick_start(block: Block, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    steps = [s.strip() for s in block.code.split("&&")]
     assert steps[0] == "python3 -m venv .venv" and "pip install -e '.[demo]'" in steps
     assert steps[-1] == "refit demo"  # the install is not re-run here; the demo is
     result = _refit(steps[-1], tmp_path)
@@ -117,11 +203,8 @@ def test_the_quick_start_installs_then_runs_the_demo(tmp_path) -> None:
     assert result.stdout.count("all refits verified") == 2  # shm, then gloo
 
 
-@pytest.mark.slow
-def test_every_command_of_more_of_the_demo_runs(tmp_path) -> None:
-    commands = _commands(_one(lambda c: "refit bench --quick" in c))
-    assert len(commands) == 5, commands
-    for line in commands:
+def _run_commands(block: Block, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    for line in _commands(block.code):
         result = _refit(line, tmp_path)
         assert result.returncode == 0, line + "\n" + result.stdout + result.stderr[-3000:]
         if " demo " in f" {line} ":
@@ -210,7 +293,7 @@ sys.stdin.read()  # alive (waiting to join the engine process, say) until the en
 
 
 def _fill(code: str) -> str:
-    """The README's placeholders: two steps, and the rendezvous handed to the engine process."""
+    """The examples' placeholders: two steps, and the rendezvous handed to the engine process."""
     code = re.sub(r"for (\w+) in \.\.\.:", rf"for \1 in {STEPS}:", code)
     return code.replace("info = sender.rendezvous()", "info = hand_to_engine(sender.rendezvous())")
 
@@ -221,10 +304,15 @@ def _script(tmp_path, name: str, *parts: str) -> str:  # type: ignore[no-untyped
     return str(path)
 
 
-def _use_halves() -> tuple[str, str]:
-    code = _one(lambda c: "# engine process" in c)
+def _use_halves(code: str) -> tuple[str, str]:
     trainer, engine = code.split("# engine process")
     return _fill(trainer), engine
+
+
+def _use_example(path: str) -> str:
+    """The Use example the FSDP2 example's engine half comes from: the one in `path`, else the first."""
+    uses = [b for b in _blocks(path) if _kind(b) == "use"] or [b for b in _all_blocks() if _kind(b) == "use"]
+    return uses[0].code
 
 
 def _session(tmp_path, trainers: list[list[str]], engine: str, env_of=lambda rank: {}) -> None:  # type: ignore[no-untyped-def]
@@ -263,18 +351,16 @@ def _session(tmp_path, trainers: list[list[str]], engine: str, env_of=lambda ran
     assert held == live and len(live) > 10  # no "lossy:" either: the engine holds exactly the bf16 values
 
 
-@pytest.mark.slow
-def test_the_use_example_refits_an_engine_process_to_the_trainers_live_weights(tmp_path) -> None:
-    trainer, engine = _use_halves()
+def _run_use(block: Block, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    trainer, engine = _use_halves(block.code)
     t = _script(tmp_path, "trainer.py", PRELUDE, TRAINER, trainer, 'report("LIVE", model)', KEEP_ALIVE)
     e = _script(tmp_path, "engine.py", PRELUDE, ENGINE, engine, 'report("HELD", hf_model)')
     _session(tmp_path, [[sys.executable, t]], e)
 
 
-@pytest.mark.slow
-def test_the_fsdp2_example_refits_from_two_ranks_to_the_trainers_live_weights(tmp_path) -> None:
-    code = _fill(_one(lambda c: "sharded_refit" in c))
-    _, engine = _use_halves()
+def _run_fsdp(block: Block, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    code = _fill(block.code)
+    _, engine = _use_halves(_use_example(block.path))
     t = _script(tmp_path, "fsdp_trainer.py", PRELUDE, FSDP, code, FSDP_END, KEEP_ALIVE)
     e = _script(tmp_path, "engine.py", PRELUDE, ENGINE, engine, 'report("HELD", hf_model)')
     with socket.socket() as s:
@@ -284,10 +370,23 @@ def test_the_fsdp2_example_refits_from_two_ranks_to_the_trainers_live_weights(tm
     _session(tmp_path, [[sys.executable, t]] * 2, e, env_of=lambda rank: {**env, "RANK": str(rank)})
 
 
-def test_the_readme_says_the_fingerprint_compares_in_the_wire_dtype_for_every_wire_dtype() -> None:
-    with open(README) as f:
-        text = " ".join(f.read().split())
-    assert "trainer's live tensor cast to its wire dtype" in text  # the quick start's demo
-    use = text[text.index('`Sender(..., verify="fingerprint")`') :][:1500]
+RUNNERS = {"quick start": _run_quick_start, "commands": _run_commands, "use": _run_use, "fsdp": _run_fsdp}
+"""How each kind of marked block runs. Every one starts processes: all are in the slow tier."""
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=pytest.mark.slow) for b in _all_blocks()])
+def test_marked_block_runs(block: Block, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """quick start: its `refit demo`; commands: each `refit` line; use: trainer and engine processes end
+    bitwise equal; fsdp: two FSDP2 ranks into the Use example's engine half, bitwise equal."""
+    kind = _kind(block)
+    assert kind in RUNNERS, f"{block.id}: marked `{MARK}`, but no runner in this test knows this block"
+    RUNNERS[kind](block, tmp_path)
+
+
+def test_the_docs_say_the_fingerprint_compares_in_the_wire_dtype_for_every_wire_dtype() -> None:
+    readme = " ".join(_read(README).split())
+    assert "trainer's live tensor cast to its wire dtype" in readme  # the quick start's demo
+    usage = " ".join(_read(USAGE).split())
+    use = usage[usage.index('`Sender(..., verify="fingerprint")`') :][:1500]
     for case in ("cast to that wire dtype", "trainer's own", "wider", "narrower", "rounded to bf16", "slice"):
         assert case in use, case
