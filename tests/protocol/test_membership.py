@@ -152,3 +152,22 @@ def test_min_receivers_is_checked() -> None:
         Sender(source, transport="shm", elastic=True, min_receivers=-1)
     with pytest.raises(ValueError, match=r"min_receivers \(3\) is for an elastic Sender"):
         Sender(source, transport="shm", num_receivers=2, min_receivers=3)
+
+
+def test_a_joiner_that_hung_up_after_its_ready_is_not_counted_as_ready() -> None:
+    """A joiner killed after its READY (its bytes still unread) is gone: await_receivers does not count it, so a
+    caller waiting for the next joiner is not told one is there (it would miss the refit that follows)."""
+    with _session(1) as (sender, tensors, peers):
+        _refit(sender, tensors, peers, 1)
+        dead = _peer(sender, 1)
+        dead.join()
+        assert sender.await_receivers(2, timeout_s=60.0)  # its READY is in
+        dead.kill()
+        assert not sender.await_receivers(2, timeout_s=0.5)
+        joiner = _peer(sender, 2)
+        joiner.join()
+        assert sender.await_receivers(2, timeout_s=60.0)
+        stats = _refit(sender, tensors, [*peers, joiner], 2)
+        assert stats.receivers == _ranks([*peers, joiner])
+        assert [d["receiver"] for d in stats.departed] == [dead.receiver.rank]
+        peers += [dead, joiner]
