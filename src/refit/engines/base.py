@@ -3,41 +3,16 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
-from enum import Enum
 
 import torch
 
-from refit.errors import RefitError
-from refit.layout.reshard import Slice
-from refit.layout.spec import TensorSpec
+from refit.engines.versions import State, Versions, WeightsVersion
+from refit.layout.spec import Slice, TensorSpec
+
+__all__ = ["Engine", "Region", "State", "WeightsVersion"]
 
 Region = tuple[int, int, int]
 """(dim, start, stop): the slice of a checkpoint tensor an engine holds."""
-
-
-class State(str, Enum):
-    EMPTY = "empty"
-    """No refit has committed yet: the engine holds whatever it started with, not the trainer's weights."""
-    CURRENT = "current"
-    """Every parameter belongs to `version`."""
-    UPDATING = "updating"
-    """A refit to `target` is under way; parameters are mixed."""
-    FAILED = "failed"
-    """A refit to `target` failed partway; parameters are mixed until a retry succeeds."""
-
-
-@dataclass(frozen=True, slots=True)
-class WeightsVersion:
-    state: State
-    version: int | None
-    """Last committed version (None before the first commit)."""
-    target: int | None = None
-    """Version being (or that failed being) installed."""
-    reason: str = ""
-    staged: int | None = None
-    """A staged refit (`Receiver(..., staged=True)`): the version received, verified and committed by every
-    worker into staging memory, waiting for `apply_staged()`; the live weights are still `version`."""
 
 
 class Engine(ABC):
@@ -49,14 +24,14 @@ class Engine(ABC):
     """Names the sender may send or omit (e.g. lm_head.weight of a tied model)."""
 
     def __init__(self) -> None:
-        self._weights = WeightsVersion(State.EMPTY, None)
+        self.versions = Versions()
+        """The weights version state machine; the receiver moves it (a subclass's begin/commit/fail do its own
+        work and leave the state to the base class)."""
 
     def assume_current(self, version: int) -> None:
         """Declare the weights the engine started with to be the trainer's `version` (an engine loaded from
         the checkpoint the trainer starts from): `current` before any refit. Only before the first refit."""
-        if self._weights.state != State.EMPTY:
-            raise ValueError(f"assume_current({version}) after a refit began (state: {self._weights.state.value})")
-        self._weights = WeightsVersion(State.CURRENT, version)
+        self.versions.assume_current(version)
 
     @abstractmethod
     def specs(self) -> list[TensorSpec]:
@@ -113,40 +88,24 @@ class Engine(ABC):
 
     @property
     def weights(self) -> WeightsVersion:
-        return self._weights
+        return self.versions.weights
 
     def note_staged(self, version: int | None) -> None:
         """Record that `version` waits in staging memory (None: nothing does); the live state is unchanged."""
-        self._weights = replace(self._weights, staged=version)
+        self.versions.note_staged(version)
 
     def begin(self, version: int) -> None:
         """Called before the first bucket of a refit to `version`."""
-        self._weights = WeightsVersion(State.UPDATING, self._weights.version, version)
+        self.versions.begin(version)
 
     def commit(self, version: int) -> None:
         """Called after the last bucket arrived and was loaded."""
-        w = self._weights
-        if w.state != State.UPDATING or w.target != version:
-            raise RefitError(f"commit of version {version} without a matching begin (state: {w})")
-        self._weights = WeightsVersion(State.CURRENT, version)
+        self.versions.commit(version)
 
     def fail(self, version: int, reason: str) -> None:
         """Called when a refit to `version` broke off after `begin`."""
-        self._weights = WeightsVersion(State.FAILED, self._weights.version, version, reason)
+        self.versions.fail(version, reason)
 
     def ensure_current(self, *, allow_failed: bool = False) -> None:
         """Raise unless the weights are one consistent version (call before generating)."""
-        w = self._weights
-        if w.state == State.CURRENT or (allow_failed and w.state == State.FAILED):
-            return
-        if w.state == State.EMPTY:
-            raise RefitError(
-                "engine has not committed any refit yet: it holds the weights it started with, not the trainer's. "
-                "Run a refit first, or call engine.assume_current(version) if it was loaded from the checkpoint "
-                "the trainer starts from"
-            )
-        raise RefitError(
-            f"engine weights are {w.state.value} (last committed {w.version}, target {w.target}): "
-            f"{w.reason or 'refit in progress'}. "
-            "Retry the refit of the same version to restore them, or pass allow_failed=True to generate anyway."
-        )
+        self.versions.ensure_current(allow_failed=allow_failed)

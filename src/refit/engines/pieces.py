@@ -21,8 +21,8 @@ from refit.engines.base import Engine, Region
 from refit.errors import RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.packing import CopyPlan, LayoutGuard
-from refit.layout.reshard import Slice, box, parse_piece
-from refit.layout.spec import TensorSpec
+from refit.layout.reshard import box, parse_piece
+from refit.layout.spec import Slice, TensorSpec
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """(offsets, extent) of a piece in the worker's local part."""
@@ -210,7 +210,7 @@ class ShardTarget:
             if staged:
                 self.engine.load_shards(staged)  # type: ignore[arg-type]
             self.engine.commit(version)
-        Engine.begin(self.engine, version)  # the base class's state only: no second begin of the engine's own
+        self.engine.versions.begin(version)  # the state only: no second begin of the engine's own work
         return ""
 
     def held(self, name: str) -> torch.Tensor | None:

@@ -475,7 +475,7 @@ class Receiver:
         except BaseException as e:
             self.engine.fail(version, f"not every worker committed version {version}: {e}")
             raise
-        Engine.commit(self.engine, version)  # the base class's state change only: the engine's own commit ran
+        self.engine.versions.commit(version)  # the state only: the engine's own commit ran
 
     def _flush(self, version: int) -> None:
         """Wait for every transfer; a transport failure is the peer's (PeerError), never the engine's."""
@@ -491,11 +491,11 @@ class Receiver:
 
     def _finalize(self, version: int, two_phase: bool) -> RefitError | None:
         """Commit the engine; one that fails here still answers the sender. In a two-phase refit the
-        engine goes back to 'updating' (base-class state only, none of its own begin work) until the verdict."""
+        engine goes back to 'updating' (the state only, none of its own begin work) until the verdict."""
         try:
             self.engine.commit(version)
             if two_phase:
-                Engine.begin(self.engine, version)
+                self.engine.versions.begin(version)
         except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
         return None
