@@ -18,9 +18,11 @@ _EXPORTS = {
     "RankedRefit": "refit.topology.ranked",
     "MeshRefit": "refit.topology.mesh",
     "MeshReceiver": "refit.topology.mesh",
-    "Slice": "refit.layout.reshard",
+    "Slice": "refit.layout.spec",
     "RefitStats": "refit.topology.stats",
     "Settings": "refit.settings",
+    "SenderOptions": "refit.topology.options",
+    "Commit": "refit.topology.policies",
     "Source": "refit.sources.base",
     "ModuleSource": "refit.sources.module",
     "FsdpSource": "refit.sources.fsdp",
@@ -28,8 +30,8 @@ _EXPORTS = {
     "sharded_refit": "refit.integrations.fsdp",
     "megatron_refit": "refit.integrations.megatron",
     "Engine": "refit.engines.base",
-    "State": "refit.engines.base",
-    "WeightsVersion": "refit.engines.base",
+    "State": "refit.engines.versions",
+    "WeightsVersion": "refit.engines.versions",
     "ModuleEngine": "refit.engines.module",
     "VllmRefit": "refit.integrations.vllm.driver",
     "HttpEngine": "refit.integrations.vllm.driver",
@@ -45,9 +47,9 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     # What type checkers see (`X as X`: an explicit re-export); at run time `__getattr__` imports each on first use.
     from refit.engines.base import Engine as Engine
-    from refit.engines.base import State as State
-    from refit.engines.base import WeightsVersion as WeightsVersion
     from refit.engines.module import ModuleEngine as ModuleEngine
+    from refit.engines.versions import State as State
+    from refit.engines.versions import WeightsVersion as WeightsVersion
     from refit.errors import HandshakeError as HandshakeError
     from refit.errors import IntegrityError as IntegrityError
     from refit.errors import PeerError as PeerError
@@ -57,7 +59,7 @@ if TYPE_CHECKING:
     from refit.integrations.vllm.driver import HttpEngine as HttpEngine
     from refit.integrations.vllm.driver import VllmRefit as VllmRefit
     from refit.integrations.vllm.engine import VllmOptions as VllmOptions
-    from refit.layout.reshard import Slice as Slice
+    from refit.layout.spec import Slice as Slice
     from refit.layout.spec import TensorSpec as TensorSpec
     from refit.settings import Settings as Settings
     from refit.sources.base import Source as Source
@@ -66,6 +68,8 @@ if TYPE_CHECKING:
     from refit.sources.module import ModuleSource as ModuleSource
     from refit.topology.mesh import MeshReceiver as MeshReceiver
     from refit.topology.mesh import MeshRefit as MeshRefit
+    from refit.topology.options import SenderOptions as SenderOptions
+    from refit.topology.policies import Commit as Commit
     from refit.topology.ranked import RankedRefit as RankedRefit
     from refit.topology.receiver import Receiver as Receiver
     from refit.topology.sender import Sender as Sender

@@ -38,6 +38,10 @@ class Fixed:
         transport.joined()
         self.s._session.lobby.refuse_late(self.s.num_receivers)
 
+    def welcome_fields(self) -> dict:
+        """What WELCOME tells each receiver of the membership."""
+        return {}
+
     def gather(self, version: int, retry: bool) -> list[Channel] | RefitStats:
         """The joiners this round takes in (none), or the stats of a round that reaches no one."""
         return []
@@ -99,6 +103,9 @@ class Elastic(Fixed):
         s._session.members = members
         self.group = list(s.channels)
         s._session.lobby.serve_late(members.arrive)
+
+    def welcome_fields(self) -> dict:
+        return {"elastic": True}
 
     def await_receivers(self, count: int, timeout_s: float) -> bool:
         s = self.s

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,7 @@ from refit.settings import Settings
 from refit.sources.base import Source
 from refit.sources.pieces import PieceSource
 from refit.topology.collective import Collective
+from refit.topology.options import SenderOptions
 from refit.topology.policies import Commit
 from refit.topology.ranked import departed
 from refit.topology.receiver import Receiver
@@ -74,38 +76,39 @@ class MeshRefit:
     def __init__(
         self,
         source: Source,
+        options: SenderOptions | None = None,
         *,
         num_workers: int,
-        transport: str = "shm",
         group: dist.ProcessGroup | None = None,
         settings: Settings | None = None,
         device: torch.device | None = None,
-        verify: str | None = "fingerprint",
-        elastic: bool = False,
+        **overrides: Any,
     ) -> None:
-        """`elastic`: a departed worker still fails the refit it departs in (on every rank), but the session goes
-        on: each refit waits (up to the connect timeout) for a replacement under the same worker index, which
-        must state the same shards, and takes it in. Without it (the default) the session is over."""
+        """`options` (SenderOptions, or any of them as keyword arguments: transport, verify, elastic, ...) are each
+        pair's Sender's. `elastic`: a departed worker still fails the refit it departs in (on every rank), but the
+        session goes on: each refit waits (up to the connect timeout) for a replacement under the same worker index,
+        which must state the same shards, and takes it in. Without it (the default) the session is over."""
         if num_workers < 1:
             raise ValueError(f"num_workers ({num_workers}) must be >= 1")
+        o = SenderOptions.of(options, overrides)
+        if o.num_receivers != 1:
+            raise ValueError(f"num_receivers ({o.num_receivers}) is 1 per pair in M:N: pass num_workers instead")
         self.source = source
         self.collective = Collective(group)
         self.rank, self.world = self.collective.rank, self.collective.world
         self.settings = settings or Settings()
-        self.elastic = elastic
+        self.elastic = elastic = o.elastic
         pair = shared_budget(self.settings, num_workers)
+        pair_options = replace(o, min_receivers=0)  # a pair that reached no worker fails here, naming it (_pair_refit)
         self._ballot = _Ballot(num_workers)
-        commit = [Commit(strict=verify == "strict", vote=partial(self._cast, w)) for w in range(num_workers)]
+        strict = o.verify == "strict"
         self.senders = [
             Sender(
                 source,
-                transport=transport,
+                pair_options,
                 settings=pair,
                 device=device,
-                verify=verify,
-                elastic=elastic,
-                min_receivers=0,  # a pair that reached no worker fails here, naming it (_pair_refit)
-                commit=commit[w],
+                commit=Commit(strict=strict, vote=partial(self._cast, w)),
                 vet=self._vet_for(w) if elastic else None,
             )
             for w in range(num_workers)
@@ -462,7 +465,7 @@ class MeshReceiver:
         if any(r is None for r in results):
             raise PeerError("some trainer ranks closed the session while others refit")
         assert version is not None
-        Engine.commit(self.engine, version)  # state only: the engine's own commit ran before the pairs' DONE
+        self.engine.versions.commit(version)  # state only: the engine's own commit ran before the pairs' DONE
         if self.staging is not None:
             self.staging.publish(version)
         elif self.on_commit is not None:

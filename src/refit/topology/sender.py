@@ -6,9 +6,7 @@ commit (`Commit`, refit.topology.policies)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-import warnings
 import weakref
 from collections.abc import Hashable
 from typing import Any
@@ -29,6 +27,7 @@ from refit.protocol.store import AuthenticatedStores
 from refit.protocol.wire import Channel, Header, Kind, Offer, parse_json
 from refit.settings import Settings
 from refit.sources.base import Source
+from refit.topology.admission import admit, falls_back, welcome
 from refit.topology.elastic import Elastic, Fixed
 from refit.topology.held import Held
 from refit.topology.options import VERIFY_MODES, SenderOptions
@@ -144,8 +143,6 @@ class Sender:
         self.connect()
         return self.membership.await_receivers(count, timeout_s)
 
-    # -- session setup ---------------------------------------------------------------------------
-
     def connect(self) -> None:
         """Accept every receiver, agree on the bucket capacity, and set up the transport. A connect that
         fails leaves nothing half-built: its channels and transport are closed, and this Sender refuses
@@ -163,8 +160,9 @@ class Sender:
         self._connected = True
 
     def _connect(self) -> None:
-        self._fall_back_if_needed()
-        limits = self._admit()
+        if falls_back(self.transport_name, self.zero_copy, self.device, self.settings):
+            self.transport_name, self._transport_cls, self.device = "shm", transports.get("shm"), torch.device("cpu")
+        limits = admit(self._session.lobby, self.num_receivers, self.settings, into=self.channels)
         own = bucket_capacity(
             bucket_bytes=self.settings.bucket_bytes,
             ratio=self.settings.ratio,
@@ -185,62 +183,16 @@ class Sender:
         )
         self._session.transport = transport
         interval = min(HEARTBEAT_MAX_S, self.settings.timeout_s / 4)
-        for rank, ch in enumerate(self.channels, start=1):
-            welcome = {
-                "rank": rank,
-                "capacity": self.capacity,
-                "transport": self.transport_name,
-                "info": info,
-                "heartbeat_s": interval,
-                **({"elastic": True} if self.elastic else {}),
-            }
-            data = json.dumps(welcome).encode()
-            ch.send(Header(Kind.WELCOME, digest=auth.tag(ch.key, b"WELCOME", data)), data)
+        setup = {"capacity": self.capacity, "transport": self.transport_name, "info": info, "heartbeat_s": interval}
+        welcome(self.channels, {**setup, **self.membership.welcome_fields()})
         transport.establish()
         self.statements = [ch.expect(Kind.READY, "transport setup")[1] for ch in self.channels]
         self.membership.start(transport, info, interval)
         waiting = self._session.members.waiting if self._session.members else None
         self._session.pulse = Pulse(self._session.channels, interval, waiting)
         log.info(
-            "connected %d receiver(s) over %s, buckets of %d bytes",
-            self.num_receivers,
-            self.transport_name,
-            self.capacity,
+            "connected %d receiver(s) over %s, buckets of %d B", len(self.channels), self.transport_name, self.capacity
         )
-
-    def _admit(self) -> list[int]:
-        """Admit every receiver (token checked by the lobby); return their bucket capacity limits."""
-        arrivals = self._session.lobby.admit(self.num_receivers, self.settings.connect_timeout_s)
-        limits = []
-        for rank, a in enumerate(arrivals, start=1):
-            ch = Channel(a.sock, peer=f"receiver {rank} ({a.addr})", timeout_s=self.settings.timeout_s)
-            ch.key, ch.rank = a.key, rank
-            self.channels.append(ch)
-            limit = a.hello.get("capacity")
-            if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
-                ch.send(Header(Kind.ERROR), {"message": f"invalid capacity limit {limit!r} in HELLO"})
-                raise PeerError(f"receiver {rank} sent an invalid capacity limit {limit!r}")
-            limits.append(limit)
-        return limits
-
-    def _fall_back_if_needed(self) -> None:
-        """cuda-ipc where CUDA IPC cannot work: stage through pinned host shared memory, and say why."""
-        if self.transport_name != "cuda-ipc" or self.zero_copy:
-            return
-        from refit.transports.cuda_ipc import blocker
-
-        reason = blocker(self.device, self.settings)
-        if reason:
-            warnings.warn(
-                f"cuda-ipc cannot be used ({reason}); staging through pinned host shared memory "
-                "(transport 'shm') instead, which is slower",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            log.warning("cuda-ipc falls back to shm: %s", reason)
-            self.transport_name, self._transport_cls, self.device = "shm", transports.get("shm"), torch.device("cpu")
-
-    # -- handshake -------------------------------------------------------------------------------
 
     def _handshake(self) -> None:
         self._epoch += 1
@@ -274,11 +226,11 @@ class Sender:
 
     def _offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]:
         """Send `manifest` to `channels` and read each REPORT (keeping its regions); returns their refusals."""
-        payload = manifest.to_json()
+        payload, fingerprint = manifest.to_json(), bool(self.verify)
 
         def offer(ch: Channel) -> None:  # each receiver's copy is bound to its session: digest is a MAC under its key
             binding = auth.tag(ch.key, b"MANIFEST", manifest_binding(manifest.epoch, manifest.digest))
-            flags = Offer.FINGERPRINT if self.verify else Offer(0)
+            flags = Offer.FINGERPRINT if fingerprint else Offer(0)
             ch.send(Header(Kind.MANIFEST, epoch=manifest.epoch, digest=binding, status=flags), payload)
 
         failures: list[str] = []
@@ -286,7 +238,7 @@ class Sender:
         def report(ch: Channel) -> None:
             obj = parse_json(ch.expect(Kind.REPORT, "handshake")[1], "REPORT")
             report = Report.from_json(obj)
-            self._regions[ch.rank] = parse_regions(obj.get("regions"), manifest) if self.verify else {}
+            self._regions[ch.rank] = parse_regions(obj.get("regions"), manifest) if fingerprint else {}
             if not report.ok:
                 failures.append(f"receiver {ch.rank}: {report.message()}")
 
@@ -323,8 +275,6 @@ class Sender:
         if self.zero_copy:
             return True
         return sorted(self.source.specs(), key=lambda s: s.name) != [p.spec for p in self.manifest.entries]
-
-    # -- refit -----------------------------------------------------------------------------------
 
     def refit(self, version: int) -> RefitStats:
         """Send the source's current weights as `version`; returns when every receiver committed.

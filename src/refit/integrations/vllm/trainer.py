@@ -19,6 +19,7 @@ from refit.integrations.vllm.engine import BACKEND, VllmOptions
 from refit.integrations.vllm.weight_source import StreamSource
 from refit.log import get_logger
 from refit.settings import Settings
+from refit.topology.options import SenderOptions, Verify
 from refit.topology.sender import Sender
 from refit.topology.stats import RefitStats
 
@@ -37,7 +38,7 @@ class RefitTrainerInitInfo(TrainerInitInfo):
     """vLLM's workers (TP x PP), each a receiver; None: asked from the server (vLLM's HTTP client), else 1."""
     settings: Settings | None = None
     """refit's Settings (bucket size, timeouts, token, listen host); None: from the environment."""
-    verify: str | None = "fingerprint"
+    verify: Verify = "fingerprint"
     """The Sender's `verify`: 'fingerprint' (the default, as for Sender) or 'strict' compare the engine's tensors
     with the trainer's before the version commits; None sends unverified."""
     first_version: int = 1
@@ -160,13 +161,12 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
             )
         if not init_info.is_sender:
             return cls(client=client, source=source, is_sender=False, first_version=init_info.first_version)
-        sender = Sender(
-            StreamSource(source),
+        options = SenderOptions(
             transport=init_info.transport,
             num_receivers=_num_receivers(init_info.num_receivers, client),
-            settings=init_info.settings,
             verify=init_info.verify,
         )
+        sender = Sender(StreamSource(source), options, settings=init_info.settings)
         driver = VllmRefit(ClientEngine(client), sender, options=init_info.options, staged=init_info.staged)
         driver.connect()  # on failure the Sender is closed already
         return cls(client=client, source=source, driver=driver, first_version=init_info.first_version)
