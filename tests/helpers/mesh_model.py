@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from refit.layout.reshard import Slice
+from refit.layout.spec import Slice
 
 
 def build(kind: str, seed: int = 0) -> torch.nn.Module:

@@ -14,7 +14,7 @@ import sys
 import pytest
 from locations import SRC, helper, pythonpath
 
-from refit.layout.reshard import Slice
+from refit.layout.spec import Slice
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

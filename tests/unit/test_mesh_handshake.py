@@ -14,8 +14,8 @@ from refit.engines.pieces import PieceEngine, ShardTarget
 from refit.errors import RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.planner import plan
-from refit.layout.reshard import Slice, piece_name
-from refit.layout.spec import TensorSpec
+from refit.layout.reshard import piece_name
+from refit.layout.spec import Slice, TensorSpec
 from refit.topology.mesh import MeshReceiver, MeshRefit
 
 FULL = {"w": torch.arange(24, dtype=torch.float32).reshape(6, 4), "b": torch.ones(6)}

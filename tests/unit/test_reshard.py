@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit.layout.reshard import Slice, plan_reshard
-from refit.layout.spec import TensorSpec
+from refit.layout.reshard import plan_reshard
+from refit.layout.spec import Slice, TensorSpec
 
 
 def _part(t: torch.Tensor, held: Slice | None) -> torch.Tensor:

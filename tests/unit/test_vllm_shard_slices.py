@@ -8,7 +8,7 @@ import torch
 
 from refit.integrations.vllm.recording import Strided
 from refit.integrations.vllm.shards import box, localize, slice_shape, statement
-from refit.layout.reshard import Slice
+from refit.layout.spec import Slice
 
 
 def _view(t: torch.Tensor) -> Strided:

@@ -11,8 +11,7 @@ from refit.checks.fused import FusedCopy
 from refit.checks.validation import waived
 from refit.engines.base import Engine
 from refit.layout.packing import CopyPlan, LayoutGuard
-from refit.layout.reshard import Slice
-from refit.layout.spec import TensorSpec
+from refit.layout.spec import Slice, TensorSpec
 from refit.layout.state_layout import StateLayout
 
 

@@ -29,8 +29,7 @@ from refit.engines.base import Engine, Region
 from refit.errors import RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.packing import CopyPlan
-from refit.layout.reshard import Slice
-from refit.layout.spec import TensorSpec, changes
+from refit.layout.spec import Slice, TensorSpec, changes
 from refit.log import get_logger
 
 log = get_logger("receiver")

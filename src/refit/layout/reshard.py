@@ -24,24 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refit.layout.spec import TensorSpec
-
-
-@dataclass(frozen=True, slots=True)
-class Slice:
-    """The part of a tensor a holder keeps: `length` entries of dimension `dim` from `start`."""
-
-    dim: int
-    start: int
-    length: int
-
-    def __post_init__(self) -> None:
-        if self.dim < 0 or self.start < 0 or self.length < 0:
-            raise ValueError(f"a slice needs dim, start and length >= 0, not {self}")
-
-    def to_json(self) -> list[int]:
-        return [self.dim, self.start, self.length]
-
+from refit.layout.spec import Slice, TensorSpec
 
 Holding = Slice | None
 """A holder's part of one tensor: a slice, or None for the whole tensor."""

@@ -89,3 +89,19 @@ def changes(before: list[TensorSpec] | None, now: list[TensorSpec]) -> str:
 def said(spec: TensorSpec | None) -> str:
     """A spec's dtype and shape, as an error message names them."""
     return "absent" if spec is None else f"{str(spec.dtype).removeprefix('torch.')} {tuple(spec.shape)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """The part of a tensor a holder keeps: `length` entries of dimension `dim` from `start`."""
+
+    dim: int
+    start: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.dim < 0 or self.start < 0 or self.length < 0:
+            raise ValueError(f"a slice needs dim, start and length >= 0, not {self}")
+
+    def to_json(self) -> list[int]:
+        return [self.dim, self.start, self.length]

@@ -9,8 +9,7 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 
 from refit.dtypes import dtype_name
-from refit.layout.reshard import Slice
-from refit.layout.spec import TensorSpec
+from refit.layout.spec import Slice, TensorSpec
 
 
 class Source(ABC):

@@ -27,7 +27,7 @@ from torch import nn
 
 from refit.layout.manifest import Manifest
 from refit.layout.packing import CopyPlan, LayoutGuard, typed_view
-from refit.layout.reshard import Slice
+from refit.layout.spec import Slice
 from refit.layout.state_layout import StateLayout
 from refit.sources.base import Source, WireDtypes
 

@@ -25,8 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refit.layout.manifest import Manifest
-from refit.layout.reshard import Slice
-from refit.layout.spec import TensorSpec
+from refit.layout.spec import Slice, TensorSpec
 from refit.log import get_logger
 from refit.sources.base import Source, WireDtypes
 from refit.sources.megatron_layout import GptLayout, merge

@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from refit.layout.packing import LayoutGuard, layout_key
-from refit.layout.reshard import Slice
-from refit.layout.spec import TensorSpec
+from refit.layout.spec import Slice, TensorSpec
 from refit.layout.state_layout import StateLayout
 from refit.sources.base import Source, WireDtypes
 

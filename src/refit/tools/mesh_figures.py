@@ -18,8 +18,7 @@ from functools import cache
 
 import numpy as np
 
-from refit.layout.reshard import Slice
-from refit.layout.spec import TensorSpec
+from refit.layout.spec import Slice, TensorSpec
 
 ROW_PARALLEL = ("o_proj", "down_proj")
 ROUTER = "mlp.gate.weight"

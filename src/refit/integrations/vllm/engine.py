@@ -18,8 +18,7 @@ import torch
 from refit.checks.validation import waived
 from refit.engines.base import Engine, Region
 from refit.integrations.vllm.shards import slice_shape
-from refit.layout.reshard import Slice
-from refit.layout.spec import TensorSpec
+from refit.layout.spec import Slice, TensorSpec
 from refit.log import get_logger
 from refit.settings import Settings
 from refit.topology.mesh import MeshReceiver

@@ -25,7 +25,7 @@ from refit.engines.base import Region
 from refit.integrations.vllm.recording import Placement, Recording, Strided, record, templates
 from refit.integrations.vllm.shards import localize, statement
 from refit.layout.packing import CopyPlan, layout_key
-from refit.layout.reshard import Slice
+from refit.layout.spec import Slice
 from refit.log import get_logger
 
 log = get_logger("vllm plan")

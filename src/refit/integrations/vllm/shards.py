@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 
 from refit.integrations.vllm.recording import Strided
-from refit.layout.reshard import Slice
+from refit.layout.spec import Slice
 
 Box = tuple[tuple[int, int], ...]
 """Per dim of a tensor, the [lo, hi) range of indices a view covers."""
