@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from refit.checks.validation import validate
+from refit.checks.manifest_check import validate
 from refit.layout.manifest import Manifest
 from refit.layout.planner import plan
 from refit.layout.spec import TensorSpec

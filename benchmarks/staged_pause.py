@@ -35,7 +35,7 @@ import time
 import torch
 
 from refit import ModuleEngine, ModuleSource, Receiver, Sender
-from refit.checks.hashes import fingerprints
+from refit.checks.fingerprints import fingerprints
 from refit.tools.demo.model import model_config
 
 

@@ -24,7 +24,7 @@ import sys
 import torch
 
 from refit import ModuleEngine, ModuleSource, Receiver, Sender
-from refit.checks.hashes import fingerprints
+from refit.checks.fingerprints import fingerprints
 from refit.tools.demo.model import TEXT, build_model, build_tokenizer, model_config
 
 SIZE = {"layers": 2, "hidden": 128, "ffn": 384}

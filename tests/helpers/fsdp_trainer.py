@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from refit import ModuleSource, RefitError, Sender, Settings
-from refit.checks.hashes import fingerprints
+from refit.checks.fingerprints import fingerprints
 from refit.integrations.fsdp import sharded_refit
 from refit.sources.fsdp import FsdpSource, full_tensor
 from refit.topology.ranked import RankedRefit

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from exits import leave
 
 from refit import RefitError, Sender, Settings
-from refit.checks.hashes import fingerprints
+from refit.checks.fingerprints import fingerprints
 from refit.sources.megatron import MegatronSource
 from refit.tools.demo.megatron import MegatronTrainer, build_gpt, forward
 from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
@@ -122,7 +122,7 @@ def mesh_main(trainer: MegatronTrainer, args: dict, extra: tuple = ()) -> None:
     """ "engine": "mesh": every model-parallel rank sends its own shards to `workers` M:N workers
     (tests/helpers/mesh_hf_worker.py); rank 0 prints the rendezvous, then per refit the stats and the
     fingerprints of the live weights as the engine must hold them (cast to the wire dtype, read in fp32)."""
-    from refit.checks.hashes import fingerprint
+    from refit.checks.fingerprints import fingerprint
     from refit.topology.mesh import MeshRefit
 
     settings = Settings(bucket_bytes=args["bucket_bytes"], timeout_s=120.0)

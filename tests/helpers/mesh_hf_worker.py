@@ -14,7 +14,7 @@ import sys
 import torch
 
 from refit import ModuleEngine, Settings
-from refit.checks.hashes import fingerprint
+from refit.checks.fingerprints import fingerprint
 from refit.tools.demo.model import build_model, model_config
 from refit.topology.mesh import MeshReceiver
 

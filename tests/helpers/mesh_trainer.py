@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from refit import RefitError, Settings
-from refit.checks.hashes import fingerprint
+from refit.checks.fingerprints import fingerprint
 from refit.sources.fsdp import FsdpSource, full_tensor
 from refit.topology.mesh import MeshRefit
 

@@ -20,7 +20,7 @@ import torch
 from mesh_model import build, local_part, statement
 
 from refit import ModuleEngine, PeerError, RefitError, Settings
-from refit.checks.hashes import fingerprint
+from refit.checks.fingerprints import fingerprint
 from refit.topology.mesh import MeshReceiver
 
 

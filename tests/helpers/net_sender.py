@@ -13,7 +13,7 @@ import torch
 from peer import make_tensors
 
 from refit import ModuleSource, Sender, Settings
-from refit.checks.hashes import fingerprints
+from refit.checks.fingerprints import fingerprints
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ import time
 import torch
 
 from refit import ModuleEngine, PeerError, Receiver, RefitError, Settings
-from refit.checks.hashes import fingerprints
+from refit.checks.fingerprints import fingerprints
 from refit.dtypes import dtype_from_name
 
 MARK = "@@peer "

@@ -9,7 +9,7 @@ import torch
 from peer import Peer, make_tensors
 
 from refit import ModuleSource, Sender, Settings
-from refit.checks.hashes import fingerprints
+from refit.checks.fingerprints import fingerprints
 
 
 def sent_fingerprints(sender: Sender) -> dict[str, str]:

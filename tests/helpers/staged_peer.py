@@ -24,7 +24,7 @@ import torch
 from peer import MARK, Peer, RecordingEngine, make_tensors
 
 from refit import Receiver, RefitError, Settings
-from refit.checks.hashes import fingerprints
+from refit.checks.fingerprints import fingerprints
 from refit.topology.ranked import pick
 
 

@@ -26,7 +26,7 @@ def _generate(llm, prompts: list[list[int]]) -> list[list[int]]:
 
 def _held_mismatches(llm, source) -> tuple[list[str], int]:
     """Names whose read-back differs from the trainer's live tensor (cast to the wire dtype), and how many were read."""
-    from refit.checks.hashes import fingerprint
+    from refit.checks.fingerprints import fingerprint
 
     primary = source.specs()
     tensors = dict(zip((s.name for s in primary), source.tensors([s.name for s in primary])))

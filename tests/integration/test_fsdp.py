@@ -8,7 +8,7 @@ from fsdp_trainer import build
 from peer import Peer
 from trainer_ranks import line, start
 
-from refit.checks.hashes import fingerprints
+from refit.checks.fingerprints import fingerprints
 from refit.dtypes import dtype_name
 
 

@@ -138,7 +138,7 @@ def test_m_to_n_cuda_ipc_pairs_on_one_gpu_two_ranks_into_two_workers_bitwise() -
 def _odd_tensors(device: str) -> list[torch.Tensor]:
     """Many small tensors, odd sizes, partial last words, views at odd and non-word offsets, several chunks
     (the same values on every device; tensors 600 to 602 views of one run of words)."""
-    from refit.checks.digest import CHUNK_WORDS
+    from refit.checks.tensor_digest import CHUNK_WORDS
 
     g = torch.Generator().manual_seed(21)
     words = torch.randint(-(2**62), 2**62, (2 * CHUNK_WORDS + 9001,), generator=g).to(device)
@@ -158,7 +158,7 @@ def _odd_tensors(device: str) -> list[torch.Tensor]:
 
 @needs_cuda
 def test_cuda_digest_kernel_equals_the_cpu_digest_on_many_small_odd_and_offset_tensors() -> None:
-    from refit.checks.digest import digests
+    from refit.checks.tensor_digest import digests
 
     expected = digests(_odd_tensors("cpu"))
     on_gpu = _odd_tensors("cuda")
@@ -172,8 +172,8 @@ def test_cuda_digest_kernel_equals_the_cpu_digest_on_many_small_odd_and_offset_t
 
 @needs_cuda
 def test_cuda_fused_copy_digest_equals_a_copy_and_the_digest_of_the_copy() -> None:
-    from refit.checks.digest import digests
-    from refit.checks.fused_cuda import copy_digest_cuda
+    from refit.checks.copy_digest_cuda import copy_digest_cuda
+    from refit.checks.tensor_digest import digests
 
     srcs = _odd_tensors("cuda")
     whole = sum(t.nbytes // 8 + 2 for t in srcs)

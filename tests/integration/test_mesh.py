@@ -93,7 +93,7 @@ def run_sliced_ranks(transport: str, device: str, workers: int = 2, steps: int =
     import torch
     from mesh_model import build, local_part, statement
 
-    from refit.checks.hashes import fingerprint
+    from refit.checks.fingerprints import fingerprint
 
     args = {"workers": workers, "transport": transport, "steps": steps, "device": device, "verify": "fingerprint"}
     ranks = start(args, script="mesh_ranks.py")

@@ -26,7 +26,7 @@ from refit import (
     Settings,
     State,
 )
-from refit.checks.hashes import fingerprints
+from refit.checks.fingerprints import fingerprints
 from refit.protocol.wire import HEADER, Kind
 
 SPECS = [[f"w{i}", [32, 32], "float32"] for i in range(6)]  # 4 KiB each: one tensor per bucket

@@ -21,7 +21,7 @@ from staged_peer import StagedPeer
 from trainer_ranks import line, start
 
 from refit import ModuleEngine, ModuleSource, RefitError, Sender, Settings, State
-from refit.checks.hashes import fingerprints
+from refit.checks.fingerprints import fingerprints
 from refit.engines.staging import Staging
 from refit.layout.planner import plan
 from refit.topology.receiver import Receiver

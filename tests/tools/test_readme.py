@@ -216,7 +216,7 @@ def _run_commands(block: Block, tmp_path) -> None:  # type: ignore[no-untyped-de
 PRELUDE = """
 import json, os, sys
 import torch
-from refit.checks.hashes import fingerprints
+from refit.checks.fingerprints import fingerprints
 from refit.tools.demo.model import build_model, model_config
 
 CONFIG = model_config(layers=2, hidden=128, ffn=384)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from refit.checks.digest import ROW_WORDS, Pending, digests
+from refit.checks.tensor_digest import ROW_WORDS, Pending, digests
 
 SPEC_M = 0x9E3779B97F4A7C15
 MASK = (1 << 64) - 1
@@ -76,7 +76,7 @@ _KERNEL = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import test_digest as t
-from refit.checks import digest
+from refit.checks import tensor_digest as digest
 assert digest.available(torch.device("cpu")), "Triton's interpreter is not active"
 tensors = [x for x in t._tensors() if x.numel() < 100_000]  # the interpreter runs each program in Python
 ok = t._hexes(tensors) == [t._reference(x) for x in tensors]
@@ -127,7 +127,7 @@ def test_many_small_whole_word_tensors_take_the_flat_path_and_equal_the_definiti
         torch.randn(8, generator=g).to(torch.float16).expand(2, 8),
     ]
     assert _hexes(tensors) == [_reference(t) for t in tensors]
-    from refit.checks import digest
+    from refit.checks import tensor_digest as digest
 
     assert digest._sums_flat(tensors, torch.device("cpu")) is not None  # the path under test
 
@@ -306,7 +306,7 @@ def test_cuda_2000_random_single_bit_flips_and_ranges_are_detected_and_add_up() 
 
 def test_digest_of_a_view_at_an_offset_that_is_not_a_whole_word_equals_the_digest_of_its_copy() -> None:
     """An M:N box of an engine tensor starts mid-word (3 floats in): it is digested, not refused."""
-    from refit.checks.digest import digests
+    from refit.checks.tensor_digest import digests
 
     base = torch.arange(16, dtype=torch.float32)
     for view in (base[3:5], base[1:7], base[3:16], torch.randn(999).bfloat16()[3:803]):
@@ -319,8 +319,8 @@ _TILED = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import test_digest as t
-from refit.checks import digest
-from refit.checks.fused_cuda import copy_digest_cuda
+from refit.checks import tensor_digest as digest
+from refit.checks.copy_digest_cuda import copy_digest_cuda
 assert digest.available(torch.device("cpu")) and (digest.ROWS, digest.COLS, digest.CHUNK_WORDS) == (4, 64, 1024)
 g = torch.Generator().manual_seed(8)
 store = torch.randint(-(2**62), 2**62, (9000,), generator=g)
@@ -363,7 +363,7 @@ def test_the_digest_and_fused_copy_kernels_equal_the_definition_under_the_interp
 
 
 def test_copy_digest_cuda_refuses_mismatched_pairs() -> None:
-    from refit.checks.fused_cuda import copy_digest_cuda
+    from refit.checks.copy_digest_cuda import copy_digest_cuda
 
     with pytest.raises(ValueError, match="as many destinations"):
         copy_digest_cuda([torch.zeros(4)], [])
@@ -374,7 +374,7 @@ def test_copy_digest_cuda_refuses_mismatched_pairs() -> None:
 
 
 def test_copy_digest_cuda_casts_a_pair_of_two_dtypes_and_digests_what_it_wrote() -> None:
-    from refit.checks.fused_cuda import copy_digest_cuda
+    from refit.checks.copy_digest_cuda import copy_digest_cuda
 
     src, dst = torch.randn(33, generator=torch.Generator().manual_seed(9)), torch.zeros(33, dtype=torch.bfloat16)
     out = copy_digest_cuda([dst], [src])

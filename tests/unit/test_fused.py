@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from refit.checks import fused
-from refit.checks.digest import ROW_WORDS, digests
-from refit.checks.fused import FusedCopy, copy_digest
+from refit.checks import copy_digest as fused
+from refit.checks.copy_digest import FusedCopy, copy_digest
+from refit.checks.tensor_digest import ROW_WORDS, digests
 from tests.unit.test_digest import _reference_value
 
 MASK = (1 << 64) - 1
@@ -140,7 +140,7 @@ def test_the_module_engine_digests_only_what_its_copy_proves() -> None:
 def test_a_loaded_digest_that_differs_fails_the_check_and_the_rest_is_read_back() -> None:
     from refit.engines.module import ModuleEngine
     from refit.layout.planner import plan
-    from refit.topology.verification import compare
+    from refit.topology.digest_plan import compare
 
     held = {"a": torch.randn(4), "b": torch.randn(3)}
     engine = ModuleEngine(held)
@@ -177,7 +177,7 @@ def test_a_large_copy_shared_by_threads_adds_up_to_the_same_digest() -> None:
 def _build_in_a_child(cache: str) -> subprocess.CompletedProcess:
     """A fresh process (nothing cached in memory) that builds or loads the kernel and copies one pair."""
     code = (
-        "import torch; from refit.checks import fused\n"
+        "import torch; from refit.checks import copy_digest as fused\n"
         "d, s = torch.empty(9), torch.arange(9.0)\n"
         "assert fused._kernel() is not None\n"
         "assert torch.equal(fused.copy_digest([d], [s]), fused.digests([s])) and torch.equal(d, s)\n"

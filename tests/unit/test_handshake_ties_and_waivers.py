@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from refit import HandshakeError, ModuleSource, Sender, Settings
-from refit.checks.validation import validate
+from refit.checks.manifest_check import validate
 from refit.engines.module import ModuleEngine
 from refit.layout.spec import TensorSpec
 from refit.topology.receiver import Receiver

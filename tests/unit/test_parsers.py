@@ -10,14 +10,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refit.checks.validation import Report
+from refit.checks.manifest_check import Report
 from refit.errors import IntegrityError, PeerError
 from refit.layout.manifest import Manifest
 from refit.layout.planner import plan
 from refit.layout.spec import TensorSpec
 from refit.protocol.lobby import _parse_hello
 from refit.protocol.wire import HEADER, MAX_JSON_BYTES, WITH_PAYLOAD, Header, Kind, _message, parse_json
-from refit.topology.verification import parse_regions
+from refit.topology.digest_plan import parse_regions
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 numbers = st.one_of(

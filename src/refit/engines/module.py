@@ -7,8 +7,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from refit.checks.fused import FusedCopy
-from refit.checks.validation import waived
+from refit.checks.copy_digest import FusedCopy
+from refit.checks.manifest_check import waived
 from refit.engines.base import Engine
 from refit.layout.packing import CopyPlan, LayoutGuard
 from refit.layout.spec import Slice, TensorSpec
@@ -138,7 +138,7 @@ class ModuleEngine(Engine):
             hit[1].run()
 
     def load_digested(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor] | None:
-        """`load` with the copy digesting what it writes (`refit.checks.fused`): each target is written by one
+        """`load` with the copy digesting what it writes (`refit.checks.copy_digest`): each target is written by one
         whole-tensor copy, and `_written_once` proved no other target overlaps it, so the digest of the
         bytes written is the digest of what the module holds. Names whose copy casts are read back, and so is
         everything in a subclass that changes `load` or `held` (its copy may not be what it holds)."""

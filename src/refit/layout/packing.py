@@ -110,7 +110,7 @@ class Packer:
         self, manifest: Manifest, buffers: Sequence[torch.Tensor], *, digesting: Callable | None = None
     ) -> None:
         """`digesting(dst, src)`: a copy plan whose `run()` copies and returns the digest of each dst after the
-        copy (`refit.checks.fused.FusedCopy`); with it, each pack leaves in `digests` the digest of every
+        copy (`refit.checks.copy_digest.FusedCopy`); with it, each pack leaves in `digests` the digest of every
         segment's bytes in the bucket (the wire bytes), read as they are written."""
         self.manifest = manifest
         self._buffers = buffers

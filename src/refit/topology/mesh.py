@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refit.checks.validation import waived
+from refit.checks.manifest_check import waived
 from refit.engines.base import Engine
 from refit.engines.pieces import PieceEngine, ShardTarget
 from refit.engines.staging import Staging

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from refit.checks.checksum import checksum
+from refit.checks.bucket_checksum import checksum
 from refit.engines.base import Engine
 from refit.errors import IntegrityError, PeerError, RefitError
 from refit.layout.manifest import Manifest
@@ -21,9 +21,9 @@ from refit.layout.packing import Unpacker, copy_share
 from refit.log import get_logger
 from refit.protocol.wire import Begin, Channel, Header, Kind, parse_json
 from refit.settings import Settings
+from refit.topology.digest_plan import compare
 from refit.topology.membership import readable
 from refit.topology.stats import RefitStats
-from refit.topology.verification import compare
 from refit.transports.base import Interrupted, Pending, Transport
 
 log = get_logger("receiver")

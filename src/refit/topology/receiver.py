@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from refit import transports
-from refit.checks.validation import validate
+from refit.checks.manifest_check import validate
 from refit.engines.base import Engine
 from refit.engines.staging import Split, Staging
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
@@ -34,9 +34,9 @@ from refit.protocol.wire import (
     parse_json,
 )
 from refit.settings import Settings
+from refit.topology.digest_plan import engine_regions
 from refit.topology.receive_path import ReceivePath
 from refit.topology.stats import RefitStats
-from refit.topology.verification import engine_regions
 from refit.transports.base import Transport
 
 log = get_logger("receiver")

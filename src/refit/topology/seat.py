@@ -11,11 +11,11 @@ from refit.layout.manifest import Manifest
 from refit.protocol.wire import Channel
 from refit.settings import Settings
 from refit.sources.base import Source
+from refit.topology.digest_plan import DigestPlan
 from refit.topology.held import Held
 from refit.topology.policies import Commit
 from refit.topology.send_path import Lost, SendPath
 from refit.topology.stats import RefitStats
-from refit.topology.verification import DigestPlan
 
 
 class Members(Protocol):

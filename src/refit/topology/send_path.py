@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from refit.checks.checksum import checksum
-from refit.checks.fused import FusedCopy
+from refit.checks.bucket_checksum import checksum
+from refit.checks.copy_digest import FusedCopy
 from refit.errors import IntegrityError, PeerError
 from refit.layout.manifest import Manifest
 from refit.layout.packing import Packer, copy_share
@@ -24,8 +24,8 @@ from refit.log import get_logger
 from refit.protocol.wire import Channel, Header, Kind
 from refit.settings import Settings
 from refit.sources.base import Source
+from refit.topology.digest_plan import DigestPlan
 from refit.topology.stats import RefitStats
-from refit.topology.verification import DigestPlan
 from refit.transports.base import Pending, Transport
 
 log = get_logger("sender")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from refit import transports
-from refit.checks.validation import Report
+from refit.checks.manifest_check import Report
 from refit.errors import HandshakeError, PeerError, RefitError
 from refit.layout.budget import bucket_capacity, free_bytes, needed_bytes
 from refit.layout.manifest import Manifest
@@ -28,6 +28,7 @@ from refit.protocol.wire import Channel, Header, Kind, Offer, parse_json
 from refit.settings import Settings
 from refit.sources.base import Source
 from refit.topology.admission import admit, falls_back, welcome
+from refit.topology.digest_plan import DigestPlan, parse_regions
 from refit.topology.elastic import Elastic, Fixed
 from refit.topology.held import Held
 from refit.topology.options import VERIFY_MODES, SenderOptions
@@ -36,7 +37,6 @@ from refit.topology.pulse import HEARTBEAT_MAX_S, Pulse
 from refit.topology.round import Round
 from refit.topology.send_path import SendPath, each, share_sources
 from refit.topology.stats import RefitStats
-from refit.topology.verification import DigestPlan, parse_regions
 from refit.transports import address
 from refit.transports.base import Transport
 

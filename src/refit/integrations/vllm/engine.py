@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from refit.checks.validation import waived
+from refit.checks.manifest_check import waived
 from refit.engines.base import Engine, Region
 from refit.integrations.vllm.shards import slice_shape
 from refit.layout.spec import Slice, TensorSpec

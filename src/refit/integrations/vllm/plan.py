@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from refit.checks.validation import waived
+from refit.checks.manifest_check import waived
 from refit.engines.base import Region
 from refit.integrations.vllm.recording import Placement, Recording, Strided, record, templates
 from refit.integrations.vllm.shards import localize, statement

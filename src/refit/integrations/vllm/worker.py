@@ -40,7 +40,7 @@ def worker_seconds(worker: Any) -> dict[str, float]:
 
 def worker_held(worker: Any) -> dict[str, list]:
     """{checkpoint name: [dtype name, region or None, fingerprint]} for every name the worker can read back."""
-    from refit.checks.hashes import fingerprint
+    from refit.checks.fingerprints import fingerprint
 
     engine = worker_engine(worker)
     out: dict[str, list] = {}
@@ -54,7 +54,7 @@ def worker_held(worker: Any) -> dict[str, list]:
 
 def worker_parameters(worker: Any) -> dict[str, str]:
     """Fingerprints of every vLLM parameter (vLLM's names, its dtypes) and of the load plan's shadows."""
-    from refit.checks.hashes import fingerprint
+    from refit.checks.fingerprints import fingerprint
 
     model = worker.model_runner.get_model()
     out = {n: fingerprint(p, p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
@@ -135,7 +135,7 @@ class RefitWorkerExtension:
 
 def expected_fingerprints(sent: dict[str, torch.Tensor], worker_layout: dict[str, list]) -> dict[str, str]:
     """What `refit_fingerprints` must return once `sent` (wire tensors) is loaded."""
-    from refit.checks.hashes import fingerprint
+    from refit.checks.fingerprints import fingerprint
 
     out = {}
     for name, (dtype, parts) in worker_layout.items():

@@ -3,7 +3,7 @@ and digest, against a flat copy and a flat read of as many bytes, at several ker
 
     python -m refit.tools.bench.digestbench --preset qwen2-7b,moe --tunings 8x1024x16x131072,4x1024x8x131072
 
-A tuning is ROWSxCOLSxWARPSxCHUNK_WORDS (refit.checks.digest); each runs in a process of its own, since
+A tuning is ROWSxCOLSxWARPSxCHUNK_WORDS (refit.checks.tensor_digest); each runs in a process of its own, since
 they are read at import. Times are medians of CUDA-event spans (`device`), of wall-clock spans of the whole
 call, host work included (`wall`), and until the call returns (`host`: its Python work and launches), after
 two untimed calls (compiling, building the cached tables).
@@ -67,15 +67,16 @@ def _line(rep: dict) -> str:
 
 def _kernels(dst: list[torch.Tensor], src: list[torch.Tensor], repeats: int) -> tuple[dict, dict]:
     """The two kernels alone, launched from their cached plans: no Python per tensor, no reduction."""
-    from refit.checks import digest, fused_cuda
+    from refit.checks import copy_digest_cuda as fused_cuda
+    from refit.checks import tensor_digest as digest
 
     return _time(digest.kernel(src), repeats), _time(fused_cuda.kernel(dst, src), repeats)
 
 
 def measure(preset: str, repeats: int) -> dict:
     """One preset at the tuning this process imported."""
-    from refit.checks import digest
-    from refit.checks.fused_cuda import copy_digest_cuda
+    from refit.checks import tensor_digest as digest
+    from refit.checks.copy_digest_cuda import copy_digest_cuda
 
     spec_list = specs(PRESETS[preset], torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(0)

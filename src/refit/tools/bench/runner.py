@@ -17,7 +17,7 @@ import torch
 
 import refit
 from refit import transports
-from refit.checks.digest import digests
+from refit.checks.tensor_digest import digests
 from refit.dtypes import dtype_from_name, dtype_name
 from refit.layout.copy_kernel import BatchedCopy, available
 from refit.layout.planner import align_up
@@ -293,7 +293,7 @@ def _probe(
     if method == "digest":
         times = _timed(partial(digests, src), device, cfg)
     else:
-        from refit.checks.fused_cuda import copy_digest_cuda
+        from refit.checks.copy_digest_cuda import copy_digest_cuda
 
         dst = [torch.empty_like(t) for t in src]
         times = _timed(partial(copy_digest_cuda, dst, src), device, cfg)

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from refit.checks.hashes import fingerprints
+from refit.checks.fingerprints import fingerprints
 from refit.engines.module import ModuleEngine
 from refit.errors import PeerError, RefitError
 from refit.log import configure, get_logger

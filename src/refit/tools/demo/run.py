@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import refit
-from refit.checks.hashes import differences, fingerprints
+from refit.checks.fingerprints import differences, fingerprints
 from refit.errors import RefitError
 from refit.log import configure, get_logger
 from refit.settings import Settings

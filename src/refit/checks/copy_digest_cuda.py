@@ -3,8 +3,8 @@ source word once, writes it, and sums it into the digest of its destination (doc
 positions are positions in the destination tensor).
 
 The kernel walks a table of chunks (source offset, destination offset, position, words), built once per
-layout and cached (`refit.checks.digest.chunk_rows`), with 16-byte loads and stores, and accumulates the
-digest's two sums without a 64-bit multiply per word (`refit.checks.digest._tile_sums`). Pairs it cannot
+layout and cached (`refit.checks.tensor_digest.chunk_rows`), with 16-byte loads and stores, and accumulates the
+digest's two sums without a 64-bit multiply per word (`refit.checks.tensor_digest._tile_sums`). Pairs it cannot
 take (partial last words, addresses that are not whole words or not of one parity, lazy views, a source
 on another device, no Triton) are copied by torch and their destinations digested afterwards: the same
 values, one more read.
@@ -18,8 +18,8 @@ from itertools import chain
 
 import torch
 
-from refit.checks import digest
-from refit.checks.digest import COLS, NUM_WARPS, ROWS, STEP, ChunkPlan, chunk_rows, digests
+from refit.checks import tensor_digest as digest
+from refit.checks.tensor_digest import COLS, NUM_WARPS, ROWS, STEP, ChunkPlan, chunk_rows, digests
 from refit.layout.copy_kernel import available, triton
 
 _NBYTES, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("nbytes", "dtype", "device"))
@@ -27,7 +27,7 @@ _NBYTES, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("nbytes", "dtype", 
 if triton is not None:
     import triton.language as tl
 
-    from refit.checks.digest import _finish, _tile_sums
+    from refit.checks.tensor_digest import _finish, _tile_sums
 
     @triton.jit
     def _copy_digest_chunks(table, src, dst, out, ROWS: tl.constexpr, COLS: tl.constexpr):

@@ -1,6 +1,6 @@
 """Digests: the end-to-end check that the engine holds what the trainer holds (`verify="fingerprint"`, the default).
 
-The sender digests each tensor's wire bytes as it packs them into the bucket (`refit.checks.fused`: the
+The sender digests each tensor's wire bytes as it packs them into the bucket (`refit.checks.copy_digest`: the
 copy and the digest are one pass); a region, or a tensor split across buckets, is digested from the live
 tensor after the wire cast. Each receiver's engine digests what its copy writes where it can prove that
 copy is the only write to those bytes (`Engine.load_digested`); every other name is read back after the
@@ -16,8 +16,8 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from refit.checks.digest import Pending
-from refit.checks.validation import waived
+from refit.checks.manifest_check import waived
+from refit.checks.tensor_digest import Pending
 from refit.engines.base import Engine, Region
 from refit.errors import PeerError
 from refit.layout.manifest import Manifest

@@ -6,10 +6,10 @@ under the user's cache directory), copies each pair word by word and sums the wo
 one pass, one call for every pair of a plan, no per-tensor Python. Its sums avoid 64-bit multiplies:
 over a lane of words w_0 .. w_{m-1}, sum(j * w_j) = m * S - sum of the running sums (S the lane's
 total), so every step is two additions, which vectorise. Where the kernel does not build, or
-REFIT_CPU_KERNEL=0, pairs are copied by `CopyPlan` and digested by `refit.checks.digest.digests` (a
+REFIT_CPU_KERNEL=0, pairs are copied by `CopyPlan` and digested by `refit.checks.tensor_digest.digests` (a
 second read: slower, same values). Pairs the kernel cannot take (other dtypes, non-contiguous or lazy
 views) are copied by torch and their destinations digested afterwards. On CUDA,
-`refit.checks.fused_cuda.copy_digest_cuda` does it where that module imports.
+`refit.checks.copy_digest_cuda.copy_digest_cuda` does it where that module imports.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from refit.checks.digest import digests
+from refit.checks.tensor_digest import digests
 from refit.layout.copy_kernel import BatchedCopy
 from refit.log import get_logger
 from refit.settings import cpu_kernel_enabled
@@ -278,7 +278,7 @@ class FusedCopy:
 
 def _cuda_kernel():  # type: ignore[no-untyped-def]
     try:
-        from refit.checks.fused_cuda import copy_digest_cuda  # type: ignore[import-not-found]
+        from refit.checks.copy_digest_cuda import copy_digest_cuda  # type: ignore[import-not-found]
     except ImportError:
         return None
     return copy_digest_cuda
