@@ -379,3 +379,94 @@ def test_copy_digest_cuda_casts_a_pair_of_two_dtypes_and_digests_what_it_wrote()
     src, dst = torch.randn(33, generator=torch.Generator().manual_seed(9)), torch.zeros(33, dtype=torch.bfloat16)
     out = copy_digest_cuda([dst], [src])
     assert torch.equal(dst, src.to(torch.bfloat16)) and torch.equal(out, digests([dst]))
+
+
+def test_digests_go_on_the_wire_as_big_endian_hex_and_come_back_exactly() -> None:
+    from refit.topology.digest_plan import from_hex, to_hex
+
+    edge = [0, 1, -1, 2**63 - 1, -(2**63), 0x0102030405060708, -0x0102030405060708]
+    values = torch.cat([torch.tensor(edge), torch.randint(-(2**63), 2**63 - 1, (5000,))])
+    hexes = to_hex(values)
+    assert hexes[:3] == ["0000000000000000", "0000000000000001", "ffffffffffffffff"]
+    assert hexes == [format(v & (2**64 - 1), "016x") for v in values.tolist()]
+    back = from_hex(hexes)
+    assert back is not None and torch.equal(back, values)
+    assert from_hex(["0102"]) is None and from_hex(["zz" * 8]) is None and from_hex([]).numel() == 0
+
+
+@pytest.mark.parametrize("change", ["values", "storage", "identity", "layout", "dtype", "shape"])
+def test_zero_copy_digest_views_kept_per_generation_follow_every_change(change: str) -> None:
+    """Zero-copy digests keep each target's view of its live tensor while the session's generation stays (as the
+    Sender bumps it: the source's signature moved, or it does not cover layout; a changed spec is a new plan).
+    After each change the payload is the digest of what the trainer holds now, never of what it held."""
+    from refit import ModuleSource
+    from refit.checks.tensor_digest import digests
+    from refit.layout.planner import plan
+    from refit.topology.digest_plan import DigestPlan, to_hex
+
+    g = torch.Generator().manual_seed(4)
+    live = {"a": torch.randn(8, 6, generator=g), "b": torch.randn(33, generator=g), "c": torch.randn(4, 4, generator=g)}
+    source = ModuleSource(live)
+    state = {"gen": 0, "sig": source.signature(), "plan": None, "specs": None}
+
+    def payload() -> list[str]:
+        sig = source.signature()
+        if sig != state["sig"] or not source.signature_covers_layout:
+            state["gen"] += 1
+        state["sig"] = sig
+        if source.specs() != state["specs"]:  # a new epoch: a new manifest and digest plan
+            state["specs"] = source.specs()
+            m = plan(source.specs(), capacity=1 << 20, epoch=state["gen"] + 1)
+            state["plan"], state["m"] = DigestPlan(m, {1: {"a": (0, 2, 6)}}), m
+        dp = state["plan"]
+        dp.reset()
+        dp.take_all(source, state["gen"])
+        return dp.payloads()[1]
+
+    def expected() -> list[str]:
+        m = state["m"]
+        held = [live[n].narrow(0, 2, 4) if n == "a" else live[n] for n in m.names]
+        return to_hex(digests([t.contiguous() for t in held]))
+
+    assert payload() == expected()
+    assert payload() == expected()  # from the kept views
+    with torch.no_grad():
+        t = live["b"]
+        if change == "values":
+            t.add_(1)
+        elif change == "storage":
+            t.set_(t.detach().clone().untyped_storage(), 0, t.shape, t.stride())
+            t.mul_(3)
+        elif change == "identity":
+            live["b"] = t.detach().clone() * 5
+        elif change == "layout":
+            live["c"] = live["c"].t().contiguous().t()  # the same values, another stride
+        elif change == "dtype":
+            live["b"] = t.double()
+        elif change == "shape":
+            live["b"] = torch.randn(40, generator=g)
+    assert payload() == expected(), change
+    assert payload() == expected(), change
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prepared_digest_and_copy_replay_equal_the_unprepared_calls_as_values_change() -> None:
+    """The planned-once CUDA paths (no pass over the tensors per call) give `digests` bit for bit, and a replay
+    copies and digests the values the tensors hold at that call, not at planning."""
+    from refit.checks.copy_digest_cuda import copy_digest_cuda
+    from refit.checks.copy_digest_cuda import prepared as prepared_copy
+    from refit.checks.tensor_digest import prepared
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    sizes = [0, 1, 2, 3, 7, 8, 255, 256, 1000, 4099, 1 << 16, 300_001]
+    srcs = [torch.randint(-(2**62), 2**62, (n,), generator=g, device="cuda", dtype=torch.int64) for n in sizes]
+    dsts = [torch.full_like(s, -7) for s in srcs]  # poisoned: every word must be written
+    digest_run, copy_run = prepared(srcs), prepared_copy(dsts, srcs)
+    assert digest_run is not None and copy_run is not None
+    for _ in range(3):
+        assert torch.equal(digest_run(), digests(srcs))
+        got = copy_run()
+        assert all(torch.equal(d, s) for d, s in zip(dsts, srcs)) and torch.equal(got, digests(dsts))
+        assert torch.equal(got, copy_digest_cuda([torch.empty_like(s) for s in srcs], srcs))
+        for s in srcs:
+            s.add_(1)

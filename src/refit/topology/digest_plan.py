@@ -12,12 +12,12 @@ tensor. Per refit, digests sit in one int64 vector: no per-name Python beyond wh
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from refit.checks.manifest_check import waived
-from refit.checks.tensor_digest import Pending
+from refit.checks.tensor_digest import Pending, prepared
 from refit.engines.base import Engine, Region
 from refit.errors import PeerError
 from refit.layout.manifest import Manifest
@@ -57,6 +57,11 @@ class DigestPlan:
         self._pending = Pending()
         self._keys: list[Target] = []
         self._known: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._key_slots: torch.Tensor | None = None
+        """The slots of `_keys`, when they are the zero-copy views' (held with them in `_all`)."""
+        self._all: tuple[int, list[torch.Tensor], list[Target], torch.Tensor, Callable | None] | None = None
+        """Zero-copy: (generation, every target's view of its live tensor, the targets, their slots, and on CUDA
+        their digest planned once)."""
         self._slot: dict[Target, int] = {}
         self._by_bucket: dict[int, list[tuple[int, list[Target], torch.dtype]]] = {}
         self._whole: dict[int, list[tuple[int, list[Target], torch.dtype]]] = {}
@@ -93,6 +98,7 @@ class DigestPlan:
         """Forget the last refit's digests (the plan itself stays: it holds no tensor)."""
         self._pending = Pending()
         self._keys = []
+        self._key_slots = None
         self._known = []
 
     def needs_tensors(self, bucket: int) -> bool:
@@ -115,20 +121,39 @@ class DigestPlan:
         if rest:
             self._digest([(target, tensors[k], wire) for k, targets, wire in rest for target in targets])  # type: ignore[index]
 
-    def take_all(self, source: Source) -> None:
-        """Digest every tensor now (zero-copy mode, where nothing was packed)."""
-        m = self.manifest
-        live = dict(zip((p.name for p in m.entries), source.tensors([p.name for p in m.entries])))
-        plans = [*self._by_bucket.values(), *self._whole.values()]
-        targets = [(t, wire) for b in plans for _, ts, wire in b for t in ts]
-        self._digest([(target, live[m.entry(target[0]).name], wire) for target, wire in targets])
+    def take_all(self, source: Source, generation: int) -> None:
+        """Digest every tensor now (zero-copy mode, where nothing was packed). The targets' views are kept while
+        `generation` (the session's layout guard: it moves whenever a tensor may have been replaced, moved,
+        reshaped or recast) stays, when every view is the live tensor's own memory (no cast)."""
+        held = self._all
+        if held is None or held[0] != generation:
+            m = self.manifest
+            live = dict(zip((p.name for p in m.entries), source.tensors([p.name for p in m.entries])))
+            plans = [*self._by_bucket.values(), *self._whole.values()]
+            targets = [(t, wire) for b in plans for _, ts, wire in b for t in ts]
+            items = [(target, live[m.entry(target[0]).name], wire) for target, wire in targets]
+            with torch.no_grad():
+                views = [_cut(t, region).to(wire) for (_, region), t, wire in items]
+            keys = [target for target, _, _ in items]
+            aliases = all(
+                v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for v, (_, t, _) in zip(views, items)
+            )
+            slots = torch.tensor([self._slot[k] for k in keys], dtype=torch.int64)
+            held = (generation, views, keys, slots, prepared(views) if aliases else None)
+            self._all = held if aliases else None
+        if held[4] is not None:
+            self._pending.add_digests(held[4]())
+        else:
+            self._pending.add(held[1])
+        self._keys, self._key_slots = held[2], held[3]
 
     def _digest(self, items: list[tuple[Target, torch.Tensor, torch.dtype]]) -> None:
         """Digest each target's region of its live tensor, cast to the wire dtype (no synchronisation)."""
         with torch.no_grad():
             views = [_cut(t, region).to(wire) for (_, region), t, wire in items]
             self._pending.add(views)
-        self._keys.extend(target for target, _, _ in items)
+        self._keys = [*self._keys, *(target for target, _, _ in items)]
+        self._key_slots = None
 
     def forget(self, rank: int) -> None:
         """Receiver `rank` left: no payload for it (the others' are unchanged)."""
@@ -141,8 +166,10 @@ class DigestPlan:
         for slots, got in self._known:
             values[slots] = got.cpu()
         if self._keys:
-            late = [int(h, 16) for h in self._pending.hexes()]
-            values[[self._slot[k] for k in self._keys]] = torch.tensor([v - (v >> 63 << 64) for v in late])
+            slots = self._key_slots
+            if slots is None:
+                slots = torch.tensor([self._slot[k] for k in self._keys], dtype=torch.int64)
+            values[slots] = self._pending.values()
         return {rank: to_hex(values[order]) for rank, order in self._orders.items()}
 
 
@@ -150,8 +177,8 @@ def to_hex(values: torch.Tensor) -> list[str]:
     """Each int64 as the 16 hex digits of its 64 bits (big-endian), for many at once."""
     if not values.numel():
         return []
-    raw = values.contiguous().view(torch.uint8).view(-1, 8).flip(1).contiguous()  # little-endian words
-    text = ctypes.string_at(raw.data_ptr(), raw.numel()).hex()
+    raw = _byteswap(values.contiguous().view(-1))
+    text = ctypes.string_at(raw.data_ptr(), raw.numel() * 8).hex()
     return [text[i : i + 16] for i in range(0, len(text), 16)]
 
 
@@ -165,7 +192,17 @@ def from_hex(digests: list[str]) -> torch.Tensor | None:
         raw = bytearray(bytes.fromhex("".join(digests)))
     except ValueError:
         return None
-    return torch.frombuffer(raw, dtype=torch.uint8).view(-1, 8).flip(1).contiguous().view(torch.int64).view(-1)
+    return _byteswap(torch.frombuffer(raw, dtype=torch.int64))
+
+
+def _byteswap(words: torch.Tensor) -> torch.Tensor:
+    """Each int64's bytes in the other order, on whole words: a flip of the (n, 8) bytes is one op over 8n
+    elements, which from a few thousand words on runs on torch's whole thread pool and costs milliseconds."""
+    out = torch.zeros_like(words)
+    for k in range(8):
+        byte = (words >> (8 * k)) & 0xFF
+        out |= byte << (8 * (7 - k))
+    return out
 
 
 def _cut(t: torch.Tensor, region: Region | None) -> torch.Tensor:

@@ -95,7 +95,7 @@ class SendPath:
             with copy_share(self.transport.name):
                 errors = [] if self.zero_copy else self._stream(source, version, stats, generation, verify_checksum)
             if digests is not None and not errors:
-                self._send_digests(source, version, stats, digests)
+                self._send_digests(source, version, stats, digests, generation)
             return errors
         finally:
             self.on_lost = None  # it refers to the Sender: holding it would keep an unclosed one alive
@@ -169,12 +169,14 @@ class SendPath:
         each(self.channels, ack, self.on_lost)
         stats.add("wait", time.perf_counter() - t)
 
-    def _send_digests(self, source: Source, version: int, stats: RefitStats, digests: DigestPlan) -> None:
+    def _send_digests(
+        self, source: Source, version: int, stats: RefitStats, digests: DigestPlan, generation: int
+    ) -> None:
         """Fingerprint mode: each receiver gets the digests of the live tensors it loaded (its own shards)."""
         t = time.perf_counter()
         m = self.manifest
         if self.zero_copy:
-            digests.take_all(source)
+            digests.take_all(source, generation)
         verify = Header(Kind.VERIFY, epoch=m.epoch, version=version, digest=m.digest)
         sends = digests.payloads()
         each(self.channels, lambda ch: ch.send(verify, {"digests": sends[ch.rank]}), self.on_lost)
