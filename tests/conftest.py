@@ -3,7 +3,12 @@ which is put on sys.path here (and on the PYTHONPATH of every process a helper s
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,3 +22,30 @@ if str(HELPERS) not in sys.path:
 @pytest.fixture(params=["shm", pytest.param("gloo", marks=pytest.mark.slow)])
 def transport(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_starts() -> Iterator[None]:
+    """One warm-start server for the session (tests/helpers/warm.py): helper scripts fork from a process that
+    imported torch once. REFIT_TEST_WARM=0 turns it off (every child a fresh interpreter)."""
+    if os.environ.get("REFIT_TEST_WARM") == "0":
+        yield
+        return
+    tmp = tempfile.mkdtemp(prefix="refit-warm-")
+    path = os.path.join(tmp, "server.sock")
+    server = subprocess.Popen(
+        [sys.executable, str(HELPERS / "warm.py"), path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert server.stdout is not None
+    if server.stdout.readline().strip() == "ready":  # a server that failed to start leaves plain process starts
+        os.environ["REFIT_TEST_WARM"] = path
+    try:
+        yield
+    finally:
+        os.environ.pop("REFIT_TEST_WARM", None)
+        assert server.stdin is not None
+        server.stdin.close()
+        server.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            os.rmdir(tmp)

@@ -13,6 +13,7 @@ import sys
 import time
 
 import torch
+import warm
 
 from refit import ModuleEngine, PeerError, Receiver, RefitError, Settings
 from refit.checks.fingerprints import fingerprints
@@ -181,7 +182,7 @@ class Peer:
 
     def __init__(self, args: dict) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
-        self.proc = subprocess.Popen(
+        self.proc = warm.popen(
             [sys.executable, self.SCRIPT, json.dumps(args)], stdout=subprocess.PIPE, text=True, env=env
         )
 

@@ -13,6 +13,7 @@ import sys
 
 import peer
 import torch
+import warm
 
 from refit.topology.ranked import pick
 
@@ -22,8 +23,9 @@ class RankWorker(peer.Peer):
 
     def __init__(self, args: dict, env: dict | None = None) -> None:
         full = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path]), **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE,
-                                     text=True, env=full)  # fmt: skip
+        self.proc = warm.popen(
+            [sys.executable, __file__, json.dumps(args)], stdout=subprocess.PIPE, text=True, env=full
+        )
 
 
 def main() -> int:

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+import warm
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -27,9 +29,11 @@ def start(
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path]),
                **((envs or [{}] * world)[rank])}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, script, json.dumps(args)], env=env, text=True,
-                                      stdin=subprocess.PIPE if gate and rank == 0 else None,
-                                      stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL))  # fmt: skip
+        stdin = subprocess.PIPE if gate and rank == 0 else None
+        stdout = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
+        procs.append(
+            warm.popen([sys.executable, script, json.dumps(args)], env=env, text=True, stdin=stdin, stdout=stdout)
+        )
     return procs
 
 

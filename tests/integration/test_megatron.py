@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+import warm
 from locations import helper, pythonpath
 from trainer_ranks import free_port, line
 
@@ -114,7 +115,7 @@ def _start(args: dict, world: int) -> list[subprocess.Popen]:
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "PYTHONPATH": pythonpath()}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, helper("megatron_trainer.py"), json.dumps(args)],
+        procs.append(warm.popen([sys.executable, helper("megatron_trainer.py"), json.dumps(args)],
                                       env=env, text=True, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL))  # fmt: skip
     return procs
 
@@ -125,7 +126,7 @@ class Engine:
     def __init__(self, rendezvous: dict, prompts: list, arch: str) -> None:
         args = {"rendezvous": rendezvous, "model": {**MODEL, "arch": arch}, "prompts": prompts, "bucket_bytes": BUCKET}
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "refit.tools.demo.engine", json.dumps(args)],
+        self.proc = warm.popen([sys.executable, "-m", "refit.tools.demo.engine", json.dumps(args)],
                                      stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
 
     def report(self) -> dict:
@@ -336,7 +337,7 @@ def test_megatron_ranks_send_their_own_shards_m_to_n_into_one_hf_engine_bitwise(
     info = line(ranks[0])
     worker = {"rendezvous": info, "model": MODEL, **({"vocab": 1000} if padded else {})}
     env = {**os.environ, "PYTHONPATH": pythonpath()}
-    engine = subprocess.Popen([sys.executable, helper("mesh_hf_worker.py"), json.dumps(worker)], stdout=subprocess.PIPE,
+    engine = warm.popen([sys.executable, helper("mesh_hf_worker.py"), json.dumps(worker)], stdout=subprocess.PIPE,
                               text=True, env=env)  # fmt: skip
     try:
         for version in (1, 2, 3):

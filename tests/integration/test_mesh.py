@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import warm
 from trainer_ranks import go, line, start
 
 HELPERS = os.path.dirname(os.path.abspath(__file__)).replace("integration", "helpers")
@@ -19,7 +20,7 @@ def _worker(info: dict, kind: str, w: int, workers: int, device: str = "cpu", **
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HELPERS, *sys.path])}
     script = os.path.join(HELPERS, "mesh_worker.py")
     args = {"rendezvous": info, "kind": kind, "worker": w, "workers": workers, "device": device, **extra}
-    return subprocess.Popen([sys.executable, script, json.dumps(args)], env=env, text=True, stdout=subprocess.PIPE)
+    return warm.popen([sys.executable, script, json.dumps(args)], env=env, text=True, stdout=subprocess.PIPE)
 
 
 def _workers(info: dict, kind: str, workers: int, device: str = "cpu") -> list[subprocess.Popen]:

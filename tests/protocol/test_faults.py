@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import warm
 from locations import helper, pythonpath
 from peer import Peer, make_tensors
 from sessions import FailingSource, live_fingerprints, session
@@ -57,7 +58,7 @@ def test_receiver_killed_mid_refit_fails_the_sender_naming_it_and_the_bucket(tra
 def test_sender_killed_mid_refit_leaves_the_engine_failed_not_new(transport: str) -> None:
     script = helper("sender_peer.py")
     env = {**os.environ, "PYTHONPATH": pythonpath()}
-    proc = subprocess.Popen(
+    proc = warm.popen(
         [
             sys.executable,
             script,

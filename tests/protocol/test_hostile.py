@@ -11,6 +11,7 @@ import tempfile
 import threading
 
 import pytest
+import warm
 from peer import make_tensors
 
 from refit import IntegrityError, ModuleEngine, ModuleSource, PeerError, Receiver, Sender, Settings
@@ -255,7 +256,7 @@ def test_no_port_a_gloo_session_opens_serves_a_stranger_and_the_session_still_re
 
     args = {"specs": SPECS, "transport": "gloo", "timeout_s": 60}
     env = {**os.environ, "PYTHONPATH": pythonpath()}
-    proc = subprocess.Popen(
+    proc = warm.popen(
         [sys.executable, helper("listening_sender.py"), json.dumps(args)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip

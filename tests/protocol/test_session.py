@@ -17,6 +17,7 @@ import weakref
 
 import pytest
 import torch
+import warm
 from locations import helper, pythonpath
 from peer import make_tensors
 from sessions import live_fingerprints, session
@@ -30,7 +31,7 @@ SPECS = [["a", [64, 16], "float32"], ["b", [10], "float32"]]
 def _sender_process(mode: str, timeout_s: float) -> tuple[subprocess.Popen, dict]:
     env = {**os.environ, "PYTHONPATH": pythonpath()}
     args = {"specs": SPECS, "transport": "shm", "bucket_bytes": 4096, "mode": mode, "timeout_s": timeout_s}
-    proc = subprocess.Popen(
+    proc = warm.popen(
         [sys.executable, helper("sender_peer.py"), json.dumps(args)],
         stdout=subprocess.PIPE,
         text=True,

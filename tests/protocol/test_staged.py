@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import warm
 from peer import make_tensors
 from staged_peer import StagedPeer
 from trainer_ranks import line, start
@@ -189,7 +190,7 @@ def test_a_sender_dying_during_the_pause_leaves_the_live_engine_failed_not_curre
     from locations import helper, pythonpath
 
     args = {"specs": DIE_SPECS, "transport": transport, "bucket_bytes": 4096, "die_at_bucket": 5}
-    proc = subprocess.Popen([sys.executable, helper("sender_peer.py"), json.dumps(args)], stdout=subprocess.PIPE,
+    proc = warm.popen([sys.executable, helper("sender_peer.py"), json.dumps(args)], stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": pythonpath()})  # fmt: skip
     assert proc.stdout is not None
     rendezvous = json.loads(proc.stdout.readline().removeprefix("@@sender "))
@@ -470,7 +471,7 @@ def test_m_to_n_workers_stage_their_slices_and_apply_them_bitwise() -> None:
     info = line(ranks[0])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([helpers, *sys.path])}
     workers = [
-        subprocess.Popen([sys.executable, os.path.join(helpers, "mesh_worker.py"), json.dumps(
+        warm.popen([sys.executable, os.path.join(helpers, "mesh_worker.py"), json.dumps(
             {"rendezvous": info, "kind": "mlp", "worker": w, "workers": 2, "staged": True})],
             env=env, text=True, stdout=subprocess.PIPE)
         for w in range(2)
