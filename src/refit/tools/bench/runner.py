@@ -17,7 +17,7 @@ import torch
 
 import refit
 from refit import transports
-from refit.checks.tensor_digest import digests
+from refit.checks.tensor_digest import digests, prepared
 from refit.dtypes import dtype_from_name, dtype_name
 from refit.layout.copy_kernel import BatchedCopy, available
 from refit.layout.planner import align_up
@@ -286,17 +286,19 @@ def _local_copy(
 def _probe(
     method: str, tensors: dict[str, torch.Tensor], cfg: BenchConfig, device: torch.device, nbytes: int
 ) -> Result:
-    """`digest`: the digest of every tensor, as the sender takes it (host work included); `copy_digest`: the
-    fused copy and digest into fresh tensors (checked: bytes and digests). Each beside a flat copy and a flat
-    read (a sum of the bytes as int64 words) of as many bytes, on the same device."""
+    """`digest`: the digest of every tensor, as the sender takes it (host work included: planned once per epoch
+    where `prepared` takes the tensors, as zero-copy's does); `copy_digest`: the fused copy and digest into fresh
+    tensors as an engine's load takes it (checked: bytes and digests). Each beside a flat copy and a flat read
+    (a sum of the bytes as int64 words) of as many bytes, on the same device."""
     src = list(tensors.values())
     if method == "digest":
-        times = _timed(partial(digests, src), device, cfg)
+        times = _timed(prepared(src) or partial(digests, src), device, cfg)
     else:
         from refit.checks.copy_digest_cuda import copy_digest_cuda
+        from refit.checks.copy_digest_cuda import prepared as prepared_copy
 
         dst = [torch.empty_like(t) for t in src]
-        times = _timed(partial(copy_digest_cuda, dst, src), device, cfg)
+        times = _timed(prepared_copy(dst, src) or partial(copy_digest_cuda, dst, src), device, cfg)
         got = copy_digest_cuda(dst, src)
         if not torch.equal(got, digests(dst)) or not all(torch.equal(d, s) for d, s in zip(dst, src)):
             raise RuntimeError("the fused copy and digest wrote other bytes or digests than a copy and a digest")
