@@ -49,6 +49,18 @@ def _writable(path: str | None, option: str) -> None:
             )
 
 
+def _check_bucket_bytes(args: argparse.Namespace) -> None:
+    """Refused here, in the option's terms: the engine would fail only when it joins, naming env variables."""
+    from refit.layout.planner import DEFAULT_ALIGNMENT
+
+    value = getattr(args, "bucket_bytes", None)
+    if value is not None and value < DEFAULT_ALIGNMENT:
+        raise ValueError(
+            f"--bucket-bytes {value} is below the alignment of {DEFAULT_ALIGNMENT} bytes; "
+            f"give at least {DEFAULT_ALIGNMENT}"
+        )
+
+
 def _need(module: str, what: str, install: str) -> None:
     from refit.tools.doctor import installed
 
@@ -533,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for option in ("json", "plot"):  # every output path, on every command, before any work
             _writable(getattr(args, option, None), f"--{option}")
+        _check_bucket_bytes(args)
         return _command(args)(args, console)
     except ValueError as e:
         console_for(stderr=True).print(f"[red]error:[/] {escape(str(e))}", highlight=False)
