@@ -343,3 +343,44 @@ def test_plan_shows_bytes_and_time_per_gpu_for_broadcast_per_rank_and_m_to_n(cap
     assert sum(paths["tensor_paths"].values()) == out["tensors"] and set(paths["tensor_paths"]) <= {
         "direct", "strided", "replica"}  # fmt: skip
     assert "nbytes" in out and "sender_bytes" in out and "receiver_bytes" in out
+
+
+TOO_LARGE = [
+    (["demo", "--layers", "100000", "--steps", "1"], "--layers 100000 makes a demo of about", "--layers"),
+    (["demo", "--hidden", "65536"], "--hidden 65536 makes a demo of about", "--hidden"),
+    (["demo", "--trainer", "fsdp", "--ranks", "400"], "--ranks 400 makes a demo of about", "--ranks"),
+    (["demo", "--layers", "2000", "--hidden", "4096"], "--layers 2000 --hidden 4096 make a demo of", "--layers"),
+]
+
+
+@pytest.mark.parametrize("argv,head,option", TOO_LARGE, ids=[" ".join(t[0]) for t in TOO_LARGE])
+def test_demo_sizes_the_machine_cannot_hold_are_refused_before_any_work(
+    argv: list[str], head: str, option: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import re
+
+    import refit.layout.budget
+    import refit.tools.demo.run
+    import refit.tools.demo.sharded
+    from refit.tools.demo.sizes import demo_bytes
+
+    monkeypatch.setattr(refit.layout.budget, "mem_available", lambda: 22 * 10**9)
+    for module, name in ((refit.tools.demo.run, "spawn_engine"), (refit.tools.demo.run, "run")):
+        monkeypatch.setattr(module, name, _no_work)
+    monkeypatch.setattr(refit.tools.demo.sharded, "launch", _no_work)
+    result = _in_process(capsys, *argv)
+    _one_line_error(result, head, "this machine has 22.0 GB free: give at most " + option)
+    most = int(re.search(r"give at most --\w+ (\d+)", result.stderr).group(1))
+    sizes = {"layers": 8, "hidden": 512, "trainer_processes": 2 if "fsdp" in argv else 1}
+    sizes.update({k: int(argv[argv.index(f"--{k}") + 1]) for k in ("layers", "hidden") if f"--{k}" in argv})
+    key = {"--ranks": "trainer_processes"}.get(option, option[2:])
+    step = 256 if option == "--hidden" else 1
+    assert demo_bytes(**{**sizes, key: most}) <= 22 * 10**9 < demo_bytes(**{**sizes, key: most + step})
+
+
+def test_demo_layers_zero_is_refused_as_layers_not_as_pp(capsys: pytest.CaptureFixture) -> None:
+    from refit.tools.demo.run import DemoConfig
+
+    _one_line_error(_in_process(capsys, "demo", "--layers", "0"), "--layers", "must be an integer >= 1, got '0'")
+    with pytest.raises(ValueError, match=r"^layers \(0\) must be >= 1"):
+        DemoConfig(layers=0)

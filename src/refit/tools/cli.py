@@ -94,10 +94,22 @@ def _check_demo(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def _check_demo_size(args: argparse.Namespace) -> None:
+    """Sizes the machine cannot hold are refused before any process starts, in the options' terms."""
+    from refit.layout.budget import mem_available
+    from refit.tools.demo.sizes import check_fits
+
+    processes = {"fsdp": args.ranks or 2, "megatron": (args.tp or 2) * (args.pp or 1)}.get(args.trainer, 1)
+    sizes = {"layers": args.layers, "hidden": args.hidden, "processes": processes}
+    given = [o for o, v, default in (("--layers", args.layers, 8), ("--hidden", args.hidden, 512)) if v != default]
+    check_fits(sizes, given + (["--ranks"] if args.ranks else []), mem_available())
+
+
 def _demo(args: argparse.Namespace, console: Console) -> int:
     from refit.tools.demo.run import DemoConfig, EngineProcess, run, spawn_engine
 
     names = _check_demo(args)
+    _check_demo_size(args)
     results, ok = [], True
     engine: EngineProcess | None = None  # one engine process (one set of imports) for every plain run
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -394,8 +406,10 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
         "--dtype-change-at", type=int, default=2, help="step after which one tensor goes fp32 (-1: never)"
     )
     demo.add_argument("--bucket-bytes", type=int, default=8 << 20, help="bucket capacity in bytes")
-    demo.add_argument("--layers", type=int, default=8, help="decoder layers of the demo model")
-    demo.add_argument("--hidden", type=int, default=512, help="hidden size of the demo model (a multiple of 64)")
+    demo.add_argument("--layers", type=_at_least_one, default=8, help="decoder layers of the demo model")
+    demo.add_argument(
+        "--hidden", type=_at_least_one, default=512, help="hidden size of the demo model (a multiple of 64)"
+    )
     _json_option(demo)
     demo.set_defaults(func=_demo)
 
