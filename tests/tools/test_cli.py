@@ -384,3 +384,30 @@ def test_demo_layers_zero_is_refused_as_layers_not_as_pp(capsys: pytest.CaptureF
     _one_line_error(_in_process(capsys, "demo", "--layers", "0"), "--layers", "must be an integer >= 1, got '0'")
     with pytest.raises(ValueError, match=r"^layers \(0\) must be >= 1"):
         DemoConfig(layers=0)
+
+
+QUICK_CONFLICTS = [
+    (["bench", "--quick", "--preset", "nope"], "--preset"),
+    (["bench", "--quick", "--repeats", "7"], "--repeats"),
+    (["bench", "--quick", "--preset", "tiny", "--repeats", "7"], "--preset and --repeats"),
+]
+
+
+@pytest.mark.parametrize("argv,given", QUICK_CONFLICTS, ids=[" ".join(q[0]) for q in QUICK_CONFLICTS])
+def test_quick_with_preset_or_repeats_is_an_error_naming_both(
+    argv: list[str], given: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import refit.tools.bench.runner
+
+    monkeypatch.setattr(refit.tools.bench.runner, "run_bench", _no_work)
+    _one_line_error(_in_process(capsys, *argv), "--quick", f"conflicts with {given}", "drop --quick")
+
+
+def test_bench_defaults_and_quick_fill_the_presets_and_repeats() -> None:
+    from refit.tools.cli import _resolve_quick
+
+    plain, quick = build_parser().parse_args(["bench"]), build_parser().parse_args(["bench", "--quick"])
+    _resolve_quick(plain)
+    _resolve_quick(quick)
+    assert (plain.preset, plain.repeats) == ("qwen2-0.5b", 5)
+    assert (quick.preset, quick.repeats) == ("tiny,moe-small", 3)

@@ -188,6 +188,21 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+BENCH_PRESET, BENCH_REPEATS = "qwen2-0.5b", 5
+
+
+def _resolve_quick(args: argparse.Namespace) -> None:
+    """--quick picks the presets and repeats itself: given with either, one would be ignored silently."""
+    given = [o for o, v in (("--preset", args.preset), ("--repeats", args.repeats)) if v is not None]
+    if args.quick and given:
+        raise ValueError(
+            f"--quick sets the presets (tiny, moe-small) and 3 repeats, so it conflicts with {' and '.join(given)}; "
+            "drop --quick or drop " + " and ".join(given)
+        )
+    args.preset = "tiny,moe-small" if args.quick else args.preset or BENCH_PRESET
+    args.repeats = 3 if args.quick else BENCH_REPEATS if args.repeats is None else args.repeats
+
+
 def _step(bar: Progress, task: TaskID, preset: str) -> Callable[[str], None]:
     """The bench runner's hook: one step of the bar per method."""
     started = False
@@ -423,12 +438,18 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
         formatter_class=_Help,
         help="measure the floor, refit and baselines on one link, side by side",
     )
-    bench.add_argument("--preset", default="qwen2-0.5b", help=f"comma-separated: {', '.join(PRESETS)}")
+    bench.add_argument(
+        "--preset", help=f"comma-separated: {', '.join(PRESETS)} (default: {BENCH_PRESET}; not with --quick)"
+    )
     bench.add_argument("--config", help="a transformers config.json to take the shapes from (instead of --preset)")
     bench.add_argument("--dtype", default="bfloat16", help="wire dtype of every tensor")
     bench.add_argument("--transport", help="shm, gloo, cuda-ipc, nccl (default: cuda-ipc with CUDA, else shm)")
     bench.add_argument("--receivers", default="1", help="comma-separated receiver counts, e.g. 1,2,4")
-    bench.add_argument("--repeats", type=int, default=5, help="timed refits per method (the median is reported)")
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        help=f"timed refits per method, the median reported (default: {BENCH_REPEATS}; not with --quick)",
+    )
     bench.add_argument("--warmup", type=int, default=1, help="untimed refits per method first")
     bench.add_argument("--bucket-bytes", type=int, default=1 << 30, help="bucket capacity in bytes")
     bench.add_argument(
@@ -560,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         for option in ("json", "plot"):  # every output path, on every command, before any work
             _writable(getattr(args, option, None), f"--{option}")
         _check_bucket_bytes(args)
+        if args.command == "bench":
+            _resolve_quick(args)
         return _command(args)(args, console)
     except ValueError as e:
         console_for(stderr=True).print(f"[red]error:[/] {escape(str(e))}", highlight=False)
