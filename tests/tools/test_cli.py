@@ -411,3 +411,49 @@ def test_bench_defaults_and_quick_fill_the_presets_and_repeats() -> None:
     _resolve_quick(quick)
     assert (plain.preset, plain.repeats) == ("qwen2-0.5b", 5)
     assert (quick.preset, quick.repeats) == ("tiny,moe-small", 3)
+
+
+def test_bench_help_lists_every_method() -> None:
+    from refit.tools.bench.colocated import METHODS as COLOCATED
+    from refit.tools.bench.runner import METHODS
+
+    text = " ".join(_subparsers(build_parser())["bench"].format_help().split())
+    assert len(METHODS) == 13
+    assert f"comma-separated subset of {', '.join(METHODS)} (default: all that apply" in text
+    assert f"with --ranks: {', '.join(COLOCATED)}" in text
+
+
+METHOD_MISTAKES = [
+    (["--transport", "shm", "--methods", "kernel,zero_copy"], "--methods kernel, zero_copy do not apply to"),
+    (["--transport", "shm", "--methods", "refit,copy_digest"], "--methods copy_digest does not apply to"),
+    (["--transport", "gloo", "--methods", "foreach"], "--methods foreach does not apply to --transport gloo"),
+    (["--methods", "floor,bogus"], "--methods: unknown bogus; choose from floor, foreach, kernel"),
+]
+
+
+@pytest.mark.parametrize("argv,fragment", METHOD_MISTAKES, ids=[" ".join(m[0]) for m in METHOD_MISTAKES])
+def test_bench_refuses_methods_that_do_not_apply_naming_those_that_do(
+    argv: list[str], fragment: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import refit.tools.bench.runner
+
+    monkeypatch.setattr(refit.tools.bench.runner, "run_bench", _no_work)
+    result = _in_process(capsys, "bench", "--quick", *argv)
+    _one_line_error(result, fragment)
+    if "unknown" not in fragment:
+        assert "these do: floor, " in result.stderr and "refit, checksum, fingerprint" in result.stderr
+
+
+def test_the_methods_that_apply_depend_on_the_transport() -> None:
+    from refit.tools.bench.runner import applicable
+
+    shm, gloo = applicable("shm"), applicable("gloo")
+    assert "foreach" in shm and not {"kernel", "zero_copy", "zero_copy_fingerprint", "copy_digest"} & set(shm)
+    assert "foreach" not in gloo and {"floor", "refit", "digest", "per_tensor_meta"} <= set(gloo)
+
+
+def test_bench_ranks_refuses_a_method_of_the_other_mode(capsys: pytest.CaptureFixture) -> None:
+    _one_line_error(
+        _in_process(capsys, "bench", "--ranks", "2", "--methods", "floor,refit"),
+        "--methods with --ranks: unknown refit; choose from floor, per_rank",
+    )

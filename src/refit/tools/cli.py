@@ -159,10 +159,17 @@ def _ints(text: str, option: str) -> list[int]:
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
     if args.ranks:  # per-rank colocated mode (refit.tools.bench.colocated)
+        from refit.tools.bench.colocated import METHODS as COLOCATED_METHODS
+
+        unknown = [m for m in (args.methods or "").split(",") if m and m not in COLOCATED_METHODS]
+        if unknown:
+            raise ValueError(
+                f"--methods with --ranks: unknown {', '.join(unknown)}; choose from " + ", ".join(COLOCATED_METHODS)
+            )
         return _json_through_a_file(args, __import__("refit.tools.bench.colocated", fromlist=["cli"]).cli, console)
     from refit import transports
     from refit.tools.bench.report import plot, show, show_scaling, write_json
-    from refit.tools.bench.runner import METHODS, run_bench
+    from refit.tools.bench.runner import default_transport, run_bench
 
     presets = ["tiny", "moe-small"] if args.quick else args.preset.split(",")
     receivers = _ints(args.receivers, "--receivers")
@@ -173,7 +180,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     reports = []
     layer_counts = _ints(args.layers, "--layers") if args.layers else [None]
     runs = [(p, n, k) for p in presets for n in receivers for k in layer_counts]
-    methods = tuple(args.methods.split(",")) if args.methods else METHODS
+    methods = _bench_methods(args.methods, default_transport(args.transport or ""))
     with progress(quiet=args.verbosity < 0) as bar:
         task = bar.add_task("bench", total=len(runs) * len(methods))
         for preset, n, layers in runs:
@@ -201,6 +208,27 @@ def _resolve_quick(args: argparse.Namespace) -> None:
         )
     args.preset = "tiny,moe-small" if args.quick else args.preset or BENCH_PRESET
     args.repeats = 3 if args.quick else BENCH_REPEATS if args.repeats is None else args.repeats
+
+
+def _bench_methods(text: str | None, transport: str) -> tuple[str, ...]:
+    """The methods asked for (default: every one that applies); one that measures nothing over `transport`
+    is refused rather than left out of the table."""
+    from refit.tools.bench.runner import METHODS, applicable
+
+    applies = applicable(transport)
+    if not text:
+        return applies
+    asked = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in asked if m not in METHODS]
+    if unknown:
+        raise ValueError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    idle = [m for m in asked if m not in applies]
+    if idle:
+        raise ValueError(
+            f"--methods {', '.join(idle)} do{'es' if len(idle) == 1 else ''} not apply to --transport {transport}; "
+            f"these do: {', '.join(applies)}"
+        )
+    return asked
 
 
 def _step(bar: Progress, task: TaskID, preset: str) -> Callable[[str], None]:
@@ -430,7 +458,9 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
 
 
 def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
+    from refit.tools.bench.colocated import METHODS as COLOCATED_METHODS
     from refit.tools.bench.presets import PRESETS
+    from refit.tools.bench.runner import METHODS
 
     bench = sub.add_parser(
         "bench",
@@ -456,7 +486,9 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
         "--layers", help="comma-separated: keep only the model's first N layers, e.g. 4,5 (default: all)"
     )
     bench.add_argument(
-        "--methods", help="comma-separated subset of floor,refit,serial,per_tensor,per_tensor_meta (default: all)"
+        "--methods",
+        help=f"comma-separated subset of {', '.join(METHODS)} (default: all that apply to the transport); "
+        f"with --ranks: {', '.join(COLOCATED_METHODS)}",
     )
     bench.add_argument(
         "--ranks",

@@ -60,6 +60,29 @@ explicitly, so a figure means the same whatever the library's default."""
 COLOCATED = {"shm", "cuda-ipc"}
 
 
+def default_transport(name: str = "") -> str:
+    """`name`, or the bench's default: cuda-ipc with CUDA, shm without."""
+    return name or ("cuda-ipc" if torch.cuda.is_available() else "shm")
+
+
+def applicable(transport: str, device: torch.device | None = None) -> tuple[str, ...]:
+    """The methods that measure something over `transport` with the sender's tensors on `device` (default:
+    cuda:0 for a CUDA transport, else the CPU), in METHODS order."""
+    if device is None:
+        device = torch.device("cuda:0" if transports.get(transport).device_type == "cuda" else "cpu")
+
+    def applies(m: str) -> bool:
+        if m in LOCAL:
+            return transport in COLOCATED and (m == "foreach" or available(device))
+        if m == "copy_digest":
+            return available(device) and device.type == "cuda"
+        if m.startswith("zero_copy"):
+            return transport == "cuda-ipc"
+        return True
+
+    return tuple(m for m in METHODS if applies(m))
+
+
 @dataclass(kw_only=True, slots=True)
 class BenchConfig:
     preset: str = "tiny"
@@ -85,9 +108,8 @@ class BenchConfig:
             raise ValueError("receivers and repeats must be >= 1 and warmup >= 0")
         unknown = set(self.methods) - set(METHODS)
         if unknown:
-            raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
-        if not self.transport:
-            self.transport = "cuda-ipc" if torch.cuda.is_available() else "shm"
+            raise ValueError(f"unknown methods {', '.join(sorted(unknown))}; choose from {', '.join(METHODS)}")
+        self.transport = default_transport(self.transport)
         transports.get(self.transport)
         dtype_from_name(self.dtype)
         if self.layers is not None:
@@ -433,14 +455,14 @@ def _method(
 ) -> Result | None:
     """One method's figures, or None where it does not apply to this transport or device."""
     refit_ = partial(_refit, workers, source, cfg, device, num_slots=2, name=m)
+    if m not in applicable(cfg.transport, device):
+        return None
     if m == "floor":
         return _floor(workers, source, cfg, device, nbytes)
     if m in LOCAL:
-        applies = cfg.transport in COLOCATED and (m == "foreach" or available(device))
-        return _local_copy(m, tensors, cfg, device, nbytes) if applies else None
+        return _local_copy(m, tensors, cfg, device, nbytes)
     if m in PROBES:
-        applies = m == "digest" or (available(device) and device.type == "cuda")
-        return _probe(m, tensors, cfg, device, nbytes) if applies else None
+        return _probe(m, tensors, cfg, device, nbytes)
     if m in ("refit", "serial"):
         return refit_(num_slots=2 if m == "refit" else 1, verify=None)
     if m == "checksum":
@@ -449,7 +471,7 @@ def _method(
         return refit_(verify="fingerprint")
     if m.startswith("zero_copy"):
         verify = "fingerprint" if m == "zero_copy_fingerprint" else None
-        return refit_(zero_copy=True, verify=verify) if cfg.transport == "cuda-ipc" else None
+        return refit_(zero_copy=True, verify=verify)
     return _per_tensor(workers, source, spec_list, cfg, device, meta=m == "per_tensor_meta")
 
 
