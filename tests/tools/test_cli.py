@@ -493,3 +493,55 @@ def test_a_directory_for_an_output_gets_an_example_of_its_own_kind(
     _one_line_error(
         _in_process(capsys, "bench", "--quick", option, str(tmp_path)), "is a directory", f"e.g. {tmp_path}/{example}"
     )
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import refit.tools.cli as cli
+
+    def interrupted(*_a: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_plan", interrupted)
+    result = _in_process(capsys, "plan", "--preset", "tiny")
+    assert (result.returncode, result.stdout, result.stderr) == (130, "", "interrupted\n")
+
+
+def _blocking_child(tmp_path, disposition: int) -> subprocess.Popen:
+    """A child started as the tools start theirs, ready once it printed 'ready'; it reads stdin to its end."""
+    import signal
+
+    from refit.tools.children import module_command
+
+    (tmp_path / "blocker.py").write_text("import sys\nprint('ready', flush=True)\nsys.stdin.read()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), SRC])}
+    proc = subprocess.Popen(
+        module_command("blocker"),
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, disposition),  # as a terminal (or nohup) leaves it
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def test_a_child_ends_at_once_and_silently_on_ctrl_c(tmp_path) -> None:
+    import signal
+
+    proc = _blocking_child(tmp_path, signal.SIG_DFL)
+    proc.send_signal(signal.SIGINT)
+    proc.wait()  # no timeout: stdin stays open, so only the signal can end it
+    assert proc.returncode == -signal.SIGINT
+    assert proc.stderr is not None and proc.stderr.read() == ""  # no KeyboardInterrupt traceback
+    proc.stdin.close()
+
+
+def test_a_child_keeps_ignoring_sigint_where_its_parent_does(tmp_path) -> None:
+    import signal
+
+    proc = _blocking_child(tmp_path, signal.SIG_IGN)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate()  # closing stdin ends it, once the signal was ignored
+    assert (proc.returncode, err) == (0, "")

@@ -639,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
         log.debug("refit failed", exc_info=True)
         console_for(stderr=True).print(f"[red]refit failed:[/] {escape(str(e))}", highlight=False)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the children got the same SIGINT and end silently (refit.tools.children)
+        console_for(stderr=True).print("interrupted", highlight=False)
         return 130
 
 

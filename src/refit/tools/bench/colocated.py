@@ -33,6 +33,7 @@ import refit
 from refit.dtypes import dtype_from_name, dtype_name
 from refit.tools.bench.presets import PRESETS, from_config, specs
 from refit.tools.bench.worker import MARK
+from refit.tools.children import module_command
 
 RANK_MARK = "@@colocated "
 METHODS = ("floor", "per_rank", "per_rank_schedule", "rank0_led", "m_to_n")
@@ -261,7 +262,7 @@ def _run(cfg: ColocatedConfig) -> dict:
         port = s.getsockname()[1]
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-m", "refit.tools.bench.colocated", json.dumps(asdict(cfg))],
+            module_command("refit.tools.bench.colocated", json.dumps(asdict(cfg))),
             text=True,
             stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
             env=_env(RANK=str(r), WORLD_SIZE=str(cfg.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
@@ -271,7 +272,7 @@ def _run(cfg: ColocatedConfig) -> dict:
     payload = [[s.name, list(s.shape), dtype_name(s.dtype)] for s in spec_list]
     workers = [
         subprocess.Popen(
-            [sys.executable, "-m", "refit.tools.bench.worker"],
+            module_command("refit.tools.bench.worker"),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

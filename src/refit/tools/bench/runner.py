@@ -7,7 +7,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -28,6 +27,7 @@ from refit.sources.module import ModuleSource
 from refit.tools.bench.memory import MemoryProbe
 from refit.tools.bench.presets import PRESETS, Shape, from_config, specs
 from refit.tools.bench.worker import MARK
+from refit.tools.children import module_command
 from refit.topology.sender import Sender
 
 METHODS = (
@@ -159,7 +159,7 @@ class Workers:
         payload = [[s.name, list(s.shape), dtype_name(s.dtype)] for s in spec_list]
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "refit.tools.bench.worker"],
+                module_command("refit.tools.bench.worker"),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,

@@ -22,6 +22,7 @@ from refit.errors import RefitError
 from refit.log import configure, get_logger
 from refit.settings import Settings
 from refit.sources.module import ModuleSource
+from refit.tools.children import module_command
 from refit.tools.console import console_on, progress, progress_console
 from refit.tools.demo.engine import MARK
 from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
@@ -123,7 +124,7 @@ class EngineProcess:
         pkg_root = os.path.dirname(os.path.dirname(refit.__file__))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "refit.tools.demo.engine", json.dumps(args)],
+            module_command("refit.tools.demo.engine", json.dumps(args)),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
