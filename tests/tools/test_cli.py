@@ -545,3 +545,46 @@ def test_a_child_keeps_ignoring_sigint_where_its_parent_does(tmp_path) -> None:
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate()  # closing stdin ends it, once the signal was ignored
     assert (proc.returncode, err) == (0, "")
+
+
+QWEN2_05B = {
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 24,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+BAD_CONFIGS = [
+    ({k: v for k, v in QWEN2_05B.items() if k != "num_attention_heads"}, "config.json lacks num_attention_heads"),
+    ({}, "config.json lacks hidden_size"),
+    ([QWEN2_05B], "config.json holds a JSON list, not a transformers config"),
+    ({**QWEN2_05B, "num_attention_heads": "fourteen"}, "num_attention_heads must be an integer >= 1, got 'fourteen'"),
+    ({**QWEN2_05B, "num_attention_heads": 0}, "num_attention_heads must be an integer >= 1, got 0"),
+    ({**QWEN2_05B, "kv_lora_rank": 512}, "config.json lacks qk_rope_head_dim"),
+]
+
+
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("doc,fragment", BAD_CONFIGS, ids=[f[1] for f in BAD_CONFIGS])
+def test_a_malformed_config_names_the_missing_or_wrong_field(
+    command: str, doc: object, fragment: str, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    import refit.tools.bench.runner
+
+    monkeypatch.setattr(refit.tools.bench.runner, "run_bench", _no_work)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    result = _in_process(capsys, command, "--config", str(path))
+    _one_line_error(result, fragment)
+    assert "'num_attention_heads'" not in result.stderr and "list indices" not in result.stderr
+
+
+def test_a_well_formed_config_still_gives_its_preset(tmp_path) -> None:
+    from refit.tools.bench.presets import PRESETS, from_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN2_05B))
+    assert from_config(str(path)) == PRESETS["qwen2-0.5b"]

@@ -174,8 +174,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 
     presets = ["tiny", "moe-small"] if args.quick else args.preset.split(",")
     receivers = _ints(args.receivers, "--receivers")
-    if args.config:
-        config_file(args.config)
+    if args.config:  # read before the bench starts: a malformed one names its field now, not mid-run
+        from refit.tools.bench.presets import from_config
+
+        from_config(config_file(args.config))
     if args.transport and transports.unavailable(args.transport):
         raise ValueError(transports.unavailable(args.transport))
     reports = []
