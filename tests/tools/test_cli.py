@@ -588,3 +588,37 @@ def test_a_well_formed_config_still_gives_its_preset(tmp_path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(QWEN2_05B))
     assert from_config(str(path)) == PRESETS["qwen2-0.5b"]
+
+
+LISTS = [
+    (["doctor", "--transport", "carrier-pigeon"], "choose one of shm, gloo, cuda-ipc, nccl"),
+    (["bench", "--preset", "nope"], "unknown preset 'nope'; choose one of tiny, "),
+    (["plan", "--preset", "nope"], "unknown preset 'nope'; choose one of tiny, "),
+    (["bench", "--dtype", "nope"], "unknown wire dtype 'nope'; supported: bfloat16, "),
+    (["bench", "--methods", "nope"], "choose from floor, foreach, "),
+]
+
+
+@pytest.mark.parametrize("argv,fragment", LISTS, ids=[" ".join(a[0]) for a in LISTS])
+def test_an_error_lists_its_choices_comma_separated(
+    argv: list[str], fragment: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import refit.tools.bench.runner
+
+    monkeypatch.setattr(refit.tools.bench.runner, "run_bench", _no_work)
+    result = _in_process(capsys, *argv)
+    _one_line_error(result, fragment)
+    assert not any(c in result.stderr for c in ("[", "]", "('")), result.stderr  # not a Python list or tuple
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "plan", "doctor"])
+def test_every_subcommand_has_a_description(command: str) -> None:
+    sub = _subparsers(build_parser())[command]
+    assert sub.description and sub.description.split()[0] in sub.format_help(), command
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the shm transport uses memfds where they exist")
+def test_doctor_says_the_shm_transport_shares_memfds() -> None:
+    from refit.tools.doctor import USE
+
+    assert "share buffers in memfds" in USE["shm"] and "/dev/shm" not in USE["shm"]

@@ -317,7 +317,7 @@ def _doctor(args: argparse.Namespace, console: Console) -> int:
     asked = [t.strip() for t in (args.transport or ",".join(known)).split(",") if t.strip()]
     for name in asked:
         if name not in known:
-            raise ValueError(f"unknown transport {name!r}; choose one of {known}")
+            raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(known)}")
     with progress_console(quiet=args.verbosity < 0).status(
         "checking this machine (the CUDA IPC probe starts a second process)"
     ):
@@ -485,6 +485,8 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
         parents=[common],
         formatter_class=_Help,
         help="measure the floor, refit and baselines on one link, side by side",
+        description="Measure refits of synthetic weights (a preset's shapes or a config.json's) on one link "
+        "against the floor, one flat copy of the same bytes, and against baselines (serial, per-tensor).",
     )
     bench.add_argument(
         "--preset", help=f"comma-separated: {', '.join(PRESETS)} (default: {BENCH_PRESET}; not with --quick)"
@@ -536,6 +538,8 @@ def _plan_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
         parents=[common],
         formatter_class=_Help,
         help="show the manifest and predicted memory for a model before a run",
+        description="Plan a model's refit without moving any weights: its buckets, manifest digest and "
+        "the memory each side will allocate, from a preset's shapes or a config.json.",
         epilog=f"presets: {', '.join(PRESETS)}",
     )
     planp.add_argument("--preset", default="qwen2-7b", help=f"synthetic shapes of a known model: {', '.join(PRESETS)}")

@@ -57,11 +57,12 @@ class ColocatedConfig:
 
     def __post_init__(self) -> None:
         if not self.config and self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)} or pass --config")
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}, or pass --config")
         if self.ranks < 1 or self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"ranks ({self.ranks}) and repeats ({self.repeats}) must be >= 1, warmup >= 0")
-        if set(self.methods) - set(METHODS):
-            raise ValueError(f"unknown methods {sorted(set(self.methods) - set(METHODS))}; choose from {METHODS}")
+        unknown = sorted(set(self.methods) - set(METHODS))
+        if unknown:
+            raise ValueError(f"unknown methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
         if not self.device:
             self.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= self.ranks else "cpu"
         if self.device == "cuda" and torch.cuda.device_count() < self.ranks:

@@ -103,7 +103,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if not self.config and self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)} or pass --config")
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}, or pass --config")
         if self.receivers < 1 or self.repeats < 1 or self.warmup < 0:
             raise ValueError("receivers and repeats must be >= 1 and warmup >= 0")
         unknown = set(self.methods) - set(METHODS)
