@@ -36,7 +36,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return NAMES[dtype]
     except KeyError:
-        raise ValueError(f"dtype {dtype} cannot go on the wire; supported: {sorted(DTYPES)}") from None
+        raise ValueError(f"dtype {dtype} cannot go on the wire; supported: {', '.join(sorted(DTYPES))}") from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -44,7 +44,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown wire dtype {name!r}; supported: {sorted(DTYPES)}") from None
+        raise ValueError(f"unknown wire dtype {name!r}; supported: {', '.join(sorted(DTYPES))}") from None
 
 
 def lossless(wire: torch.dtype, held: torch.dtype) -> bool:

@@ -48,6 +48,22 @@ def _bucket_bytes() -> int | None:
         raise ValueError(f"REFIT_BUCKET_BYTES must be an integer, got {raw!r}") from None
 
 
+def check_bucket_bytes(value: int | None) -> None:
+    """A bucket holds at least one aligned slot: a smaller capacity fails only once the engine joins,
+    so it is refused where it is given."""
+    from refit.layout.planner import DEFAULT_ALIGNMENT
+
+    if value is None:
+        return
+    if value <= 0:
+        raise ValueError(f"bucket_bytes ({value}) must be > 0 (Settings.bucket_bytes or REFIT_BUCKET_BYTES)")
+    if value < DEFAULT_ALIGNMENT:
+        raise ValueError(
+            f"bucket_bytes ({value}) is below the alignment of {DEFAULT_ALIGNMENT} bytes; give at least "
+            f"{DEFAULT_ALIGNMENT} (Settings.bucket_bytes or REFIT_BUCKET_BYTES)"
+        )
+
+
 def cpu_kernel_enabled() -> bool:
     """False when REFIT_CPU_KERNEL=0: the fused copy-and-digest runs in PyTorch, never compiling its C kernel."""
     return os.environ.get("REFIT_CPU_KERNEL", "1") != "0"
@@ -79,8 +95,7 @@ class Settings:
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio ({self.ratio}) must be in (0, 1]")
-        if self.bucket_bytes is not None and self.bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes ({self.bucket_bytes}) must be > 0")
+        check_bucket_bytes(self.bucket_bytes)
         if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError(
                 f"timeout_s ({self.timeout_s}) and connect_timeout_s ({self.connect_timeout_s}) must be > 0"

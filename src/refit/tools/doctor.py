@@ -179,7 +179,8 @@ def check_memory(device: torch.device, settings: Settings) -> Check:
 
 
 def check_shm(settings: Settings) -> Check:
-    """/dev/shm holds the shm transport's buffers and cuda-ipc's staging fallback; NCCL uses it within a host."""
+    """/dev/shm holds cuda-ipc's staging fallback, and the shm transport's buffers only where memfd is missing
+    (refit.transports.shm); NCCL uses it within a host."""
     if not os.path.isdir("/dev/shm"):
         return Check(name="/dev/shm", status=FAIL, detail="no /dev/shm", fix="mount a tmpfs on /dev/shm, or use gloo")
     st = os.statvfs("/dev/shm")
@@ -193,7 +194,7 @@ def check_shm(settings: Settings) -> Check:
     except OSError as e:
         return Check(name="/dev/shm", status=FAIL, detail=f"cannot create a segment: {e}", fix="make /dev/shm writable")
     _, need = _budget(torch.device("cpu"), settings)
-    detail = f"{total / GiB:.1f} GiB, {free / GiB:.1f} GiB free; the shm buffers at the budget: {need / MiB:.0f} MiB"
+    detail = f"{total / GiB:.1f} GiB, {free / GiB:.1f} GiB free; buffers at the budget: {need / MiB:.0f} MiB"
     grow = "start the container with --shm-size=16g (or --ipc=host)"
     if need > free:
         return Check(name="/dev/shm", status=FAIL, detail=detail, fix=f"{grow}, or lower REFIT_BUCKET_BYTES")
@@ -527,7 +528,8 @@ def _registered_verdict(report: Report, transport: str) -> Verdict:
 
 
 USE = {
-    "shm": "colocated CPU: trainer and engine on this host share buffers in /dev/shm",
+    "shm": "colocated CPU: trainer and engine on this host share buffers in memfds (anonymous shared memory)"
+    + ("" if hasattr(os, "memfd_create") else "; here, without memfd, files in /dev/shm"),
     "gloo": "CPU, any placement: a gloo broadcast over TCP, across hosts too",
     "cuda-ipc": "colocated GPU: the engine reads the trainer's device buffers through CUDA IPC handles",
     "nccl": "disaggregated GPU: an NCCL broadcast to engine GPUs on this or other hosts",

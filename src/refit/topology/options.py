@@ -43,7 +43,7 @@ class SenderOptions:
         if self.num_slots < 1:
             raise ValueError(f"num_slots ({self.num_slots}) must be >= 1 (2 overlaps packing with transfer)")
         if self.verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
+            raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_MODES))}, got {self.verify!r}")
         if self.min_receivers < 0:
             raise ValueError(f"min_receivers ({self.min_receivers}) must be >= 0")
         if not self.elastic and self.min_receivers > self.num_receivers:

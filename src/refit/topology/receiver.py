@@ -33,7 +33,7 @@ from refit.protocol.wire import (
     PeerFailed,
     parse_json,
 )
-from refit.settings import Settings
+from refit.settings import Settings, check_bucket_bytes
 from refit.topology.digest_plan import engine_regions
 from refit.topology.receive_path import ReceivePath
 from refit.topology.stats import RefitStats
@@ -67,6 +67,7 @@ class Receiver:
         `on_commit(version)` is called each time the live engine commits a version (staged: in `apply_staged`)."""
         self.engine = engine
         self.settings = settings or Settings()
+        check_bucket_bytes(self.settings.bucket_bytes)  # Settings is mutable: checked again before any socket
         self.rendezvous = rendezvous
         name = rendezvous.get("transport")
         if not isinstance(name, str):

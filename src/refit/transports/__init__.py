@@ -85,7 +85,7 @@ def get(name: str) -> type[Transport]:
         if name not in _REGISTRY:
             _load_entry_points()
         if name not in _REGISTRY:
-            raise ValueError(f"unknown transport {name!r}; choose one of {names()}")
+            raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(names())}")
         target = _REGISTRY[name]
         if isinstance(target, str):
             log.debug("transport %r is %s", name, target)

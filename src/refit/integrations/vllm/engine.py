@@ -82,7 +82,7 @@ class VllmOptions:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if isinstance(self.ignore, str) or not all(isinstance(p, str) and p for p in self.ignore):
             raise ValueError(f"ignore must be a list of tensor names or patterns, not {self.ignore!r}")
         self.ignore = tuple(self.ignore)

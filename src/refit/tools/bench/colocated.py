@@ -33,6 +33,7 @@ import refit
 from refit.dtypes import dtype_from_name, dtype_name
 from refit.tools.bench.presets import PRESETS, from_config, specs
 from refit.tools.bench.worker import MARK
+from refit.tools.children import module_command
 
 RANK_MARK = "@@colocated "
 METHODS = ("floor", "per_rank", "per_rank_schedule", "rank0_led", "m_to_n")
@@ -56,11 +57,12 @@ class ColocatedConfig:
 
     def __post_init__(self) -> None:
         if not self.config and self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)} or pass --config")
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}, or pass --config")
         if self.ranks < 1 or self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"ranks ({self.ranks}) and repeats ({self.repeats}) must be >= 1, warmup >= 0")
-        if set(self.methods) - set(METHODS):
-            raise ValueError(f"unknown methods {sorted(set(self.methods) - set(METHODS))}; choose from {METHODS}")
+        unknown = sorted(set(self.methods) - set(METHODS))
+        if unknown:
+            raise ValueError(f"unknown methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
         if not self.device:
             self.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= self.ranks else "cpu"
         if self.device == "cuda" and torch.cuda.device_count() < self.ranks:
@@ -261,7 +263,7 @@ def _run(cfg: ColocatedConfig) -> dict:
         port = s.getsockname()[1]
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-m", "refit.tools.bench.colocated", json.dumps(asdict(cfg))],
+            module_command("refit.tools.bench.colocated", json.dumps(asdict(cfg))),
             text=True,
             stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
             env=_env(RANK=str(r), WORLD_SIZE=str(cfg.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
@@ -271,7 +273,7 @@ def _run(cfg: ColocatedConfig) -> dict:
     payload = [[s.name, list(s.shape), dtype_name(s.dtype)] for s in spec_list]
     workers = [
         subprocess.Popen(
-            [sys.executable, "-m", "refit.tools.bench.worker"],
+            module_command("refit.tools.bench.worker"),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

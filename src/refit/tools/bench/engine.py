@@ -23,6 +23,8 @@ import tempfile
 import time
 from typing import Any
 
+from refit.tools.children import module_command
+
 MARK = "@@engine "
 METHODS = ("module", "plan", "load_weights", "plan_checkpoint_layout")
 LABELS = {
@@ -69,7 +71,7 @@ def _module(model_dir: str, source: Any, transport: str, bucket_bytes: int, repe
 
     sender = Sender(source, transport=transport, settings=Settings(bucket_bytes=bucket_bytes), verify=None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "refit.tools.bench.engine", model_dir, json.dumps(sender.rendezvous())],
+        module_command("refit.tools.bench.engine", model_dir, json.dumps(sender.rendezvous())),
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -187,54 +187,70 @@ def _mlp(p: str, shape: Shape, dtype: torch.dtype, *, moe: bool) -> list[TensorS
     return out
 
 
+class _Fields:
+    """A config.json's fields, each read as the type it must have; a missing or wrong one is a ValueError
+    naming it (not a KeyError of its name alone)."""
+
+    def __init__(self, path: str) -> None:
+        with open(path) as f:
+            self.c = json.load(f)
+        self.path = path
+        if not isinstance(self.c, dict):
+            raise ValueError(f"{path} holds a JSON {type(self.c).__name__}, not a transformers config (an object)")
+
+    def size(self, name: str, default: int | None = None, *, least: int = 0) -> int:
+        """Field `name` (a missing or null one: `default`, or an error when there is none) as an int >= `least`."""
+        value = self.c.get(name)
+        if value is None:
+            if default is None:
+                raise ValueError(f"{self.path} lacks {name}; a decoder-only LM config names it")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < least:
+            raise ValueError(f"{self.path}: {name} must be an integer >= {least}, got {value!r}")
+        return int(value)
+
+    def first(self, *names: str) -> int:
+        """The first of `names` that is set (0: none)."""
+        return next((self.size(n) for n in names if self.c.get(n)), 0)
+
+
 def from_config(path: str) -> Shape:
     """The shape described by a transformers config.json (Llama/Qwen2/Mistral/Qwen-MoE/DeepSeek-V3 style)."""
-    with open(path) as f:
-        c = json.load(f)
-    try:
-        hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
-        experts = int(c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts") or 0)
-        mla = {}
-        if c.get("kv_lora_rank"):
-            block = (c.get("quantization_config") or {}).get("weight_block_size") or [0]
-            mla = dict(
-                q_lora_rank=int(c.get("q_lora_rank") or 0),
-                kv_lora_rank=int(c["kv_lora_rank"]),
-                rope_head_dim=int(c["qk_rope_head_dim"]),
-                v_head_dim=int(c["v_head_dim"]),
-                head_dim=int(c["qk_nope_head_dim"]),
-                dense_layers=int(c.get("first_k_dense_replace") or 0),
-                shared_experts=int(c.get("n_shared_experts") or 0),
-                router_bias=c.get("topk_method") == "noaux_tc",
-                fp8_block=int(block[0]),
-            )
-        return (
-            Shape(
-                layers=int(c["num_hidden_layers"]),
-                hidden=hidden,
-                ffn=int(c.get("intermediate_size", 0)),
-                vocab=int(c["vocab_size"]),
-                heads=heads,
-                kv_heads=int(c.get("num_key_value_heads", heads)),
-                head_dim=int(c.get("head_dim") or hidden // heads),
-                qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
-                tied=bool(c.get("tie_word_embeddings", False)),
-                experts=experts,
-                expert_ffn=int(c.get("moe_intermediate_size") or c.get("intermediate_size", 0)) if experts else 0,
-            )
-            if not mla
-            else Shape(
-                layers=int(c["num_hidden_layers"]),
-                hidden=hidden,
-                ffn=int(c.get("intermediate_size", 0)),
-                vocab=int(c["vocab_size"]),
-                heads=heads,
-                kv_heads=heads,
-                experts=experts,
-                expert_ffn=int(c.get("moe_intermediate_size") or 0),
-                tied=bool(c.get("tie_word_embeddings", False)),
-                **mla,
-            )
+    f = _Fields(path)
+    c = f.c
+    hidden, heads = f.size("hidden_size", least=1), f.size("num_attention_heads", least=1)
+    experts = f.first("num_experts", "n_routed_experts", "num_local_experts")
+    common = dict(
+        layers=f.size("num_hidden_layers", least=1),
+        hidden=hidden,
+        ffn=f.size("intermediate_size", 0),
+        vocab=f.size("vocab_size", least=1),
+        heads=heads,
+        experts=experts,
+        tied=bool(c.get("tie_word_embeddings", False)),
+    )
+    if not c.get("kv_lora_rank"):
+        return Shape(
+            **common,
+            kv_heads=f.size("num_key_value_heads", heads, least=1),
+            head_dim=f.size("head_dim", 0) or hidden // heads,
+            qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
+            expert_ffn=(f.size("moe_intermediate_size", 0) or f.size("intermediate_size", 0)) if experts else 0,
         )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path} is not a decoder-only LM config refit understands: {e}") from None
+    block = (c.get("quantization_config") or {}).get("weight_block_size") or [0]
+    if not isinstance(block, list) or not block or not isinstance(block[0], int):
+        raise ValueError(f"{path}: quantization_config.weight_block_size must be a list of integers, got {block!r}")
+    return Shape(
+        **common,
+        kv_heads=heads,
+        expert_ffn=f.size("moe_intermediate_size", 0),
+        q_lora_rank=f.size("q_lora_rank", 0),
+        kv_lora_rank=f.size("kv_lora_rank", least=1),
+        rope_head_dim=f.size("qk_rope_head_dim"),
+        v_head_dim=f.size("v_head_dim", least=1),
+        head_dim=f.size("qk_nope_head_dim"),
+        dense_layers=f.size("first_k_dense_replace", 0),
+        shared_experts=f.size("n_shared_experts", 0),
+        router_bias=c.get("topk_method") == "noaux_tc",
+        fp8_block=block[0],
+    )

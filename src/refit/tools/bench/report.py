@@ -139,14 +139,18 @@ def write_json(reports: list[dict], path: str) -> None:
 
 
 def plot(reports: list[dict], path: str) -> None:
-    """Time vs model size and vs receivers, each with the floor line (needs matplotlib: refit[plot])."""
+    """Time vs model size and vs receivers, each with the floor line (needs matplotlib; the CLI checks for it before
+    the bench runs)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'refit[plot]'") from None
+        raise ValueError(
+            "--plot needs matplotlib, which is not installed; pip install matplotlib "
+            "(or pip install -e '.[plot]' from the refit checkout)"
+        ) from None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "nbytes", "model size (GB)"), (axes[1], "receivers", "receivers")):
         fixed = reports[0]["config"]["receivers"] if key == "nbytes" else reports[-1]["nbytes"]

@@ -7,7 +7,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -28,6 +27,7 @@ from refit.sources.module import ModuleSource
 from refit.tools.bench.memory import MemoryProbe
 from refit.tools.bench.presets import PRESETS, Shape, from_config, specs
 from refit.tools.bench.worker import MARK
+from refit.tools.children import module_command
 from refit.topology.sender import Sender
 
 METHODS = (
@@ -60,6 +60,29 @@ explicitly, so a figure means the same whatever the library's default."""
 COLOCATED = {"shm", "cuda-ipc"}
 
 
+def default_transport(name: str = "") -> str:
+    """`name`, or the bench's default: cuda-ipc with CUDA, shm without."""
+    return name or ("cuda-ipc" if torch.cuda.is_available() else "shm")
+
+
+def applicable(transport: str, device: torch.device | None = None) -> tuple[str, ...]:
+    """The methods that measure something over `transport` with the sender's tensors on `device` (default:
+    cuda:0 for a CUDA transport, else the CPU), in METHODS order."""
+    if device is None:
+        device = torch.device("cuda:0" if transports.get(transport).device_type == "cuda" else "cpu")
+
+    def applies(m: str) -> bool:
+        if m in LOCAL:
+            return transport in COLOCATED and (m == "foreach" or available(device))
+        if m == "copy_digest":
+            return available(device) and device.type == "cuda"
+        if m.startswith("zero_copy"):
+            return transport == "cuda-ipc"
+        return True
+
+    return tuple(m for m in METHODS if applies(m))
+
+
 @dataclass(kw_only=True, slots=True)
 class BenchConfig:
     preset: str = "tiny"
@@ -80,14 +103,13 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if not self.config and self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)} or pass --config")
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}, or pass --config")
         if self.receivers < 1 or self.repeats < 1 or self.warmup < 0:
             raise ValueError("receivers and repeats must be >= 1 and warmup >= 0")
         unknown = set(self.methods) - set(METHODS)
         if unknown:
-            raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
-        if not self.transport:
-            self.transport = "cuda-ipc" if torch.cuda.is_available() else "shm"
+            raise ValueError(f"unknown methods {', '.join(sorted(unknown))}; choose from {', '.join(METHODS)}")
+        self.transport = default_transport(self.transport)
         transports.get(self.transport)
         dtype_from_name(self.dtype)
         if self.layers is not None:
@@ -137,7 +159,7 @@ class Workers:
         payload = [[s.name, list(s.shape), dtype_name(s.dtype)] for s in spec_list]
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "refit.tools.bench.worker"],
+                module_command("refit.tools.bench.worker"),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -435,14 +457,14 @@ def _method(
 ) -> Result | None:
     """One method's figures, or None where it does not apply to this transport or device."""
     refit_ = partial(_refit, workers, source, cfg, device, num_slots=2, name=m)
+    if m not in applicable(cfg.transport, device):
+        return None
     if m == "floor":
         return _floor(workers, source, cfg, device, nbytes)
     if m in LOCAL:
-        applies = cfg.transport in COLOCATED and (m == "foreach" or available(device))
-        return _local_copy(m, tensors, cfg, device, nbytes) if applies else None
+        return _local_copy(m, tensors, cfg, device, nbytes)
     if m in PROBES:
-        applies = m == "digest" or (available(device) and device.type == "cuda")
-        return _probe(m, tensors, cfg, device, nbytes) if applies else None
+        return _probe(m, tensors, cfg, device, nbytes)
     if m in ("refit", "serial"):
         return refit_(num_slots=2 if m == "refit" else 1, verify=None)
     if m == "checksum":
@@ -451,7 +473,7 @@ def _method(
         return refit_(verify="fingerprint")
     if m.startswith("zero_copy"):
         verify = "fingerprint" if m == "zero_copy_fingerprint" else None
-        return refit_(zero_copy=True, verify=verify) if cfg.transport == "cuda-ipc" else None
+        return refit_(zero_copy=True, verify=verify)
     return _per_tensor(workers, source, spec_list, cfg, device, meta=m == "per_tensor_meta")
 
 

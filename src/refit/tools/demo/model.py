@@ -98,6 +98,13 @@ def model_config(*, layers: int = 8, hidden: int = 512, ffn: int = 1536, dtype: 
     )
 
 
+def param_count(*, layers: int, hidden: int, ffn: int) -> int:
+    """Parameters of the llama `model_config(layers, hidden, ffn)`, without building it (no transformers)."""
+    kv = max(1, hidden // 256) * 64  # k and v: KV heads of head_dim 64
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
+    return layers * per_layer + 2 * VOCAB_SIZE * hidden + hidden  # untied embedding and lm_head, final norm
+
+
 def build_model(config, *, seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The causal LM for `config`, with random weights drawn from `seed`."""
     from transformers import AutoModelForCausalLM

@@ -22,6 +22,7 @@ from refit.errors import RefitError
 from refit.log import configure, get_logger
 from refit.settings import Settings
 from refit.sources.module import ModuleSource
+from refit.tools.children import module_command
 from refit.tools.console import console_on, progress, progress_console
 from refit.tools.demo.engine import MARK
 from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
@@ -77,6 +78,11 @@ class DemoConfig:
             raise ValueError(
                 f"trainer must be 'plain', 'fsdp' or 'megatron' with ranks >= 1, got {self.trainer!r}, {self.ranks}"
             )
+        if self.layers < 1 or self.hidden < 64 or self.hidden % 64 or (self.hidden // 64) % max(1, self.hidden // 256):
+            raise ValueError(
+                f"layers ({self.layers}) must be >= 1 and hidden ({self.hidden}) a multiple of 64 whose "
+                "head count (hidden/64) divides by its KV heads (hidden/256), e.g. 128, 256, 512, 1024"
+            )
         if self.tp < 1 or self.pp < 1 or self.pp > self.layers:
             raise ValueError(f"tp ({self.tp}) and pp ({self.pp}) must be >= 1, pp at most the layers ({self.layers})")
         kv_heads = max(1, self.hidden // 256)
@@ -90,11 +96,6 @@ class DemoConfig:
         if self.engine_tp < 1 or (self.engine_tp > 1 and self.engine != "vllm"):
             raise ValueError(
                 f"--engine-tp ({self.engine_tp}) is vLLM's tensor-parallel size: use it with --engine vllm"
-            )
-        if self.layers < 1 or self.hidden < 64 or self.hidden % 64 or (self.hidden // 64) % max(1, self.hidden // 256):
-            raise ValueError(
-                f"layers ({self.layers}) must be >= 1 and hidden ({self.hidden}) a multiple of 64 whose "
-                "head count (hidden/64) divides by its KV heads (hidden/256), e.g. 128, 256, 512, 1024"
             )
 
     @property
@@ -123,7 +124,7 @@ class EngineProcess:
         pkg_root = os.path.dirname(os.path.dirname(refit.__file__))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "refit.tools.demo.engine", json.dumps(args)],
+            module_command("refit.tools.demo.engine", json.dumps(args)),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

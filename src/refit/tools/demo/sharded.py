@@ -20,6 +20,7 @@ import torch.distributed as dist
 import refit
 from refit.settings import Settings
 from refit.sources.fsdp import FsdpSource, full_tensor
+from refit.tools.children import module_command
 from refit.tools.demo.run import KEEP_FP32, DemoConfig, demo_model, run, train_step
 from refit.topology.mesh import MeshRefit
 from refit.topology.stats import RefitStats
@@ -127,9 +128,7 @@ def launch(cfg: DemoConfig) -> bool:
         }
         out = None if rank == 0 else subprocess.DEVNULL
         procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "refit.tools.demo.sharded", json.dumps(asdict(cfg))], env=env, stdout=out
-            )
+            subprocess.Popen(module_command("refit.tools.demo.sharded", json.dumps(asdict(cfg))), env=env, stdout=out)
         )
     return [p.wait() for p in procs] == [0] * world
 
