@@ -38,6 +38,10 @@ def _float(name: str, default: float) -> float:
     return value
 
 
+DEFAULT_ALIGNMENT = 256
+"""Bytes every tensor's place in a bucket is aligned to (refit.layout.planner plans with it)."""
+
+
 def _bucket_bytes() -> int | None:
     raw = os.environ.get("REFIT_BUCKET_BYTES")
     if raw is None:
@@ -51,8 +55,6 @@ def _bucket_bytes() -> int | None:
 def check_bucket_bytes(value: int | None) -> None:
     """A bucket holds at least one aligned slot: a smaller capacity fails only once the engine joins,
     so it is refused where it is given."""
-    from refit.layout.planner import DEFAULT_ALIGNMENT
-
     if value is None:
         return
     if value <= 0:
