@@ -10,6 +10,8 @@ DEFAULT_RATIO = 0.2
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_CONNECT_TIMEOUT_S = 600.0
 DEFAULT_HOST = "127.0.0.1"
+DEFAULT_ALIGNMENT = 256
+"""Every tensor starts at a multiple of it in a bucket (refit.layout.planner): the smallest bucket capacity."""
 
 
 def _ratio() -> float:
@@ -38,10 +40,6 @@ def _float(name: str, default: float) -> float:
     return value
 
 
-DEFAULT_ALIGNMENT = 256
-"""Bytes every tensor's place in a bucket is aligned to (refit.layout.planner plans with it)."""
-
-
 def _bucket_bytes() -> int | None:
     raw = os.environ.get("REFIT_BUCKET_BYTES")
     if raw is None:
@@ -53,7 +51,7 @@ def _bucket_bytes() -> int | None:
 
 
 def check_bucket_bytes(value: int | None) -> None:
-    """A bucket holds at least one aligned slot: a smaller capacity fails only once the engine joins,
+    """A bucket holds at least one aligned slot: a smaller capacity would fail only once the engine joins,
     so it is refused where it is given."""
     if value is None:
         return

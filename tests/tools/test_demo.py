@@ -80,3 +80,29 @@ def test_progress_is_off_when_stderr_is_not_a_terminal_or_quiet(monkeypatch: pyt
     monkeypatch.setattr("sys.stderr", tty)
     assert not progress_console().quiet and progress_console(quiet=True).quiet
     assert progress_console().file is tty
+
+
+@pytest.mark.slow
+def test_an_engine_that_dies_before_it_joins_is_reported_at_once_with_its_own_error() -> None:
+    import torch
+
+    from refit import ModuleSource, Sender
+    from refit.errors import RefitError
+    from refit.settings import Settings
+    from refit.tools.demo.run import EngineProcess
+
+    # The engine's own settings fail when its session starts (bucket_bytes below the alignment): it dies
+    # before it joins. Without the watcher the trainer would wait out the 600 s connect timeout.
+    engine = EngineProcess({"model": {"layers": 1, "hidden": 128, "ffn": 384}, "bucket_bytes": 1, "timeout_s": 30})
+    sender = Sender(ModuleSource(torch.nn.Linear(4, 4)), transport="shm", settings=Settings(timeout_s=30))
+    try:
+        engine.attach(sender, {"rendezvous": sender.rendezvous(), "prompts": [[1, 2]]})
+        with pytest.raises(RefitError) as failed:
+            engine.refit(1)
+    finally:
+        sender.close()
+        engine.close()
+    message = str(failed.value)
+    assert message.startswith("engine process exited with code 1 before it connected: "), message
+    assert "bucket_bytes (1) is below the alignment of 256 bytes" in message
+    assert "within 600s" not in message and "token" not in message

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from refit.dtypes import dtype_name
 from refit.layout.manifest import Manifest, Placement, gc_paused
 from refit.layout.spec import TensorSpec
-from refit.settings import DEFAULT_ALIGNMENT
+from refit.settings import DEFAULT_ALIGNMENT  # defined there: Settings refuses a smaller bucket
 
 
 def align_up(n: int, alignment: int) -> int:

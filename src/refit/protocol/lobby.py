@@ -85,6 +85,8 @@ class Lobby:
         self._thread: threading.Thread | None = None
         self._starved = False
         """accept() last failed for lack of descriptors or memory (warned once until an accept succeeds)."""
+        self._cancelled = ""
+        """Why `cancel` ended a waiting `admit` ('' while it was not)."""
 
     def address(self) -> tuple[str, int]:
         host, port = self._listener.getsockname()[:2]
@@ -97,6 +99,8 @@ class Lobby:
         if len(admitted) < count:
             for a in admitted:
                 a.sock.close()
+            if self._cancelled:
+                raise PeerError(self._cancelled)
             refused = (
                 f"; {self.refused} other connection(s) were refused (wrong token or malformed)" if self.refused else ""
             )
@@ -106,6 +110,12 @@ class Lobby:
                 f"check each was given {host}:{port} and the token"
             )
         return admitted
+
+    def cancel(self, reason: str) -> None:
+        """From another thread: a waiting `admit` stops within its 0.2 s wake and raises PeerError(reason)
+        (a receiver that will never come, e.g. its process died); the lobby admits no one after."""
+        self._cancelled = reason
+        self._stopping.set()
 
     def refuse_late(self, num_receivers: int) -> None:
         """From now on answer every connection at once with ERROR, in a background thread, until `close`."""

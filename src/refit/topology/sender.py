@@ -143,6 +143,18 @@ class Sender:
         self.connect()
         return self.membership.await_receivers(count, timeout_s)
 
+    @property
+    def connected(self) -> bool:
+        """Whether `connect` admitted every receiver and set up the transport."""
+        return self._connected
+
+    def cancel_connect(self, reason: str) -> None:
+        """From another thread: a `connect` waiting for its receivers raises PeerError(reason) at once
+        rather than at the connect timeout (one of them will never come: its process died). The Sender is
+        then broken, as after any failed connect; nothing happens once connected."""
+        if not self._connected:
+            self._session.lobby.cancel(reason)
+
     def connect(self) -> None:
         """Accept every receiver, agree on the bucket capacity, and set up the transport. A connect that
         fails leaves nothing half-built: its channels and transport are closed, and this Sender refuses

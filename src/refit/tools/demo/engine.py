@@ -30,7 +30,17 @@ def emit(obj: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    args = json.loads(argv[1])
+    """Serve sessions; an error that ends this process is reported as an 'exit' event first, so that the
+    trainer names it (its own one line) instead of waiting for a receiver that will never connect."""
+    try:
+        return _serve(json.loads(argv[1]))
+    except Exception as e:  # noqa: BLE001 - reported to the trainer, which ends the demo with it
+        log.debug("engine process failed", exc_info=True)
+        emit({"event": "exit", "message": f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)})
+        return 1
+
+
+def _serve(args: dict) -> int:
     configure(args.get("verbosity", 0))
     if "rendezvous" in args:
         return _session(args, _model(args))

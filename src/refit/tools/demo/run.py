@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -120,6 +121,7 @@ class EngineProcess:
 
     def __init__(self, args: dict) -> None:
         self.sender: Sender | None = None
+        self._watcher: threading.Thread | None = None
         env = dict(os.environ)
         pkg_root = os.path.dirname(os.path.dirname(refit.__file__))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
@@ -136,11 +138,27 @@ class EngineProcess:
         through `sender`."""
         assert self.proc.stdin is not None
         self.sender = sender
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="refit-demo-engine-watch", daemon=True)
+            self._watcher.start()
         try:
             self.proc.stdin.write(json.dumps(args) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             raise RefitError(f"engine process exited with code {self.proc.wait()} before it connected") from None
+
+    def _watch(self) -> None:
+        """An engine that dies before it joins will never connect: end the sender's wait for it now."""
+        code = self.proc.wait()
+        sender = self.sender
+        if sender is not None:
+            sender.cancel_connect(f"engine process exited with code {code} before it connected")
+
+    def _exit_message(self) -> str:
+        """What the exited engine said last (its 'exit' event), read once it is gone; '' when nothing."""
+        assert self.proc.stdout is not None
+        said = [json.loads(line[len(MARK) :]) for line in self.proc.stdout if line.startswith(MARK)]
+        return next((e.get("message", "") for e in reversed(said) if e.get("event") == "exit"), "")
 
     def end_session(self) -> None:
         """Close this session's Sender; the engine process waits for the next `attach`."""
@@ -150,7 +168,16 @@ class EngineProcess:
 
     def refit(self, version: int) -> RefitStats:
         assert self.sender is not None
-        return self.sender.refit(version)
+        try:
+            return self.sender.refit(version)
+        except RefitError:
+            if self.sender.connected or self.proc.poll() is None:
+                raise
+            said = self._exit_message()
+            raise RefitError(
+                f"engine process exited with code {self.proc.returncode} before it connected"
+                + (f": {said}" if said else "")
+            ) from None
 
     def report(self, weights: dict[str, torch.Tensor]) -> dict:
         assert self.proc.stdout is not None
