@@ -179,12 +179,13 @@ class Peer:
     """Starts `SCRIPT` (peer.py; a subclass names its own) as a child process and reads its reports."""
 
     SCRIPT = __file__
+    WARM = True
+    """Started from the warm-start server (tests/helpers/warm.py); False: a fresh interpreter."""
 
     def __init__(self, args: dict) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
-        self.proc = warm.popen(
-            [sys.executable, self.SCRIPT, json.dumps(args)], stdout=subprocess.PIPE, text=True, env=env
-        )
+        start = warm.popen if self.WARM else subprocess.Popen
+        self.proc = start([sys.executable, self.SCRIPT, json.dumps(args)], stdout=subprocess.PIPE, text=True, env=env)
 
     def report(self) -> dict:
         assert self.proc.stdout is not None
