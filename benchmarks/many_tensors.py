@@ -2,7 +2,10 @@
 (verify="fingerprint"), against a one-process `_foreach_copy_` of the same tensors, and the first refit's
 handshake. Sender here, receiver (ModuleEngine) in a child process; medians of 7 refits after the first.
 
-Run: python benchmarks/many_tensors.py [N ...]     (default 1000 10000 100000)
+Run: python benchmarks/many_tensors.py [--defaults] [N ...]     (default 1000 10000 100000)
+
+--defaults runs both sides as a user would: the library's own thread count and bucket size (without it, both
+processes are pinned to one thread and 64 MiB buckets).
 """
 
 from __future__ import annotations
@@ -25,10 +28,17 @@ def _tensors(n: int) -> dict[str, torch.Tensor]:
     return {f"layers.{i:06d}.w": torch.full((NUMEL,), float(i)) for i in range(n)}
 
 
-def _receiver(rendezvous: dict, n: int) -> None:
+def _settings(defaults: bool) -> Settings:
+    if defaults:
+        return Settings()
     torch.set_num_threads(1)
+    return Settings(bucket_bytes=64 << 20)
+
+
+def _receiver(rendezvous: dict, n: int, defaults: bool) -> None:
+    settings = _settings(defaults)
     engine = ModuleEngine(_tensors(n))
-    with Receiver(engine, rendezvous, settings=Settings(bucket_bytes=64 << 20)) as receiver:
+    with Receiver(engine, rendezvous, settings=settings) as receiver:
         receiver.serve()
 
 
@@ -42,12 +52,12 @@ def _foreach_floor(n: int) -> float:
     return statistics.median(times)
 
 
-def measure(n: int, verify: str | None) -> dict:
-    torch.set_num_threads(1)
+def measure(n: int, verify: str | None, defaults: bool) -> dict:
+    settings = _settings(defaults)
     tensors = _tensors(n)
-    settings = Settings(bucket_bytes=64 << 20)
     sender = Sender(ModuleSource(tensors), transport="shm", settings=settings, verify=verify)
-    child = subprocess.Popen([sys.executable, __file__, "--receiver", json.dumps(sender.rendezvous()), str(n)])
+    cmd = [sys.executable, __file__, "--receiver", json.dumps(sender.rendezvous()), str(n)]
+    child = subprocess.Popen(cmd + (["--defaults"] if defaults else []))
     sender.connect()
     first = sender.refit(0)
     times = []
@@ -69,17 +79,19 @@ def measure(n: int, verify: str | None) -> dict:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--receiver"]:
-        _receiver(json.loads(sys.argv[2]), int(sys.argv[3]))
+    defaults = "--defaults" in sys.argv
+    argv = [a for a in sys.argv[1:] if a != "--defaults"]
+    if argv[:1] == ["--receiver"]:
+        _receiver(json.loads(argv[1]), int(argv[2]), defaults)
         return
-    counts = [int(a) for a in sys.argv[1:]] or [1000, 10000, 100000]
+    counts = [int(a) for a in argv] or [1000, 10000, 100000]
     print(
         "| tensors | one-process _foreach_copy_ ms | unverified refit ms | ratio | verified refit ms | ratio "
         "| verified / unverified | first refit s (unverified) | of which handshake s |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in counts:
-        r, v = measure(n, None), measure(n, "fingerprint")
+        r, v = measure(n, None, defaults), measure(n, "fingerprint", defaults)
         print(
             f"| {n} | {r['foreach_ms']:.1f} | {r['refit_ms']:.1f} | {r['ratio']:.1f}x | {v['refit_ms']:.1f} "
             f"| {v['refit_ms'] / r['foreach_ms']:.1f}x | {v['refit_ms'] / r['refit_ms']:.2f}x "

@@ -25,14 +25,11 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def warm_starts(request: pytest.FixtureRequest) -> Iterator[None]:
-    """One warm-start server for the fast tier (tests/helpers/warm.py): helper scripts fork from a process that
-    imported torch once. The full suite starts every helper as a fresh interpreter: with warm starts one of its
-    elastic gloo tests (a receiver dying mid-refit, the group formed again) failed in a clean-clone CI run, after
-    a per-rank test of the same file, for a reason not found yet. REFIT_TEST_WARM=1 or 0 forces it on or off."""
-    forced = os.environ.get("REFIT_TEST_WARM")
-    fast = "not slow" in (request.config.option.markexpr or "")
-    if forced == "0" or (forced != "1" and not fast):
+def warm_starts() -> Iterator[None]:
+    """One warm-start server for the session (tests/helpers/warm.py): helper scripts fork from a process that
+    imported torch once. REFIT_TEST_WARM=0 turns it off (every helper a fresh interpreter); tests marked
+    `fresh_start` start theirs fresh in any case (see tests/protocol/test_elastic.py for why)."""
+    if os.environ.get("REFIT_TEST_WARM") == "0":
         os.environ.pop("REFIT_TEST_WARM", None)
         yield
         return
@@ -54,3 +51,17 @@ def warm_starts(request: pytest.FixtureRequest) -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.unlink(path)
             os.rmdir(tmp)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_start(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked `fresh_start` starts its processes as fresh interpreters, even with a warm-start server."""
+    path = os.environ.get("REFIT_TEST_WARM")
+    if path is None or request.node.get_closest_marker("fresh_start") is None:
+        yield
+        return
+    os.environ.pop("REFIT_TEST_WARM")
+    try:
+        yield
+    finally:
+        os.environ["REFIT_TEST_WARM"] = path

@@ -120,7 +120,7 @@ def main() -> int:
     settings = Settings(bucket_bytes=args["bucket_bytes"], timeout_s=args.get("timeout_s", 120.0))
     sender = driver = None
     if ranked:
-        sender = Sender(
+        driver = RankedRefit(
             source,
             transport=args["transport"],
             settings=settings,
@@ -128,7 +128,7 @@ def main() -> int:
             verify=args.get("verify"),
             elastic=args.get("elastic", False),
         )
-        driver = RankedRefit(sender)
+        sender = driver.sender
         infos = driver.rendezvous()
         if rank == 0:
             print("@@rank0 " + json.dumps(infos), flush=True)

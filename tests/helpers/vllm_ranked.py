@@ -22,7 +22,7 @@ def main() -> int:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from refit import Sender, Settings
+    from refit import Settings
     from refit.sources.fsdp import FsdpSource, full_tensor
     from refit.tools.demo.model import greedy
     from refit.topology.ranked import RankedRefit
@@ -37,7 +37,7 @@ def main() -> int:
         fully_shard(layer, mesh=mesh)
     fully_shard(trainer, mesh=mesh)
     source = FsdpSource(trainer)
-    ranked = RankedRefit(Sender(source, transport="shm", settings=Settings(bucket_bytes=1 << 20, timeout_s=600.0)))
+    ranked = RankedRefit(source, transport="shm", settings=Settings(bucket_bytes=1 << 20, timeout_s=600.0))
     infos = ranked.rendezvous()
     result = {}
     if rank == 0:

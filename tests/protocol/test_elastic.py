@@ -21,6 +21,10 @@ from sessions import FailingSource, live_fingerprints
 
 from refit import ModuleSource, PeerError, Sender, Settings
 
+# Fresh interpreters for this file's peers: forked warm, the gloo survivor of a receiver dying mid-refit once
+# never joined the re-formed group (clean-clone CI, after this file's per-rank test); the cause is not found yet.
+pytestmark = pytest.mark.fresh_start
+
 SPECS = [[f"w{i}", [32, 32], "float32"] for i in range(6)]  # 4 KiB each: one tensor per bucket
 TIMEOUT_S = 60.0
 

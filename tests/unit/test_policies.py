@@ -11,10 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 from threaded import Peer
 
 from refit import Commit, ModuleEngine, ModuleSource, RefitError, Sender, SenderOptions, Settings, State
 from refit.topology.elastic import Elastic, Fixed
+from refit.topology.ranked import RankedRefit, pick
 from refit.topology.receiver import Receiver
 from refit.topology.stats import RefitStats
 
@@ -104,3 +106,43 @@ def test_a_vote_decides_the_commit_on_every_receiver(verdict: str) -> None:
                 assert (w.state, w.version) == (State.CURRENT, version) and _holds(peer, trainer)
                 assert commits == list(range(1, version + 1))
         assert asked == ["", ""]  # this rank's own outcome, each refit: its receiver committed
+
+
+@contextlib.contextmanager
+def _world_of_one() -> Iterator[None]:
+    """A real gloo group of one rank, in this process (RankedRefit's collectives run over it)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_ranked_refit_builds_its_sender_with_the_vote_across_ranks_as_its_commit_policy() -> None:
+    g = torch.Generator().manual_seed(7)
+    trainer = {"w": torch.randn(8, 16, generator=g), "b": torch.randn(40, generator=g)}
+    source = ModuleSource(trainer)
+    assert not hasattr(Sender, "vote_with")  # no policy is changed on a Sender after its construction
+    with _world_of_one():
+        with Sender(source) as built, pytest.raises(ValueError, match=r"pass the source and the Sender's options"):
+            RankedRefit(built)
+        ranked = RankedRefit(source, settings=Settings(bucket_bytes=4096, timeout_s=60.0), verify="strict")
+        try:
+            commit = ranked.sender.commit
+            assert commit.strict and commit.vote == ranked._vote and commit.two_phase
+            engine = ModuleEngine({n: torch.zeros_like(t) for n, t in trainer.items()})
+            peer = Peer(Receiver(engine, pick(ranked.rendezvous(), torch.device("cpu"), index=0)))
+            peer.ask("connect")
+            try:
+                for version in (1, 2):
+                    with torch.no_grad():
+                        trainer["w"].mul_(2)
+                    peer.ask("receive")
+                    assert isinstance(ranked.refit(version), RefitStats) and isinstance(peer.outcome(), RefitStats)
+                    assert (engine.weights.state, engine.weights.version) == (State.CURRENT, version)
+                    assert _holds(peer, trainer)
+            finally:
+                ranked.close()
+                peer.stop()
+        finally:
+            ranked.close()

@@ -3,8 +3,7 @@ worker on its own device; a version commits only when every worker committed.
 
 Trainer side, on every rank (each call is collective over the trainer's group):
 
-    sender = Sender(FsdpSource(model) or ModuleSource(model), transport="cuda-ipc")
-    ranked = RankedRefit(sender)
+    ranked = RankedRefit(FsdpSource(model) or ModuleSource(model), transport="cuda-ipc")
     infos = ranked.rendezvous()     # every rank's rendezvous in rank order, each naming its GPU's UUID
     ranked.refit(version)
 
@@ -24,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,13 @@ from refit.errors import PeerError, RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.planner import plan
 from refit.log import get_logger
+from refit.settings import Settings
+from refit.sources.base import Source
 from refit.sources.fsdp import FsdpSource
 from refit.topology.collective import Collective
+from refit.topology.options import SenderOptions
+from refit.topology.policies import Commit
+from refit.topology.sender import Sender
 from refit.topology.stats import RefitStats
 from refit.transports import device as devices
 
@@ -82,8 +87,23 @@ def pick(rendezvous: Sequence[dict] | dict, device: torch.device, *, index: int)
 class RankedRefit:
     """Drives one trainer rank's Sender in a per-rank refit; call every method on every rank."""
 
-    def __init__(self, sender, *, group: dist.ProcessGroup | None = None) -> None:
-        self.sender = sender
+    def __init__(
+        self,
+        source: Source,
+        options: SenderOptions | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        settings: Settings | None = None,
+        device: torch.device | None = None,
+        **overrides: Any,
+    ) -> None:
+        """This rank's Sender, built here with the vote across trainer ranks as its commit policy: `options`
+        (SenderOptions, or any of them as keyword arguments: transport, verify, elastic, ...) are its own."""
+        if isinstance(source, Sender):
+            raise ValueError(
+                "RankedRefit builds its rank's Sender itself (its commit is the vote across ranks): pass the source "
+                "and the Sender's options, e.g. RankedRefit(FsdpSource(model), transport='cuda-ipc')"
+            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -93,6 +113,9 @@ class RankedRefit:
             else torch.device("cpu")
         )
         self._collective = Collective(group)
+        o = SenderOptions.of(options, overrides)
+        commit = Commit(strict=o.verify == "strict", vote=self._vote)
+        self.sender = Sender(source, o, settings=settings, device=device, commit=commit)
         self._agreed = False
         self._voted = False
         self._infos: list[dict] | None = None
@@ -100,7 +123,6 @@ class RankedRefit:
         """Gather along the buckets, straight into the bucket buffers, when every rank has one layout."""
         self._cached: tuple = ((), None, 0)
         self.log = get_logger("sender", self.rank)
-        sender.vote_with(self._vote)
 
     @property
     def num_receivers(self) -> int:
@@ -109,10 +131,10 @@ class RankedRefit:
 
     @property
     def _elastic(self) -> bool:
-        return bool(getattr(self.sender, "elastic", False))
+        return self.sender.elastic
 
     @property
-    def settings(self):  # type: ignore[no-untyped-def]
+    def settings(self) -> Settings:
         return self.sender.settings
 
     def rendezvous(self) -> list[dict]:

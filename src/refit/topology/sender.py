@@ -32,7 +32,7 @@ from refit.topology.digest_plan import DigestPlan, parse_regions
 from refit.topology.elastic import Elastic, Fixed
 from refit.topology.held import Held
 from refit.topology.options import VERIFY_MODES, SenderOptions
-from refit.topology.policies import Commit, Vet, Vote
+from refit.topology.policies import Commit, Vet
 from refit.topology.pulse import HEARTBEAT_MAX_S, Pulse
 from refit.topology.round import Round
 from refit.topology.send_path import SendPath, each, share_sources
@@ -100,13 +100,6 @@ class Sender:
         self._begun = False
         self.statements: list[bytes] = []
         """What each receiver sent with READY: M:N shard statements (JSON; refit.topology.mesh), else empty."""
-
-    def vote_with(self, vote: Vote) -> None:
-        """A per-rank driver (refit.topology.ranked) that wraps this Sender decides its refits by `vote`: its
-        Commit policy becomes a vote across trainer ranks. Only before the first refit."""
-        if self._connected:
-            raise ValueError("vote_with() must come before this Sender's first refit (or connect)")
-        self.commit = Commit(strict=self.commit.strict, vote=vote)
 
     @property
     def channels(self) -> list[Channel]:

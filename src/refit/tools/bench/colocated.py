@@ -152,10 +152,9 @@ def _method(method: str, shards: dict[str, torch.Tensor], cfg: ColocatedConfig, 
     if method == "m_to_n":
         return _mesh(source, settings, transport, cfg, device)
     if method.startswith("per_rank"):
-        sender = Sender(
+        driver = RankedRefit(
             source, transport=transport, settings=settings, device=device, num_slots=cfg.num_slots, verify=None
         )
-        driver = RankedRefit(sender)
         driver.gather_into_buckets = method == "per_rank"
         _say({"event": "rendezvous", "method": method, "infos": driver.rendezvous()})
         seen: list = []
