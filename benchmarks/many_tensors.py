@@ -5,12 +5,18 @@ handshake. Sender here, receiver (ModuleEngine) in a child process; medians of 7
 Run: python benchmarks/many_tensors.py [--defaults] [N ...]     (default 1000 10000 100000)
 
 --defaults runs both sides as a user would: the library's own thread count and bucket size (without it, both
-processes are pinned to one thread and 64 MiB buckets).
+processes are pinned to one thread and 64 MiB buckets). With MANY_TENSORS_PROFILE=DIR each side's refits run
+under cProfile and the 25 costliest functions (cumulative) of each go to DIR/{sender,receiver}-{mode}.txt.
 """
 
 from __future__ import annotations
 
+import contextlib
+import cProfile
+import io
 import json
+import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -28,6 +34,24 @@ def _tensors(n: int) -> dict[str, torch.Tensor]:
     return {f"layers.{i:06d}.w": torch.full((NUMEL,), float(i)) for i in range(n)}
 
 
+@contextlib.contextmanager
+def _profiled(name: str):  # type: ignore[no-untyped-def]
+    out = os.environ.get("MANY_TENSORS_PROFILE")
+    if not out:
+        yield
+        return
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(25)
+        with open(os.path.join(out, f"{name}.txt"), "w") as f:
+            f.write(text.getvalue())
+
+
 def _settings(defaults: bool) -> Settings:
     if defaults:
         return Settings()
@@ -38,7 +62,7 @@ def _settings(defaults: bool) -> Settings:
 def _receiver(rendezvous: dict, n: int, defaults: bool) -> None:
     settings = _settings(defaults)
     engine = ModuleEngine(_tensors(n))
-    with Receiver(engine, rendezvous, settings=settings) as receiver:
+    with Receiver(engine, rendezvous, settings=settings) as receiver, _profiled(f"receiver-{os.getpid()}"):
         receiver.serve()
 
 
@@ -61,9 +85,10 @@ def measure(n: int, verify: str | None, defaults: bool) -> dict:
     sender.connect()
     first = sender.refit(0)
     times = []
-    for v in range(1, REPEATS + 1):
-        tensors["layers.000000.w"].add_(1)
-        times.append(sender.refit(v).seconds["total"])
+    with _profiled(f"sender-{verify}-{'defaults' if defaults else 'pinned'}"):
+        for v in range(1, REPEATS + 1):
+            tensors["layers.000000.w"].add_(1)
+            times.append(sender.refit(v).seconds["total"])
     sender.close()
     child.wait()
     floor = _foreach_floor(n)
