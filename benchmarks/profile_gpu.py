@@ -3,14 +3,21 @@ Receiver (ModuleEngine) in a child process over cuda-ipc, both under torch.profi
 (packed or zero-copy, verify=None or the fingerprint) it prints the median refit time, each side's stage
 seconds (RefitStats), and writes both sides' profiler tables (host time against kernel time) to OUT.
 
-Run: python benchmarks/profile_gpu.py OUT [--preset moe] [--layers N] [--repeats 7]
+Run: python benchmarks/profile_gpu.py OUT [--preset moe] [--layers N] [--repeats 7] [--cprofile]
+
+--cprofile profiles the Python of each side with cProfile instead (host time per function, cumulative), for the
+host work torch.profiler does not break down (no torch op runs there).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -44,7 +51,34 @@ def _profiler() -> profile:
     return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True)
 
 
-def _table(prof: profile) -> str:
+class _PythonProfile(contextlib.AbstractContextManager):
+    """cProfile as the profiler: `table()` lists the 30 costliest functions, cumulative, then 20 by own time."""
+
+    def __init__(self) -> None:
+        self._prof = cProfile.Profile()
+
+    def __enter__(self) -> _PythonProfile:
+        self._prof.enable()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._prof.disable()
+
+    def table(self) -> str:
+        text = io.StringIO()
+        stats = pstats.Stats(self._prof, stream=text)
+        stats.sort_stats("cumulative").print_stats(30)
+        stats.sort_stats("tottime").print_stats(20)
+        return text.getvalue()
+
+
+def _profiling(args: argparse.Namespace) -> profile | _PythonProfile:
+    return _PythonProfile() if args.cprofile else _profiler()
+
+
+def _table(prof: profile | _PythonProfile) -> str:
+    if isinstance(prof, _PythonProfile):
+        return prof.table()
     avg = prof.key_averages()
     by_stack = prof.key_averages(group_by_stack_n=6)
     return "\n".join(
@@ -62,7 +96,7 @@ def _receiver(rendezvous: dict, args: argparse.Namespace, mode: str) -> None:
     with Receiver(engine, rendezvous, settings=SETTINGS) as receiver:
         for _ in range(args.warmup):
             receiver.receive()
-        with _profiler() as prof:
+        with _profiling(args) as prof:
             for _ in range(args.repeats):
                 stats = receiver.receive()
                 assert stats is not None
@@ -85,6 +119,8 @@ def _sender(args: argparse.Namespace, mode: str) -> dict:
     cmd += ["--warmup", str(args.warmup), "--mode", mode, "--receiver", json.dumps(sender.rendezvous())]
     if args.layers is not None:
         cmd += ["--layers", str(args.layers)]
+    if args.cprofile:
+        cmd += ["--cprofile"]
     child = subprocess.Popen(cmd)
     sender.connect()
     version = 0
@@ -92,7 +128,7 @@ def _sender(args: argparse.Namespace, mode: str) -> dict:
         version += 1
         sender.refit(version)
     seconds = []
-    with _profiler() as prof:
+    with _profiling(args) as prof:
         for _ in range(args.repeats):
             version += 1
             with torch.no_grad():
@@ -114,6 +150,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--mode", default=",".join(MODES))
     p.add_argument("--receiver", default=None)
+    p.add_argument("--cprofile", action="store_true")
     args = p.parse_args()
     if args.receiver is not None:
         _receiver(json.loads(args.receiver), args, args.mode)
