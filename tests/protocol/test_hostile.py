@@ -94,6 +94,35 @@ def test_a_client_without_the_token_reads_nothing_secret_crashes_nothing_and_joi
     receiver.close()
 
 
+def test_a_peer_whose_handshake_was_under_way_when_the_last_receiver_was_admitted_still_gets_its_answer() -> None:
+    """A wrong-token peer that connected first, but sends its HELLO only once the sender has its receiver,
+    is answered 'wrong token' by the lobby's late serving: its handshake is kept from `admit` to it."""
+    sender = Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", settings=Settings(timeout_s=30))
+    address = (sender.rendezvous()["host"], sender.rendezvous()["port"])
+    with socket.create_connection(address, timeout=30) as early:  # queued before the real receiver connects
+        engine = ModuleEngine(make_tensors(SPECS, seed=2))
+        receiver = Receiver(engine, sender.rendezvous())
+        errors: list[BaseException] = []
+        joined = threading.Thread(target=lambda: _catch(receiver.connect, errors))
+        joined.start()
+        sender.connect()  # accepts `early` first (its handshake pending), admits the receiver, returns
+        joined.join()
+        assert not errors and receiver.rank == 1
+        _raw(early, Kind.HELLO, _hello().encode())
+        ch = Channel(early, peer="sender", timeout_s=30)
+        header, _ = ch.recv("auth")
+        assert header.kind == Kind.AUTH
+        _raw(early, Kind.AUTH, json.dumps({"proof": "00" * 32}).encode())
+        assert b"wrong token" in _all_bytes(early)
+    done = threading.Thread(target=receiver.receive)
+    done.start()
+    sender.refit(1)
+    done.join()
+    assert engine.weights.version == 1 and sender._session.lobby.refused == 1
+    sender.close()
+    receiver.close()
+
+
 def test_a_protocol_version_mismatch_fails_at_connect_naming_both_versions() -> None:
     sender = Sender(ModuleSource(make_tensors(SPECS, seed=1)), transport="shm", settings=Settings(timeout_s=30))
     address = (sender.rendezvous()["host"], sender.rendezvous()["port"])

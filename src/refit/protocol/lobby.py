@@ -87,6 +87,9 @@ class Lobby:
         """accept() last failed for lack of descriptors or memory (warned once until an accept succeeds)."""
         self._cancelled = ""
         """Why `cancel` ended a waiting `admit` ('' while it was not)."""
+        self._pending: dict[int, _Pending] = {}
+        """Handshakes under way, kept from `admit` to the serving that follows it (a peer that connected
+        while the last receiver was being admitted still gets its answer), closed at `close`."""
 
     def address(self) -> tuple[str, int]:
         host, port = self._listener.getsockname()[:2]
@@ -135,10 +138,12 @@ class Lobby:
 
     def _serve(self, on_arrival, deadline: float | None) -> None:  # type: ignore[no-untyped-def]
         """Accept and read HELLOs until `on_arrival` returns True, the deadline passes or the lobby closes."""
-        pending: dict[int, _Pending] = {}
+        pending = self._pending
         resting_until: float | None = None  # the listener rests after a starved accept(); handshakes go on
         with selectors.DefaultSelector() as sel:
             sel.register(self._listener, selectors.EVENT_READ)
+            for p in pending.values():
+                sel.register(p.sock, selectors.EVENT_READ)
             try:
                 while not self._stopping.is_set():
                     now = time.monotonic()
@@ -159,8 +164,8 @@ class Lobby:
                         elif (arrival := self._read(sel, pending, key.fd)) is not None and on_arrival(arrival):
                             return
             finally:
-                for p in pending.values():
-                    p.sock.close()
+                if self._stopping.is_set():
+                    self._close_pending()
 
     def _accept(self, sel: selectors.BaseSelector, pending: dict[int, _Pending]) -> bool:
         """Take one queued connection; False when this process has no descriptor or memory for it (the
@@ -265,7 +270,13 @@ class Lobby:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self._thread = None
+        self._close_pending()
         self._listener.close()
+
+    def _close_pending(self) -> None:
+        for p in self._pending.values():
+            p.sock.close()
+        self._pending.clear()
 
 
 def _shortage(e: OSError) -> str | None:
