@@ -138,3 +138,50 @@ def test_deepseek_v3_config_json_gives_the_preset_and_layers_are_checked(tmp_pat
     assert from_config(str(path)) == PRESETS["deepseek-v3"]
     with pytest.raises(ValueError, match="layers"):
         PRESETS["deepseek-v3"].truncated(62)
+
+
+def _report(**medians_ms: float) -> dict:
+    """A bench report as `run_bench` writes it, with these methods' medians (ms) and moe-small's size."""
+    results = {}
+    for method, ms in medians_ms.items():
+        copies = {"pack": ms / 3e3, "recv.load": ms / 3e3} if method in ("refit", "fingerprint") else {}
+        times = {"median_s": ms / 1e3, "min_s": ms / 1e3 * 0.9, "max_s": ms / 1e3 * 1.2}
+        results[method] = {**times, "gbps": 61e-3 / ms, "ratio_to_floor": None, "stages": copies, "floors": {}}
+    return {"tensors": 4779, "nbytes": 61_000_000, "device": "cpu", "cpu_kernel": True, "results": results}
+
+
+def test_a_verified_refit_faster_than_the_unverified_one_is_explained_under_the_table() -> None:
+    from refit.tools.bench.report import notes
+
+    [line] = notes(_report(refit=37.8, fingerprint=21.3))
+    assert line.startswith("refit + end-to-end fingerprint check beats refit (pipelined buckets) (21.3 ms vs 37.8 ms)")
+    assert "fused copy-and-digest C kernel" in line and "_foreach_copy_" in line and "4779 tensors of 13 KB" in line
+    elsewhere = {**_report(refit=37.8, fingerprint=21.3), "device": "NVIDIA H200", "cpu_kernel": False}
+    [line] = notes(elsewhere)  # no kernel to credit: the figures differ by their spread, and the line says so
+    assert "run-to-run variation" in line and "min-max 19.2 ms-25.6 ms vs 34.0 ms-45.4 ms" in line
+    assert notes(_report(refit=21.3, fingerprint=37.8)) == []  # as expected: nothing to explain
+
+
+def test_a_probe_slower_than_the_whole_verified_refit_is_explained_under_the_table(capsys) -> None:
+    from refit.tools.bench.report import show
+    from refit.tools.console import console_for
+
+    show(
+        [{**_report(refit=50.0, fingerprint=60.0, digest=80.0), "config": _CONFIG, "dtypes": ["bfloat16"]}],
+        console_for(),
+    )
+    out = capsys.readouterr().out
+    [line] = [x for x in out.splitlines() if x.startswith("probe:")]
+    assert "takes longer than refit + end-to-end fingerprint check (80.0 ms vs 60.0 ms)" in line
+    assert "inside the copies it makes anyway" in line
+    assert "x unverified" in out and "beats" not in out  # the table above it; the verified refit is slower here
+
+
+_CONFIG = {
+    "preset": "moe-small",
+    "config": None,
+    "layers": None,
+    "dtype": "bfloat16",
+    "transport": "shm",
+    "receivers": 1,
+}

@@ -19,9 +19,58 @@ def test_demo_verifies_every_refit_including_a_dtype_change(capsys: pytest.Captu
     assert code == 0, out
     assert "all refits verified" in out and out.count("✓") == 6
     assert "2*" in out  # the dtype change started epoch 2
-    assert "The stages overlap" in out and "n/a" not in out  # the legend; a real load column
+    assert "add up to total" in out and "n/a" not in out  # the legend; real engine columns
     rows = [line for line in out.splitlines() if line.startswith("│")]
     assert len(rows) == 3 and all(row.count("✓") == 2 for row in rows)  # captured output: one line per refit
+
+
+STAGES = ("handshake", "pack", "send", "wait", "verify", "commit", "other")
+"""The trainer's columns that add up to the total, 'other' being what the named stages leave."""
+
+
+@pytest.mark.slow
+def test_demo_table_shows_every_trainer_stage_and_they_add_up_to_the_total(tmp_path, capsys) -> None:
+    out_json = tmp_path / "demo.json"
+    code = main(
+        ["demo", "--transport", "shm", "--steps", "2", "--dtype-change-at", "-1", "--json", str(out_json), *SMALL]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    [header] = [line for line in lines if line.startswith("┃")]
+    names = [c.strip() for c in header.strip("┃").split("┃")]
+    assert {*STAGES, "total", "engine load", "engine verify"} <= set(names)  # commit shown, the engine's apart
+    rows = [[c.strip() for c in line.strip("│").split("│")] for line in lines if line.startswith("│")]
+    assert len(rows) == 2
+    for row in rows:
+        shown = [float(row[names.index(k)]) for k in STAGES]
+        assert float(row[names.index("commit")]) > 0
+        assert abs(sum(shown) - float(row[names.index("total")])) <= 0.05 * (len(shown) + 1) + 1e-9  # rounding only
+    assert "add up to total" in out and "commit (from COMMIT sent until the engine's DONE" in out
+    [result] = json.loads(out_json.read_text())
+    for r in result["refits"]:
+        seconds = r["seconds"]
+        assert sum(seconds[k] for k in STAGES) == pytest.approx(seconds["total"], abs=1e-9)
+        assert seconds["commit"] > 0 and seconds["other"] >= 0
+        # the engine's fingerprint check runs inside the trainer's verify and commit, so it cannot be longer
+        assert r["engine_seconds"]["verify"] <= seconds["verify"] + seconds["commit"]
+
+
+def test_a_refit_known_only_by_its_total_shows_no_stage_and_no_remainder() -> None:
+    """M:N (MeshRefit) reports the total of pairs that ran side by side: no stage to add up, so none is made up."""
+    from rich.console import Console
+
+    from refit.tools.demo.run import Row, _row, _table
+    from refit.topology.stats import RefitStats
+
+    stats = RefitStats(version=1, epoch=1, seconds={"total": 0.25})
+    row = _row(stats, Row({"stats": {"seconds": {"load": 0.01}}}, True, True), loss=1.0)
+    assert row["seconds"] == {"total": 0.25} and row["engine_seconds"] == {"load": 0.01}
+    console = Console(width=400, record=True)
+    console.print(_table("shm", [row]))
+    [line] = [x for x in console.export_text().splitlines() if x.startswith("│")]
+    cells = [c.strip() for c in line.strip("│").split("│")]
+    assert cells[5:12] == ["n/a"] * 7 and cells[12] == "250.0" and cells[14:16] == ["10.0", "n/a"]
 
 
 @pytest.mark.slow
@@ -33,7 +82,7 @@ def test_demo_json_carries_every_refit_with_the_engines_load_time(capsys: pytest
     assert result["transport"] == "gloo" and result["ok"] and "all refits verified" in captured.err
     assert [(r["version"], r["epoch"], r["handshake"]) for r in result["refits"]] == [(1, 1, True), (2, 2, True)]
     for r in result["refits"]:
-        assert r["params_ok"] and r["generate_ok"] and r["seconds"]["load"] > 0 and r["seconds"]["total"] > 0
+        assert r["params_ok"] and r["generate_ok"] and r["engine_seconds"]["load"] > 0 and r["seconds"]["total"] > 0
 
 
 @pytest.mark.slow

@@ -258,23 +258,17 @@ def generate():
 
 FSDP = """
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from refit.sources.fsdp import full_tensor
 
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-model = build_model(CONFIG, seed=0)
-mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-for layer in model.model.layers:
-    fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model = build_model(CONFIG, seed=0)  # the example shards it, then trains it
+_opt = []
 
 def train_step():
+    if not _opt:  # built on the parameters as the example sharded them
+        _opt.append(torch.optim.AdamW(model.parameters(), lr=1e-2))
     model(IDS, labels=IDS).loss.backward()
-    opt.step()
-    opt.zero_grad()
+    _opt[0].step()
+    _opt[0].zero_grad()
 """
 
 FSDP_END = """
@@ -282,8 +276,6 @@ with torch.no_grad():
     live = {n: full_tensor(t) for n, t in model.state_dict(keep_vars=True).items()}
 if rank == 0:
     print("LIVE " + json.dumps(fingerprints(live.items(), WIRE)), flush=True)
-dist.barrier()
-dist.destroy_process_group()
 """
 
 
@@ -360,8 +352,11 @@ def _run_use(block: Block, tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 def _run_fsdp(block: Block, tmp_path) -> None:  # type: ignore[no-untyped-def]
     code = _fill(block.code)
+    end = "dist.destroy_process_group()"
+    assert code.rstrip().endswith(end), "the FSDP2 example ends by destroying its process group"
+    code = code.rstrip().removesuffix(end) + FSDP_END + "dist.barrier()\n" + end + "\n"
     _, engine = _use_halves(_use_example(block.path))
-    t = _script(tmp_path, "fsdp_trainer.py", PRELUDE, FSDP, code, FSDP_END, KEEP_ALIVE)
+    t = _script(tmp_path, "fsdp_trainer.py", PRELUDE, FSDP, code, KEEP_ALIVE)
     e = _script(tmp_path, "engine.py", PRELUDE, ENGINE, engine, 'report("HELD", hf_model)')
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

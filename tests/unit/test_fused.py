@@ -66,6 +66,19 @@ def test_a_replayed_plan_digests_the_sources_current_values() -> None:
     assert second[0] != first[0] and second[5] != first[5] and torch.equal(second[1:5], first[1:5])
 
 
+def test_digests_without_a_copy_read_each_tensor_where_it_lies_and_follow_its_values() -> None:
+    assert fused.kernel_built(), "the CPU kernel did not build on this machine (see the WARNING)"
+    _, srcs = _pairs()  # contiguous, among them an unaligned view, a partial word and an empty tensor
+    run = fused.prepared_digests(srcs)
+    assert run is not None
+    got = run()
+    assert [v & MASK for v in got.tolist()] == [_reference_value(s) for s in srcs]
+    srcs[2][7] += 1  # a replay reads the current values, no copy kept
+    again = run()
+    assert torch.equal(again, digests(srcs)) and again[2] != got[2] and torch.equal(again[3:], got[3:])
+    assert fused.prepared_digests([torch.empty(7, 5).t()]) is None  # strided: `digests` takes it
+
+
 def test_the_fallback_forced_by_the_environment_gives_the_same_digests(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("REFIT_CPU_KERNEL", "0")
     fused._kernel.cache_clear()

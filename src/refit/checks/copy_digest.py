@@ -19,7 +19,7 @@ import functools
 import hashlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -304,6 +304,28 @@ def copy_digest(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> t
                 f"{d.dtype} one of {d.numel()}; cast the source first"
             )
     return FusedCopy(dsts, srcs).run().cpu()
+
+
+def prepared_digests(tensors: Sequence[torch.Tensor]) -> Callable[[], torch.Tensor] | None:
+    """`digests(tensors)` by the CPU kernel without a copy, planned once: each tensor read where it lies, the
+    fingerprint's kernel alone. Valid while the tensors keep their storage and layout. None where the kernel
+    is not built or a tensor is not a readable CPU tensor (contiguous, no lazy view): call `digests`."""
+    lib = _kernel()
+    if lib is None or not tensors or not all(map(_readable, tensors)):
+        return None
+    keep = list(tensors)
+    # rows (address, 0, bytes): a target address of 0 tells the kernel to digest without copying
+    table = torch.tensor([(t.data_ptr(), 0, t.nbytes) for t in keep], dtype=torch.int64).t().contiguous()
+    threads = torch.get_num_threads() if sum(t.nbytes for t in keep) >= PARALLEL_BYTES else 1
+
+    def run() -> torch.Tensor:
+        assert keep  # the tensors stay alive with the table of their addresses
+        got = torch.empty(len(keep), dtype=torch.int64)
+        src, dst, nbytes = (row.data_ptr() for row in table)
+        lib.refit_copy_digest(len(keep), src, dst, nbytes, got.data_ptr(), threads)
+        return got
+
+    return run
 
 
 def kernel_built() -> bool:

@@ -37,7 +37,12 @@ class RefitStats:
     """Partial staged refit (receiver): wire bytes of the tensors staging could not hold, received straight into
     the live engine during the pause (0: the pause covered only the final copy)."""
     seconds: dict[str, float] = field(default_factory=dict)
-    """Time per stage: sender pack/send/wait/commit, receiver recv/verify/load/commit; 'total' is wall time."""
+    """Seconds per stage; 'total' is the refit's wall time. Sender: handshake, pack, send, wait, verify (its
+    digests sent), commit (COMMIT sent until every DONE: the receivers' fingerprint check and engine commit),
+    one after another in its thread, so they add up to 'total' less bookkeeping (and a vote across trainer
+    ranks, after commit, where there is one); 'connect' (waiting for receivers, first refit) came before
+    'total' began. Receiver: recv, load, verify (checksums and the fingerprint check), commit; its loads
+    overlap the sender's stages. M:N (MeshRefit): 'total' only."""
 
     def add(self, stage: str, dt: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + dt

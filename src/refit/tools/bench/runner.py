@@ -16,6 +16,7 @@ import torch
 
 import refit
 from refit import transports
+from refit.checks.copy_digest import kernel_built, prepared_digests
 from refit.checks.tensor_digest import digests, prepared
 from refit.dtypes import dtype_from_name, dtype_name
 from refit.layout.copy_kernel import BatchedCopy, available
@@ -26,6 +27,7 @@ from refit.settings import Settings
 from refit.sources.module import ModuleSource
 from refit.tools.bench.memory import MemoryProbe
 from refit.tools.bench.presets import PRESETS, Shape, from_config, specs
+from refit.tools.bench.report import VERIFIED
 from refit.tools.bench.worker import MARK
 from refit.tools.children import module_command
 from refit.topology.sender import Sender
@@ -53,10 +55,8 @@ LOCAL = {"foreach", "kernel"}
 """Copies of the tensors inside the sender's process: measured for colocated transports only."""
 PROBES = {"digest", "copy_digest"}
 """The fingerprint's kernels alone, in the sender's process, each against a flat copy and a flat read of the
-model's bytes on the same device (copy_digest: with the fused CUDA kernel only)."""
-VERIFIED = {"fingerprint": "refit", "zero_copy_fingerprint": "zero_copy"}
-"""Each verified method and its unverified twin: the report gives their ratio. Every method passes `verify`
-explicitly, so a figure means the same whatever the library's default."""
+model's bytes on the same device (copy_digest: with the fused CUDA kernel only). Not stages of a verified
+refit: it takes its digests inside the copies it makes anyway."""
 COLOCATED = {"shm", "cuda-ipc"}
 
 
@@ -308,13 +308,18 @@ def _local_copy(
 def _probe(
     method: str, tensors: dict[str, torch.Tensor], cfg: BenchConfig, device: torch.device, nbytes: int
 ) -> Result:
-    """`digest`: the digest of every tensor, as the sender takes it (host work included: planned once per epoch
-    where `prepared` takes the tensors, as zero-copy's does); `copy_digest`: the fused copy and digest into fresh
-    tensors as an engine's load takes it (checked: bytes and digests). Each beside a flat copy and a flat read
-    (a sum of the bytes as int64 words) of as many bytes, on the same device."""
+    """`digest`: the fingerprint's digest kernel alone over every tensor, planned once per epoch (host work
+    included): on CUDA as zero-copy's sender takes it (`prepared`), on CPU the fused kernel without its copy
+    (the kernel a verified refit's copies run; `digests`' PyTorch path only where it did not build), checked
+    against `digests`; `copy_digest`: the fused copy and digest into fresh tensors as an engine's load takes it
+    (checked: bytes and digests). Each beside a flat copy and a flat read (a sum of the bytes as int64 words)
+    of as many bytes, on the same device."""
     src = list(tensors.values())
     if method == "digest":
-        times = _timed(prepared(src) or partial(digests, src), device, cfg)
+        run = prepared(src) or prepared_digests(src) or partial(digests, src)
+        times = _timed(run, device, cfg)
+        if not torch.equal(run().cpu(), digests(src).cpu()):
+            raise RuntimeError("the digest kernel alone gave other digests than `digests`")
     else:
         from refit.checks.copy_digest_cuda import copy_digest_cuda
         from refit.checks.copy_digest_cuda import prepared as prepared_copy
@@ -521,5 +526,6 @@ def run_bench(cfg: BenchConfig, on_method: Callable[[str], None] | None = None) 
         "dtypes": sorted({dtype_name(s.dtype) for s in spec_list}),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        "cpu_kernel": device.type == "cpu" and kernel_built(),  # the notes under the table explain figures by it
         "results": summaries,
     }

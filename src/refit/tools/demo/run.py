@@ -489,6 +489,12 @@ def _loop(
 def _show(cfg: DemoConfig, console: Console, rows: list[dict], mem: dict, ok: bool) -> None:
     console.print(_table(cfg.transport, rows))
     console.print(LEGEND)
+    for r in rows:
+        if r.get("connect_seconds", 0.0) >= 5e-5:
+            console.print(
+                f"version {r['version']} first waited {r['connect_seconds'] * 1e3:.1f} ms for the engine to connect "
+                "(up to REFIT_CONNECT_TIMEOUT), before its total began"
+            )
     if cfg.engine == "vllm" and cfg.verbosity > 0:
         console.print(ROTARY_NOTE)
     console.print(
@@ -498,10 +504,26 @@ def _show(cfg: DemoConfig, console: Console, rows: list[dict], mem: dict, ok: bo
     console.print("[green]all refits verified[/]" if ok else "[red]verification FAILED[/]")
 
 
-LEGEND = (
-    "times in ms. The stages overlap (bucket i+1 is packed while bucket i is sent and loaded), so pack + send "
-    "+ wait + load exceed total. load: the engine's own time. epoch*: a handshake began a new epoch. "
-    "params: every engine tensor bitwise what was sent; gen: the engine's greedy output equals the trainer's."
+TRAINER_STAGES = ("handshake", "pack", "send", "wait", "verify", "commit")
+"""The Sender's stages (RefitStats.seconds), timed one after another in its thread: with 'other' they add up to
+'total'."""
+ENGINE_STAGES = ("load", "verify")
+"""The engine's own stages shown beside them (the Receiver's RefitStats.seconds, in the engine's process)."""
+LEGEND = "\n".join(
+    (
+        "times in ms. The trainer's stages run one after another and add up to total: handshake (at a new epoch the "
+        "manifest out and the engine's report back, else the check that no shape or dtype changed), pack (each "
+        "bucket copied and cast into its buffer, the live tensors digested on the way), send (the bucket handed to "
+        "the transport), wait (until each bucket was off the wire and acknowledged by the engine), verify (the "
+        "trainer's digests sent), commit (from COMMIT sent until the engine's DONE: the engine's fingerprint check, "
+        "then its own commit), other (what the stages leave of total: the BEGIN message, bookkeeping between them).",
+        "engine load and engine verify are the engine's own time, in its own process, overlapping the trainer's: it "
+        "loads bucket i while the trainer packs the next; its verify (digests of what it holds, read back here since "
+        "its loads cast bf16 into fp32, compared with the trainer's) starts when the trainer's digests arrive and is "
+        "most of commit.",
+        "epoch*: a handshake began a new epoch. params: every engine tensor bitwise what was sent; gen: the engine's "
+        "greedy output equals the trainer's.",
+    )
 )
 ROTARY_NOTE = (
     "If vLLM logged 'RotaryEmbedding: Failed to load weights' above, that is expected: its layerwise reload "
@@ -512,10 +534,11 @@ ROTARY_NOTE = (
 
 def _table(transport: str, rows: list[dict]) -> Table:
     t = Table(title=f"refits over {transport}")
-    for col in ("ver", "epoch", "loss", "MB", "bkts", "pack", "send", "wait", "load", "total", "GB/s", "params", "gen"):
+    columns = ("ver", "epoch", "loss", "MB", "bkts", *TRAINER_STAGES, "other", "total", "GB/s")
+    for col in (*columns, *(f"engine {k}" for k in ENGINE_STAGES), "params", "gen"):
         t.add_column(col, justify="right")
     mark = lambda ok: "[green]✓[/]" if ok else "[red]✗[/]"  # noqa: E731
-    ms = lambda r, k: "n/a" if r["seconds"].get(k) is None else f"{r['seconds'][k] * 1e3:.1f}"  # noqa: E731
+    ms = lambda d, k: "n/a" if d.get(k) is None else f"{d[k] * 1e3:.1f}"  # noqa: E731
     for r in rows:
         t.add_row(
             str(r["version"]),
@@ -523,18 +546,27 @@ def _table(transport: str, rows: list[dict]) -> Table:
             f"{r['loss']:.3f}",
             f"{r['nbytes'] / 1e6:.1f}",
             str(r["num_buckets"]),
-            *(ms(r, k) for k in ("pack", "send", "wait", "load", "total")),
+            *(ms(r["seconds"], k) for k in (*TRAINER_STAGES, "other", "total")),
             f"{r['gbps']:.2f}",
+            *(ms(r["engine_seconds"], k) for k in ENGINE_STAGES),
             mark(r["params_ok"]),
             mark(r["generate_ok"]),
         )
     return t
 
 
+def _trainer_seconds(s: RefitStats) -> dict[str, float]:
+    """The Sender's stages, 'other' (what they leave of 'total') and 'total'. A MeshRefit's stats carry only
+    the total (its pairs run side by side): then no stage and no 'other'."""
+    seconds = {k: s.seconds[k] for k in TRAINER_STAGES if k in s.seconds}
+    if seconds:  # disjoint spans of one thread: never more than the total (max: float rounding only)
+        seconds["other"] = max(0.0, s.total_s - sum(seconds.values()))
+    return {**seconds, "total": s.total_s}
+
+
 def _row(s: RefitStats, row: Row, loss: float) -> dict:
-    """One refit as the table and the JSON show it: the sender's stages plus the engine's own load time."""
-    seconds = {k: s.seconds.get(k, 0.0) for k in ("pack", "send", "wait", "commit", "total")}
-    seconds["load"] = row.engine["stats"]["seconds"].get("load")
+    """One refit as the table and the JSON show it: the trainer's stages (adding up to its total) and, apart,
+    the engine's own (overlapping them)."""
     return {
         "version": s.version,
         "epoch": s.epoch,
@@ -542,7 +574,9 @@ def _row(s: RefitStats, row: Row, loss: float) -> dict:
         "loss": loss,
         "nbytes": s.nbytes,
         "num_buckets": s.num_buckets,
-        "seconds": seconds,
+        "seconds": _trainer_seconds(s),
+        "engine_seconds": dict(row.engine["stats"]["seconds"]),
+        "connect_seconds": s.seconds.get("connect", 0.0),
         "gbps": s.gbps,
         **({"model_bytes": s.model_bytes, "worker_bytes": s.worker_bytes} if s.worker_bytes else {}),
         "params_ok": row.params_ok,
