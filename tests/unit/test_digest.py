@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from refit.checks.tensor_digest import ROW_WORDS, Pending, digests
+from refit.topology.digest_plan import _exact
 
 SPEC_M = 0x9E3779B97F4A7C15
 MASK = (1 << 64) - 1
@@ -470,3 +471,17 @@ def test_cuda_prepared_digest_and_copy_replay_equal_the_unprepared_calls_as_valu
         assert torch.equal(got, copy_digest_cuda([torch.empty_like(s) for s in srcs], srcs))
         for s in srcs:
             s.add_(1)
+
+
+def test_a_wider_engine_tensor_is_exact_only_when_it_holds_nothing_the_wire_dtype_lacks() -> None:
+    g = torch.Generator().manual_seed(11)
+    held = torch.randn(64, 48, generator=g).to(torch.bfloat16).float()
+    specials = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 3.0, -2.5])
+    for t in (held, held.t(), held[:, 5:9], specials):  # contiguous, transposed, strided
+        assert _exact(t, torch.bfloat16), t.shape
+    for bit in range(16):  # any of the 16 bits bfloat16 drops, in any element
+        flipped = held.clone()
+        flipped.view(torch.int32)[3, 7] ^= 1 << bit
+        assert not _exact(flipped, torch.bfloat16) and not _exact(flipped.t(), torch.bfloat16), bit
+    halves = torch.randn(40, generator=g).to(torch.float16)
+    assert _exact(halves.float(), torch.float16) and not _exact(halves.float() + 1e-4, torch.float16)
