@@ -228,6 +228,7 @@ class LoadPlan:
         """Names vLLM accepts and stores nowhere (lm_head.weight of a tied model)."""
         self._placements = [p for p in rec.placements if self.layers[p.module].kind is not Kind.FALLBACK]
         self._shapes = {n: s for n, s in checkpoint.items() if n not in rec.rejected}
+        self._slots = sorted({(p.module, p.param) for p in self._placements})
         self._resolve()
         for module, param, where, value in rec.fills:
             if self.layers[module].kind is not Kind.FALLBACK:
@@ -292,13 +293,13 @@ class LoadPlan:
         self._proven = self._proven_names()
 
     def _live_key(self) -> tuple:
-        """What the copies and the proven names depend on: each live target's identity, address and layout."""
-        return tuple(
-            (id(t), t.data_ptr(), t.dtype, t.shape, t.stride())
-            for ts in self._targets.values()
-            for _, t, live in ts
-            if live
-        )
+        """What the copies and the proven names depend on: each written parameter as its module holds it now
+        (a replaced parameter object too, not only a moved one): identity, address and layout."""
+        out = []
+        for module, param in self._slots:
+            t = self.layers[module].layer._parameters.get(param)
+            out.append(None if t is None else (id(t), t.data_ptr(), t.dtype, t.shape, t.stride()))
+        return tuple(out)
 
     def _proven_names(self) -> frozenset[str]:
         """Names whose one copy is the only write to its bytes, into a live tensor vLLM does not process
