@@ -182,6 +182,7 @@ def test_the_module_engine_digests_only_what_its_copy_proves() -> None:
             self.register_buffer("y", base[4:10])
             self.register_buffer("z", base[10:16])  # beside them, overlapping nothing
             self.register_buffer("c", torch.zeros(3, dtype=torch.float64))  # loaded through a cast
+            self.register_buffer("w", torch.zeros(5))  # bfloat16 widened into it: exact, proven by its copy
 
     engine = ModuleEngine(Tied())
     engine.specs()
@@ -190,11 +191,14 @@ def test_the_module_engine_digests_only_what_its_copy_proves() -> None:
     sent.update({k: torch.randn(6, generator=g) for k in ("x", "y", "z")})
     sent["head.weight"] = sent["embed.weight"]
     sent["c"] = torch.randn(3, generator=g)
+    sent["w"] = torch.randn(5, generator=g).to(torch.bfloat16)
     with torch.no_grad():
         names, values = engine.load_digested(list(sent.items()))
-    assert names == ["embed.weight", "head.weight", "z"]
-    assert torch.equal(values, digests([engine.tensor(n) for n in names]))
+    assert names == ["embed.weight", "head.weight", "z", "w"]
+    wire = [engine.tensor(n).to(sent[n].dtype) for n in names]  # what the module holds, in the wire dtypes
+    assert torch.equal(values, digests(wire))
     assert torch.equal(engine.tensor("z"), sent["z"]) and torch.equal(engine.tensor("c"), sent["c"].double())
+    assert torch.equal(engine.tensor("w"), sent["w"].float())
 
 
 def test_a_loaded_digest_that_differs_fails_the_check_and_the_rest_is_read_back() -> None:
