@@ -138,3 +138,24 @@ def test_deepseek_v3_config_json_gives_the_preset_and_layers_are_checked(tmp_pat
     assert from_config(str(path)) == PRESETS["deepseek-v3"]
     with pytest.raises(ValueError, match="layers"):
         PRESETS["deepseek-v3"].truncated(62)
+
+
+def test_the_vllm_engine_bench_reports_verified_beside_unverified_and_the_disk_path() -> None:
+    """The report's arithmetic and verdicts, on given medians (the bench itself needs vLLM: `refit bench --engine vllm`)."""
+    from refit.tools.bench import engine
+
+    row = lambda total, post=0.0: {"total": total, "transfer": 0.0, "copy": total - post, "post": post}  # noqa: E731
+    results = {m: row(1.0) for m in engine.METHODS}
+    results.update(
+        plan=row(0.30, 0.20), plan_verified=row(0.33, 0.20), disk=row(0.90),
+        plan_checkpoint_layout=row(0.10), plan_checkpoint_layout_verified=row(0.20), disk_checkpoint_layout=row(0.30),
+    )  # fmt: skip
+    report = {"results": results, "checks": engine._checks(results)}
+    c = report["checks"]
+    assert c["verified_vs_unverified"] == pytest.approx(1.1) and c["disk_vs_verified"] == pytest.approx(0.9 / 0.33)
+    assert c["verified_vs_unverified_without_post"] == pytest.approx(1.3)
+    lines = engine.verdicts(report)
+    assert "repacked (vLLM's default): verified 1.10x unverified (target <= 1.5): met" in lines[2]
+    assert "checkpoint layout: verified 2.00x unverified (target <= 1.5): NOT met" in lines[3]
+    assert "disk path 1.50x the verified refit (target >= 2.0): NOT met" in lines[3]
+    assert lines[4].endswith("inside the plan): 200.0 ms")
