@@ -104,9 +104,13 @@ def test_bench_passes_verify_explicitly_to_every_refit_method(monkeypatch: pytes
     for m in ("zero_copy", "zero_copy_fingerprint"):
         runner._method(m, None, None, {}, [], cfg, None, 0)  # type: ignore[arg-type]
     assert {m: kw["verify"] for m, kw in seen.items()} == {
-        "refit": None, "serial": None, "checksum": None, "fingerprint": "fingerprint",
-        "zero_copy": None, "zero_copy_fingerprint": "fingerprint",
-    }  # fmt: skip
+        "refit": None,
+        "serial": None,
+        "checksum": None,
+        "fingerprint": "fingerprint",
+        "zero_copy": None,
+        "zero_copy_fingerprint": "fingerprint",
+    }
     assert seen["zero_copy"]["zero_copy"] and seen["zero_copy_fingerprint"]["zero_copy"]
 
 
@@ -126,13 +130,28 @@ def test_plan_takes_deepseek_v3_and_a_layer_count(capsys) -> None:
 def test_deepseek_v3_config_json_gives_the_preset_and_layers_are_checked(tmp_path) -> None:
     from refit.tools.bench.presets import from_config
 
-    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-              "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-              "first_k_dense_replace": 3, "n_routed_experts": 256, "n_shared_experts": 1,
-              "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
-              "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
-              "tie_word_embeddings": False, "topk_method": "noaux_tc",
-              "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}  # fmt: skip
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "vocab_size": 129280,
+        "tie_word_embeddings": False,
+        "topk_method": "noaux_tc",
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     assert from_config(str(path)) == PRESETS["deepseek-v3"]
@@ -185,3 +204,28 @@ _CONFIG = {
     "transport": "shm",
     "receivers": 1,
 }
+
+
+def test_the_vllm_engine_bench_reports_verified_beside_unverified_and_the_disk_path() -> None:
+    """The report's arithmetic and verdicts, on given medians (the bench itself needs vLLM: `refit bench --engine vllm`)."""
+    from refit.tools.bench import engine
+
+    row = lambda total, post=0.0: {"total": total, "transfer": 0.0, "copy": total - post, "post": post}  # noqa: E731
+    results = {m: row(1.0) for m in engine.METHODS}
+    results.update(
+        plan=row(0.30, 0.20),
+        plan_verified=row(0.33, 0.20),
+        disk=row(0.90),
+        plan_checkpoint_layout=row(0.10),
+        plan_checkpoint_layout_verified=row(0.20),
+        disk_checkpoint_layout=row(0.30),
+    )
+    report = {"results": results, "checks": engine._checks(results)}
+    c = report["checks"]
+    assert c["verified_vs_unverified"] == pytest.approx(1.1) and c["disk_vs_verified"] == pytest.approx(0.9 / 0.33)
+    assert c["verified_vs_unverified_without_post"] == pytest.approx(1.3)
+    lines = engine.verdicts(report)
+    assert "repacked (vLLM's default): verified 1.10x unverified (target <= 1.5): met" in lines[2]
+    assert "checkpoint layout: verified 2.00x unverified (target <= 1.5): NOT met" in lines[3]
+    assert "disk path 1.50x the verified refit (target >= 2.0): NOT met" in lines[3]
+    assert lines[4].endswith("inside the plan): 200.0 ms")

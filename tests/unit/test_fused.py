@@ -115,8 +115,68 @@ def test_a_failed_build_warns_once_and_falls_back(
 def test_a_cast_is_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match="cast the source first"):
         copy_digest([torch.empty(4)], [torch.zeros(4, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="cast the source first"):  # narrowing is not exact: never fused
+        copy_digest([torch.empty(4, dtype=torch.bfloat16)], [torch.zeros(4)])
     with pytest.raises(ValueError, match="as many targets"):
         FusedCopy([torch.empty(4)], [])
+
+
+def _widening_pairs() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """bfloat16 sources into float32 targets: partial words, one element, a large aligned run (the streaming
+    path), an unaligned source, a strided target (copied by torch), an empty pair; and a same-dtype pair."""
+    g = torch.Generator().manual_seed(11)
+    srcs = [torch.randn(n, generator=g).to(torch.bfloat16) for n in (1, 3, 5, 17, (ROW_WORDS << 2) + 7, 0)]
+    srcs.append(torch.randn(7001, generator=g).to(torch.bfloat16)[1:])
+    srcs.append(torch.randn(5, 7, generator=g).to(torch.bfloat16))
+    srcs.append(torch.randn(9, generator=g))
+    dsts = [torch.empty(s.shape) for s in srcs]
+    dsts[7] = torch.empty(7, 5).t()
+    return dsts, srcs
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
+def test_bfloat16_widened_into_float32_is_exact_and_digested_as_the_bfloat16_it_holds(
+    kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not kernel:
+        monkeypatch.setenv("REFIT_CPU_KERNEL", "0")
+    fused._kernel.cache_clear()
+    try:
+        assert fused.kernel_built() is kernel
+        dsts, srcs = _widening_pairs()
+        got = copy_digest(dsts, srcs)
+        for d, s in zip(dsts, srcs):
+            assert torch.equal(d, s.to(d.dtype))
+        held = [d.to(s.dtype) for d, s in zip(dsts, srcs)]  # what the targets hold, in the wire dtype
+        assert [v & MASK for v in got.tolist()] == [_reference_value(h) for h in held]
+        dsts[4][100] = 0.1  # a float32 no bfloat16 has: the same copy again restores it
+        srcs[4][7] = -srcs[4][7] - 1
+        again = FusedCopy(dsts, srcs).run()
+        assert torch.equal(dsts[4], srcs[4].float()) and again[4] != got[4]
+        assert torch.equal(again[:4], got[:4]) and torch.equal(again[5:], got[5:])
+    finally:
+        fused._kernel.cache_clear()
+
+
+def test_a_large_widening_copy_shared_by_threads_adds_up_to_the_same_digest() -> None:
+    g = torch.Generator().manual_seed(12)
+    src = torch.randn(fused.PARALLEL_BYTES // 2 + (1 << 20) + 3, generator=g).to(torch.bfloat16)
+    dst = torch.empty(src.shape)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        got = copy_digest([dst], [src])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(dst, src.float()) and torch.equal(got, digests([src]))
+
+
+def test_a_narrowing_pair_is_still_digested_as_the_bytes_its_target_holds() -> None:
+    """The sender packs float32 into a bfloat16 bucket through FusedCopy: its digest is of the bucket's bytes."""
+    src = torch.randn(1000)
+    dst = torch.empty(1000, dtype=torch.bfloat16)
+    got = FusedCopy([dst], [src]).run()
+    assert torch.equal(dst, src.to(torch.bfloat16)) and torch.equal(got, digests([dst]))
 
 
 def test_the_module_engine_digests_only_what_its_copy_proves() -> None:
@@ -135,6 +195,7 @@ def test_the_module_engine_digests_only_what_its_copy_proves() -> None:
             self.register_buffer("y", base[4:10])
             self.register_buffer("z", base[10:16])  # beside them, overlapping nothing
             self.register_buffer("c", torch.zeros(3, dtype=torch.float64))  # loaded through a cast
+            self.register_buffer("w", torch.zeros(5))  # bfloat16 widened into it: exact, proven by its copy
 
     engine = ModuleEngine(Tied())
     engine.specs()
@@ -143,11 +204,14 @@ def test_the_module_engine_digests_only_what_its_copy_proves() -> None:
     sent.update({k: torch.randn(6, generator=g) for k in ("x", "y", "z")})
     sent["head.weight"] = sent["embed.weight"]
     sent["c"] = torch.randn(3, generator=g)
+    sent["w"] = torch.randn(5, generator=g).to(torch.bfloat16)
     with torch.no_grad():
         names, values = engine.load_digested(list(sent.items()))
-    assert names == ["embed.weight", "head.weight", "z"]
-    assert torch.equal(values, digests([engine.tensor(n) for n in names]))
+    assert names == ["embed.weight", "head.weight", "z", "w"]
+    wire = [engine.tensor(n).to(sent[n].dtype) for n in names]  # what the module holds, in the wire dtypes
+    assert torch.equal(values, digests(wire))
     assert torch.equal(engine.tensor("z"), sent["z"]) and torch.equal(engine.tensor("c"), sent["c"].double())
+    assert torch.equal(engine.tensor("w"), sent["w"].float())
 
 
 def test_a_loaded_digest_that_differs_fails_the_check_and_the_rest_is_read_back() -> None:

@@ -8,7 +8,8 @@ over a lane of words w_0 .. w_{m-1}, sum(j * w_j) = m * S - sum of the running s
 total), so every step is two additions, which vectorise. Where the kernel does not build, or
 REFIT_CPU_KERNEL=0, pairs are copied by `CopyPlan` and digested by `refit.checks.tensor_digest.digests` (a
 second read: slower, same values). Pairs the kernel cannot take (other dtypes, non-contiguous or lazy
-views) are copied by torch and their destinations digested afterwards. On CUDA,
+views) are copied by torch and their destinations digested afterwards. A bfloat16 source into a float32
+target is widened by the kernel as it copies (exact), digesting the bfloat16 words the target now holds. On CUDA,
 `refit.checks.copy_digest_cuda.copy_digest_cuda` does it where that module imports.
 """
 
@@ -82,10 +83,63 @@ static void sums(const unsigned char *src, unsigned char *dst, int64_t nbytes, u
     *s0o = s0; *s1o = s1;
 }
 
-/* Pair k: copy nbytes[k] bytes from src[k] to dst[k] (no copy where dst[k] is 0) and digest them. Pairs are
-   cut into CHUNK-byte pieces shared by `threads` threads; a piece at word offset o adds s1 + o * s0. */
+/* bfloat16 to float32 (exact): each 2-byte source element becomes the high half of a 4-byte float; the
+   sums are of the source words, the bytes the float now holds exactly. nbytes counts source bytes (even). */
+static void widen(const unsigned char *src, unsigned char *dst, int64_t nbytes, uint64_t *s0o, uint64_t *s1o) {
+    int64_t nw = nbytes / 8, m = nw / 4, i;
+    uint64_t a[4] = {0, 0, 0, 0}, b[4] = {0, 0, 0, 0}, s0 = 0, s1 = 0, w[4];
+    uint16_t h[16];
+    uint32_t f[16];
+#if defined(__SSE2__)
+    /* interleaving zeros below each element is the widening; streaming stores as in `sums` */
+    if (nbytes >= (64 << 10) && (uintptr_t)dst % 16 == 0) {
+        const __m128i z = _mm_setzero_si128();
+        for (i = 0; i < m; i++) {
+            memcpy(w, src + 32 * i, 32);
+            __m128i x0 = _mm_loadu_si128((const __m128i *)w), x1 = _mm_loadu_si128((const __m128i *)(w + 2));
+            __m128i *o = (__m128i *)(dst + 64 * i);
+            _mm_stream_si128(o, _mm_unpacklo_epi16(z, x0));
+            _mm_stream_si128(o + 1, _mm_unpackhi_epi16(z, x0));
+            _mm_stream_si128(o + 2, _mm_unpacklo_epi16(z, x1));
+            _mm_stream_si128(o + 3, _mm_unpackhi_epi16(z, x1));
+            for (int l = 0; l < 4; l++) { a[l] += w[l]; b[l] += a[l]; }
+        }
+        _mm_sfence();
+    } else
+#endif
+    for (i = 0; i < m; i++) {
+        memcpy(w, src + 32 * i, 32);
+        memcpy(h, w, 32);
+        for (int e = 0; e < 16; e++) f[e] = (uint32_t)h[e] << 16;
+        memcpy(dst + 64 * i, f, 64);
+        for (int l = 0; l < 4; l++) { a[l] += w[l]; b[l] += a[l]; }
+    }
+    for (int l = 0; l < 4; l++) { s0 += a[l]; s1 += 4 * ((uint64_t)m * a[l] - b[l]) + (uint64_t)l * a[l]; }
+    for (i = 4 * m; i < nw; i++) {
+        uint64_t x;
+        memcpy(&x, src + 8 * i, 8);
+        memcpy(h, &x, 8);
+        for (int e = 0; e < 4; e++) f[e] = (uint32_t)h[e] << 16;
+        memcpy(dst + 16 * i, f, 16);
+        s0 += x; s1 += (uint64_t)i * x;
+    }
+    if (nbytes % 8) {
+        uint64_t x = 0;
+        int64_t rest = nbytes % 8;
+        memcpy(&x, src + 8 * nw, rest);
+        memcpy(h, &x, 8);
+        for (int e = 0; e < rest / 2; e++) f[e] = (uint32_t)h[e] << 16;
+        memcpy(dst + 16 * nw, f, 2 * rest);
+        s0 += x; s1 += (uint64_t)nw * x;
+    }
+    *s0o = s0; *s1o = s1;
+}
+
+/* Pair k: copy nbytes[k] bytes from src[k] to dst[k] (no copy where dst[k] is 0; where widen[k], bfloat16
+   source bytes into float32 at dst[k]) and digest the source bytes. Pairs are cut into CHUNK-byte pieces
+   shared by `threads` threads; a piece at word offset o adds s1 + o * s0. */
 extern "C" void refit_copy_digest(int64_t n, const int64_t *src, const int64_t *dst, const int64_t *nbytes,
-                                  int64_t *out, int64_t threads) {
+                                  const int64_t *wide, int64_t *out, int64_t threads) {
     std::vector<int64_t> first(n + 1, 0);
     for (int64_t k = 0; k < n; k++) first[k + 1] = first[k] + (nbytes[k] + CHUNK - 1) / CHUNK;
     int64_t pieces = first[n];
@@ -97,7 +151,9 @@ extern "C" void refit_copy_digest(int64_t n, const int64_t *src, const int64_t *
     auto work = [&]() {
         for (int64_t c; (c = next.fetch_add(1)) < pieces;) {
             int64_t k = owner[c], at = (c - first[k]) * CHUNK, len = nbytes[k] - at < CHUNK ? nbytes[k] - at : CHUNK;
-            sums((const unsigned char *)src[k] + at, dst[k] ? (unsigned char *)dst[k] + at : 0, len, &p0[c], &p1[c]);
+            const unsigned char *s = (const unsigned char *)src[k] + at;
+            if (wide[k]) widen(s, (unsigned char *)dst[k] + 2 * at, len, &p0[c], &p1[c]);
+            else sums(s, dst[k] ? (unsigned char *)dst[k] + at : 0, len, &p0[c], &p1[c]);
         }
     };
     std::vector<std::thread> helpers;
@@ -143,7 +199,7 @@ def _kernel() -> ctypes.CDLL | None:
             path = _built(where) or _build(where)
         lib = ctypes.CDLL(str(path))
         fn = lib.refit_copy_digest
-        fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+        fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int64]
         fn.restype = None
         return lib
     except Exception as e:  # noqa: BLE001 - no compiler, no headers, any build error: the slower path, never a failure
@@ -201,28 +257,32 @@ def _build(where: Path) -> Path:
         return Path(path)
 
 
+def _plain(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous() and not (t.is_neg() or t.is_conj())
+
+
+def widens(d: torch.Tensor, s: torch.Tensor) -> bool:
+    """Whether copying `s` into `d` widens bfloat16 to float32: exact, so `d` then holds `s`'s bytes."""
+    return s.dtype == torch.bfloat16 and d.dtype == torch.float32 and d.numel() == s.numel()
+
+
 def _takes(d: torch.Tensor, s: torch.Tensor) -> bool:
-    """Whether the kernel copies this pair: CPU, same dtype and size, both contiguous, no lazy views."""
-    return (
-        d.device.type == "cpu"
-        and s.device.type == "cpu"
-        and d.dtype == s.dtype
-        and d.numel() == s.numel()
-        and d.is_contiguous()
-        and s.is_contiguous()
-        and not (d.is_neg() or d.is_conj() or s.is_neg() or s.is_conj())
-    )
+    """Whether the kernel copies this pair: CPU, same dtype (or bfloat16 widened to float32) and size, both
+    contiguous, no lazy views."""
+    return (d.dtype == s.dtype and d.numel() == s.numel() or widens(d, s)) and _plain(d) and _plain(s)
 
 
-def _readable(d: torch.Tensor) -> bool:
-    """Whether the kernel can digest `d` as it lies in memory (its words are its logical words)."""
-    return d.device.type == "cpu" and d.is_contiguous() and not (d.is_neg() or d.is_conj())
+def _readable(d: torch.Tensor, s: torch.Tensor) -> bool:
+    """Whether the kernel can digest `d` as it lies in memory (its words are its logical words; a widened
+    target is digested in its source's dtype)."""
+    return _plain(d) and not widens(d, s)
 
 
 class FusedCopy:
     """dst[i].copy_(src[i]) for every i, planned once at construction (an address table) and replayed by
-    `run()`, which returns each dst's digest after the copy (int64, CPU). Valid while the tensors keep their
-    storage and layout, like `BatchedCopy`."""
+    `run()`, which returns the digest of each dst's bytes after the copy (int64, CPU), but for bfloat16 widened
+    into float32 (`widens`): there of the bfloat16 bytes the float32 now holds exactly. Valid while the
+    tensors keep their storage and layout, like `BatchedCopy`."""
 
     def __init__(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         if len(dsts) != len(srcs):
@@ -233,7 +293,8 @@ class FusedCopy:
         lib = _kernel() if self.dsts and all(d.device.type == "cpu" for d in self.dsts) else None
         self._lib = lib
         if lib is None:
-            cuda = self.dsts and all(d.is_cuda and d.is_contiguous() for d in self.dsts)
+            same = all(d.dtype == s.dtype for d, s in zip(self.dsts, self.srcs))
+            cuda = same and self.dsts and all(d.is_cuda and d.is_contiguous() for d in self.dsts)
             self._cuda = _cuda_kernel() if cuda else None
             self._replay = _cuda_prepared(self.dsts, self.srcs) if self._cuda else None
             self._copy = None if self._cuda else BatchedCopy(self.dsts, self.srcs)
@@ -242,27 +303,27 @@ class FusedCopy:
         rest = [i for i, f in enumerate(fused) if not f]
         self._copy = BatchedCopy([self.dsts[i] for i in rest], [self.srcs[i] for i in rest]) if rest else None
         # the kernel digests every dst it can read, in place for the pairs torch copied (dst 0: no copy)
-        readable = [f or _readable(self.dsts[i]) for i, f in enumerate(fused)]
+        readable = [f or _readable(d, s) for f, d, s in zip(fused, self.dsts, self.srcs)]
         self._slow = [i for i, r in enumerate(readable) if not r]
         rows = [
-            (s.data_ptr(), d.data_ptr(), d.nbytes) if f else (d.data_ptr(), 0, d.nbytes)
+            (s.data_ptr(), d.data_ptr(), s.nbytes, int(d.dtype != s.dtype)) if f else (d.data_ptr(), 0, d.nbytes, 0)
             for d, s, f, r in zip(self.dsts, self.srcs, fused, readable)
             if r
         ]
-        self._table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).t().contiguous()
-        self._nbytes = sum(r[2] for r in rows)
+        self._table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).t().contiguous()
+        self._nbytes = sum(r[2] << r[3] for r in rows)  # a widened pair writes twice what it reads
         self._rows = [i for i, r in enumerate(readable) if r]
 
     def run(self) -> torch.Tensor:
-        """Copy every pair; the digest of each dst's bytes after the copy, in order (int64, on the dsts'
-        device: no host synchronisation)."""
+        """Copy every pair; the digest of each dst after the copy (as the class says), in order (int64, on the
+        dsts' device: no host synchronisation)."""
         if self._lib is None:
             if self._replay is not None:
                 return self._replay()
             if self._cuda is not None:
                 return self._cuda(self.dsts, self.srcs)
             self._copy.run()  # type: ignore[union-attr]
-            return digests(self.dsts) if self.dsts else torch.zeros(0, dtype=torch.int64)
+            return _digests_as(self.dsts, self.srcs)
         if self._copy is not None:
             self._copy.run()
         n = self._table.shape[1]
@@ -271,13 +332,22 @@ class FusedCopy:
             t = self._table
             # threads as torch's own copies use, where there is enough to share (starting one costs ~50 us)
             threads = torch.get_num_threads() if self._nbytes >= PARALLEL_BYTES else 1
-            self._lib.refit_copy_digest(n, t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), got.data_ptr(), threads)
+            ptrs = (t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), t[3].data_ptr())
+            self._lib.refit_copy_digest(n, *ptrs, got.data_ptr(), threads)
         if not self._slow:
             return got
         out = torch.empty(self._n, dtype=torch.int64)
         out[self._rows] = got
-        out[self._slow] = digests([self.dsts[i] for i in self._slow]).cpu()
+        out[self._slow] = _digests_as([self.dsts[i] for i in self._slow], [self.srcs[i] for i in self._slow]).cpu()
         return out
+
+
+def _digests_as(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The digest of each dst's bytes, of a widened one's in its src's dtype (exact: `widens`)."""
+    if not dsts:
+        return torch.zeros(0, dtype=torch.int64)
+    with torch.no_grad():
+        return digests([d.to(s.dtype) if widens(d, s) else d for d, s in zip(dsts, srcs)])
 
 
 def _cuda_prepared(dsts: list[torch.Tensor], srcs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
@@ -295,13 +365,14 @@ def _cuda_kernel():  # type: ignore[no-untyped-def]
 
 
 def copy_digest(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Copy each src into its dst (same dtype and size; any strided dst) and return the digest of each dst's
-    bytes after the copy, as an int64 CPU tensor: bit for bit `digests(dsts)` after `dst.copy_(src)`."""
+    """Copy each src into its dst (same dtype and size, or bfloat16 into float32; any strided dst) and return
+    the digest of each dst's bytes after the copy, as an int64 CPU tensor: bit for bit `digests(dsts)` after
+    `dst.copy_(src)` (for a widening pair, `digests([dst.to(torch.bfloat16)])`)."""
     for d, s in zip(dsts, srcs):
-        if d.dtype != s.dtype or d.numel() != s.numel():
+        if not (d.dtype == s.dtype and d.numel() == s.numel() or widens(d, s)):
             raise ValueError(
-                f"copy_digest copies without casting: a {s.dtype} tensor of {s.numel()} elements into a "
-                f"{d.dtype} one of {d.numel()}; cast the source first"
+                f"copy_digest copies without casting (but bfloat16 into float32): a {s.dtype} tensor of "
+                f"{s.numel()} elements into a {d.dtype} one of {d.numel()}; cast the source first"
             )
     return FusedCopy(dsts, srcs).run().cpu()
 
@@ -311,18 +382,18 @@ def prepared_digests(tensors: Sequence[torch.Tensor]) -> Callable[[], torch.Tens
     fingerprint's kernel alone. Valid while the tensors keep their storage and layout. None where the kernel
     is not built or a tensor is not a readable CPU tensor (contiguous, no lazy view): call `digests`."""
     lib = _kernel()
-    if lib is None or not tensors or not all(map(_readable, tensors)):
+    if lib is None or not tensors or not all(map(_plain, tensors)):
         return None
     keep = list(tensors)
-    # rows (address, 0, bytes): a target address of 0 tells the kernel to digest without copying
-    table = torch.tensor([(t.data_ptr(), 0, t.nbytes) for t in keep], dtype=torch.int64).t().contiguous()
+    # rows (address, 0, bytes, not widened): a target address of 0 tells the kernel to digest without copying
+    table = torch.tensor([(t.data_ptr(), 0, t.nbytes, 0) for t in keep], dtype=torch.int64).t().contiguous()
     threads = torch.get_num_threads() if sum(t.nbytes for t in keep) >= PARALLEL_BYTES else 1
 
     def run() -> torch.Tensor:
         assert keep  # the tensors stay alive with the table of their addresses
         got = torch.empty(len(keep), dtype=torch.int64)
-        src, dst, nbytes = (row.data_ptr() for row in table)
-        lib.refit_copy_digest(len(keep), src, dst, nbytes, got.data_ptr(), threads)
+        src, dst, nbytes, wide = (row.data_ptr() for row in table)
+        lib.refit_copy_digest(len(keep), src, dst, nbytes, wide, got.data_ptr(), threads)
         return got
 
     return run

