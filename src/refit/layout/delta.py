@@ -1,9 +1,10 @@
 """Delta buckets: the committed wire image of one epoch, and the chunked payload a delta refit sends.
 
 A delta session keeps, on each side, one copy of every bucket's wire bytes as last committed (the "image",
-padded to whole chunks). The sender packs a bucket as for a full refit, compares it chunk by chunk with its
-image, and, when few enough chunks changed, rewrites the slot as a delta payload (docs/PROTOCOL.md, Delta
-refits): the count, the changed chunk indices, then those chunks. The receiver scatters them into its image
+padded to whole units). The sender packs a bucket as for a full refit, compares it unit by unit (2 bytes: one
+bf16 or fp16 value, half of a wider one) with its image, and, when few enough units changed, rewrites the slot
+as a delta payload (docs/PROTOCOL.md, Delta refits): the count, per block of 65536 units how many changed, each
+changed unit's 16-bit offset in its block, then the changed units. The receiver scatters them into its image
 and loads the whole bucket from there, so its engine is written as by a full refit.
 """
 
@@ -14,104 +15,135 @@ import torch
 from refit.errors import IntegrityError
 from refit.layout.manifest import Manifest
 
-CHUNK_BYTES = 64 << 10
-"""Bytes per delta chunk (of a bucket's wire bytes); a multiple of 8 so chunks compare as int64 words."""
-DELTA_THRESHOLD = 0.5
-"""A bucket goes as a delta only when its payload is at most this fraction of its full bytes."""
-_ALIGN = 256
+UNIT = 2
+"""Bytes per compared unit: one bf16/fp16 value. Measured (BENCHMARKS.md, Delta refits): after one AdamW step at
+lr 1e-6 a few percent of bf16 wire values change, scattered, so nearly every chunk of 64 KiB changes somewhere
+(wire bytes = full) and a quarter of 8-byte words do; per value, a delta costs 4 bytes per changed value."""
+BLOCK = 1 << 16
+"""Units per block: an offset in a block fits 16 bits."""
+DELTA_THRESHOLD = 0.25
+"""A bucket goes as a delta only when its payload is at most this fraction of its full bytes (an eighth of its
+values changed). Measured over gloo (BENCHMARKS.md): the delta's own work grows with the changed values (134 ms
+at 4 % of values, 305 ms at 21 %, against 62 and 66 ms for a full refit of the same 50 MB), so beyond this the bytes
+it saves cannot pay for it on any link we have measured."""
+SAMPLE = 64
+"""Every SAMPLE-th unit is compared first: a bucket that changed well beyond the threshold goes full without the
+whole comparison, so a refit in which everything changed costs close to a full one. A wrong guess only ever
+sends a bucket full, never wrong bytes."""
 
 
-def table_nbytes(count: int) -> int:
-    """Bytes before the chunks of a delta payload of `count` chunks: count and indices, aligned to 256."""
-    return -(-(8 + 8 * count) // _ALIGN) * _ALIGN
+def num_units(nbytes: int) -> int:
+    return -(-nbytes // UNIT)
 
 
-def payload_nbytes(count: int, chunk: int = CHUNK_BYTES) -> int:
-    return table_nbytes(count) + count * chunk
+def num_blocks(nbytes: int) -> int:
+    return -(-num_units(nbytes) // BLOCK)
+
+
+def table_nbytes(nbytes: int, count: int) -> int:
+    """Bytes before the values of a delta payload of `count` units for a bucket of `nbytes`: the int64 count,
+    an int32 count per block, an int16 offset per unit, padded to 8 bytes."""
+    return -(-(8 + 4 * num_blocks(nbytes) + 2 * count) // 8) * 8
+
+
+def payload_nbytes(nbytes: int, count: int) -> int:
+    return table_nbytes(nbytes, count) + UNIT * count
 
 
 class WireImage:
     """Per bucket, the wire bytes every holder last committed (`version`; None while a refit rewrites it or
     after one failed: no delta may be sent against it, or accepted)."""
 
-    def __init__(self, manifest: Manifest, device: torch.device, *, chunk: int = CHUNK_BYTES) -> None:
-        if chunk <= 0 or chunk % 8:
-            raise ValueError(f"delta chunk size ({chunk}) must be a positive multiple of 8 bytes")
-        self.manifest, self.chunk = manifest, chunk
-        self.num_chunks = [-(-nb // chunk) for nb in manifest.bucket_nbytes]
-        self.images = [torch.zeros(n * chunk, dtype=torch.uint8, device=device) for n in self.num_chunks]
+    def __init__(self, manifest: Manifest, device: torch.device) -> None:
+        self.manifest = manifest
+        self.images = [
+            torch.zeros(num_units(nb) * UNIT, dtype=torch.uint8, device=device) for nb in manifest.bucket_nbytes
+        ]
         self.version: int | None = None
 
     @property
     def nbytes(self) -> int:
-        """Memory the image takes (the model in its wire dtype, padded to whole chunks per bucket)."""
-        return sum(n * self.chunk for n in self.num_chunks)
+        """Memory the image takes: the model in its wire dtype (each bucket padded to whole units)."""
+        return sum(int(t.numel()) for t in self.images)
 
     def absorb(self, b: int, buf: torch.Tensor) -> None:
         """Bucket `b` went full: its bytes in `buf` become the image's."""
         nb = self.manifest.bucket_nbytes[b]
         self.images[b][:nb].copy_(buf[:nb])
 
-    def changed(self, b: int, buf: torch.Tensor) -> torch.Tensor:
-        """Indices (int64) of the chunks of bucket `b` whose bytes in `buf` differ from the image's."""
-        nb, c = self.manifest.bucket_nbytes[b], self.chunk
-        img, whole = self.images[b], nb // c
-        parts = []
-        if whole:
-            new = buf[: whole * c].view(torch.int64).view(whole, c // 8)
-            parts.append(torch.ne(new, img[: whole * c].view(torch.int64).view(whole, c // 8)).any(dim=1))
-        if nb > whole * c:  # the last, partial chunk
-            parts.append(torch.ne(buf[whole * c : nb], img[whole * c : nb]).any().view(1))
-        return torch.nonzero(torch.cat(parts)).view(-1) if parts else torch.zeros(0, dtype=torch.int64)
+    def _changed(self, b: int, buf: torch.Tensor) -> torch.Tensor:
+        """Per unit of bucket `b`: whether its bytes in `buf` differ from the image's (bool)."""
+        nb = self.manifest.bucket_nbytes[b]
+        whole = nb // UNIT
+        img = self.images[b]
+        ne = torch.ne(buf[: whole * UNIT].view(torch.int16), img[: whole * UNIT].view(torch.int16))
+        if nb > whole * UNIT:  # an odd last byte
+            ne = torch.cat([ne, torch.ne(buf[nb - 1 : nb], img[nb - 1 : nb])])
+        return ne
 
     def encode(self, b: int, buf: torch.Tensor, *, threshold: float = DELTA_THRESHOLD) -> int | None:
         """Bucket `b`, packed in `buf`, against the image: updates the image to it, and returns the nbytes of
         the delta payload now in `buf`, or None when a delta would not pay (`buf` still holds the full bucket)."""
-        nb, c = self.manifest.bucket_nbytes[b], self.chunk
-        idx = self.changed(b, buf)
-        count = int(idx.numel())
-        size = payload_nbytes(count, c)
+        nb = self.manifest.bucket_nbytes[b]
+        if self._surely_dense(b, buf, threshold):
+            self.absorb(b, buf)
+            return None
+        ne = self._changed(b, buf)
+        count = int(torch.count_nonzero(ne))
+        size = payload_nbytes(nb, count)
         if size > threshold * nb or size > buf.numel():
             self.absorb(b, buf)
             return None
+        idx = torch.nonzero(ne).view(-1)
+        units = self.images[b].view(torch.int16)
         if count:
-            self._take(b, buf, idx)
-            head = table_nbytes(count)
-            table = buf[:head].view(torch.int64)
-            table[0] = count
-            table[1 : 1 + count] = idx
-            out = buf[head:size].view(count, c)
-            torch.index_select(self.images[b].view(-1, c), 0, idx, out=out)
-        else:
-            buf[:8].view(torch.int64)[0] = 0
+            if nb % UNIT:  # the odd last byte goes through the image's padded unit
+                self.images[b][nb - 1 : nb].copy_(buf[nb - 1 : nb])
+                whole = idx[idx < nb // UNIT]
+            else:
+                whole = idx
+            units.index_copy_(0, whole, buf[: (nb // UNIT) * UNIT].view(torch.int16).index_select(0, whole))
+        blocks = num_blocks(nb)
+        head = table_nbytes(nb, count)
+        buf[:8].view(torch.int64).fill_(count)
+        buf[8 : 8 + 4 * blocks].view(torch.int32).copy_(torch.bincount(idx // BLOCK, minlength=blocks))
+        at = 8 + 4 * blocks
+        buf[at : at + 2 * count].view(torch.int16).copy_(idx % BLOCK)  # wraps to int16: read back as unsigned
+        torch.index_select(units, 0, idx, out=buf[head:size].view(torch.int16))
         return size
 
-    def _take(self, b: int, buf: torch.Tensor, idx: torch.Tensor) -> None:
-        """The changed chunks `idx` of `buf` into the image (the others are equal already)."""
-        nb, c = self.manifest.bucket_nbytes[b], self.chunk
-        whole, img = nb // c, self.images[b]
-        full = idx[idx < whole]
-        if full.numel():
-            img.view(-1, c).index_copy_(0, full, buf[: whole * c].view(whole, c).index_select(0, full))
-        if full.numel() < idx.numel():  # the last, partial chunk changed
-            img[whole * c : nb].copy_(buf[whole * c : nb])
+    def _surely_dense(self, b: int, buf: torch.Tensor, threshold: float) -> bool:
+        """A sample of the units says a delta of bucket `b` would be well over `threshold` of its bytes."""
+        whole = self.manifest.bucket_nbytes[b] // UNIT
+        if whole < 64 * SAMPLE:
+            return False
+        new = buf[: whole * UNIT].view(torch.int16)[::SAMPLE]
+        old = self.images[b][: whole * UNIT].view(torch.int16)[::SAMPLE]
+        # a payload costs 2 * UNIT bytes per changed unit: over `threshold` beyond 1.5x the changed fraction
+        return int(torch.count_nonzero(torch.ne(new, old))) > 1.5 * (threshold / 2) * new.numel()
 
     def decode(self, b: int, buf: torch.Tensor, nbytes: int) -> int:
-        """Scatter the delta payload of bucket `b` (`nbytes` in `buf`) into the image; returns its chunk count.
+        """Scatter the delta payload of bucket `b` (`nbytes` in `buf`) into the image; returns its unit count.
         Everything is checked before a byte is written: IntegrityError for a malformed payload."""
-        c, n = self.chunk, self.num_chunks[b]
+        nb = self.manifest.bucket_nbytes[b]
+        n, blocks = num_units(nb), num_blocks(nb)
         if nbytes < 8 or nbytes > buf.numel():
             raise IntegrityError(f"delta bucket {b}: {nbytes} bytes is no delta payload")
         count = int(buf[:8].view(torch.int64)[0])
-        if not 0 <= count <= n or payload_nbytes(count, c) != nbytes:
+        if not 0 <= count <= n or payload_nbytes(nb, count) != nbytes:
             raise IntegrityError(
-                f"delta bucket {b}: {count} chunk(s) in {nbytes} bytes disagree (the bucket has {n} chunks of {c} B)"
+                f"delta bucket {b}: {count} changed unit(s) in {nbytes} bytes disagree (the bucket has {n} units)"
             )
         if not count:
             return 0
-        head = table_nbytes(count)
-        idx = buf[8 : 8 + 8 * count].view(torch.int64).clone()
-        if int(idx[0]) < 0 or int(idx[-1]) >= n or (count > 1 and not bool((idx[1:] > idx[:-1]).all())):
-            raise IntegrityError(f"delta bucket {b}: chunk indices are not increasing within 0..{n - 1}")
-        self.images[b].view(-1, c).index_copy_(0, idx, buf[head:nbytes].view(count, c))
+        counts = buf[8 : 8 + 4 * blocks].view(torch.int32).to(torch.int64)
+        at = 8 + 4 * blocks
+        offsets = buf[at : at + 2 * count].view(torch.int16).to(torch.int64) & 0xFFFF
+        if int(counts.min()) < 0 or int(counts.sum()) != count:
+            raise IntegrityError(f"delta bucket {b}: its per-block counts do not add up to {count}")
+        idx = torch.repeat_interleave(torch.arange(blocks, device=buf.device) * BLOCK, counts) + offsets
+        if int(idx[-1]) >= n or (count > 1 and not bool((idx[1:] > idx[:-1]).all())):
+            raise IntegrityError(f"delta bucket {b}: changed units are not increasing within 0..{n - 1}")
+        head = table_nbytes(nb, count)
+        self.images[b].view(torch.int16).index_copy_(0, idx, buf[head:nbytes].view(torch.int16))
         return count

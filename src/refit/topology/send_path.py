@@ -60,7 +60,7 @@ class SendPath:
         zero_copy: bool,
         digests: DigestPlan | None,
         image: WireImage | None = None,
-        delta_threshold: float = 0.5,
+        delta_threshold: float = 0.25,
     ) -> None:
         """`image`: a delta session's committed wire image (refit.layout.delta), kept up to date by every refit."""
         self.manifest = manifest
