@@ -388,6 +388,7 @@ class Receiver:
             raise IntegrityError(msg)
         t0, version = time.perf_counter(), begin.version
         stats = RefitStats(version=version, epoch=m.epoch, num_buckets=m.num_buckets, nbytes=m.nbytes)
+        stats.full_bytes, stats.delta = sum(m.bucket_nbytes), bool(Begin.DELTA & begin.status)
         ctrl0 = ch.bytes_sent + ch.bytes_received
         self.engine.begin(version)
         done: dict = {}
