@@ -2,13 +2,14 @@
 
 The trainer is the demo's Llama-style LM (refit.tools.demo, built locally from a config): fp32 master
 weights, real AdamW steps at `--lr` on the demo's text, bf16 on the wire. Two Senders over the same source
-(one `delta=True`, one not), each with its own engine (a ModuleEngine in bf16, as inference runs, its Receiver in a thread of
-this process) refit after every step, in alternating order; both verify every refit (the fingerprint of each
-whole engine tensor against the trainer's live one). Per step it records the fraction of bf16 wire values
-that changed, each refit's `wire_bytes` and `full_bytes`, and the sender's wall time (`RefitStats.total_s`);
-after the last step every value is changed at once (the weights negated: the worst case) and both refit
-once more. The first refit of each (connect, handshake, a full refit either way) is not counted. Prints one
-JSON object (medians over the steps; writes it with --out) and checks both engines bitwise at the end.
+(one `delta=True`, one not), each with its own engine (a bf16 ModuleEngine, as inference runs, behind a
+Receiver in a thread of this process), refit after every step in alternating order; both verify every refit
+(the fingerprint of each whole engine tensor against the trainer's live one). Per step it records the
+fraction of bf16 wire values that changed, each refit's `wire_bytes` and `full_bytes`, and the sender's
+wall time (`RefitStats.total_s`). Then the worst case, `--worst` times: every weight negated (every
+nonzero value changes) and both refit. The first refit of each (connect, handshake, full either way) is
+not counted. Prints one JSON object of medians (writes it with --out) and checks both engines bitwise
+against the trainer's live tensors at the end.
 
     PYTHONPATH=src python benchmarks/delta_refit.py --lr 1e-6 --steps 7 --out benchmarks/results/delta-gloo-1e-6.json
     PYTHONPATH=src python benchmarks/delta_refit.py --transport nccl --device cuda:0 --engine-device cuda:1 \
@@ -80,10 +81,14 @@ def run(args) -> dict:
             fractions.append(changed_fraction(before, params))
             for side in (full, delta) if step % 2 else (delta, full):
                 side.refit(step)
-        with torch.no_grad():
-            for p in params.values():
-                p.neg_()  # every nonzero value changes
-        worst = {"full": full.refit(args.steps + 1), "delta": delta.refit(args.steps + 1)}
+        worst: dict[str, list[dict]] = {"full": [], "delta": []}
+        for i in range(args.worst):
+            with torch.no_grad():
+                for p in params.values():
+                    p.neg_()  # every nonzero value changes
+            version = args.steps + 1 + i
+            for name, side in (("full", full), ("delta", delta)) if i % 2 else (("delta", delta), ("full", full)):
+                worst[name].append(side.refit(version))
         for side in (full, delta):  # bitwise, against the trainer's live tensors
             for n, p in params.items():
                 got = side.engine.tensor(n).view(torch.int16).to(p.device)
@@ -91,12 +96,14 @@ def run(args) -> dict:
     finally:
         full.close()
         delta.close()
-    return _summary(args, fractions, full.stats[1:-1], delta.stats[1:-1], worst)
+    steps = slice(1, args.steps + 1)
+    return _summary(args, fractions, full.stats[steps], delta.stats[steps], worst)
 
 
 def _summary(args, fractions: list[float], full: list[dict], delta: list[dict], worst: dict) -> dict:
     med = statistics.median
     t_full, t_delta = med(r["seconds"] for r in full), med(r["seconds"] for r in delta)
+    w_full, w_delta = med(r["seconds"] for r in worst["full"]), med(r["seconds"] for r in worst["delta"])
     wire = med(r["wire_bytes"] / r["full_bytes"] for r in delta)
     return {
         "transport": args.transport,
@@ -113,14 +120,15 @@ def _summary(args, fractions: list[float], full: list[dict], delta: list[dict], 
         "delta_refit_s_median": t_delta,
         "delta_over_full_time": t_delta / t_full,
         "worst_case_all_changed": {
-            "full_s": worst["full"]["seconds"],
-            "delta_s": worst["delta"]["seconds"],
-            "delta_over_full_time": worst["delta"]["seconds"] / worst["full"]["seconds"],
-            "delta_wire_bytes": worst["delta"]["wire_bytes"],
-            "stages": {"full": worst["full"]["stages"], "delta": worst["delta"]["stages"]},
+            "refits": args.worst,
+            "full_s_median": w_full,
+            "delta_s_median": w_delta,
+            "delta_over_full_time": w_delta / w_full,
+            "delta_wire_bytes": [r["wire_bytes"] for r in worst["delta"]],
+            "stages": {"full": worst["full"][-1]["stages"], "delta": worst["delta"][-1]["stages"]},
         },
         "verified": True,
-        "refits": {"full": full, "delta": delta},
+        "refits": {"full": full, "delta": delta, "worst_full": worst["full"], "worst_delta": worst["delta"]},
     }
 
 
@@ -129,6 +137,7 @@ def main() -> None:
     p.add_argument("--transport", default="gloo")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--worst", type=int, default=5, help="refits after negating every weight (each time)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--bucket-bytes", type=int, default=8 << 20)
