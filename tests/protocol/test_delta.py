@@ -13,7 +13,7 @@ import torch
 from threaded import Peer, RowsEngine
 
 from refit import ModuleEngine, ModuleSource, RefitError, Sender, Settings
-from refit.layout.delta import payload_nbytes
+from refit.layout.delta import REPRIME, payload_nbytes
 from refit.topology.receiver import Receiver
 from refit.topology.stats import RefitStats
 
@@ -137,6 +137,11 @@ def test_after_a_small_change_only_its_chunks_move(transport: str) -> None:
         live["embed.weight"].add_(1.0)  # every value of one bucket: that bucket goes full, the rest as deltas
         most, _ = s.refit(4)
         assert most.delta and most.wire_bytes == sizes[0] + sum(empty[1:])
+        for version in range(5, 6 + REPRIME):  # found dense: sent full and not kept, until kept again
+            live["embed.weight"][1, version] += 1.0
+            stats, _ = s.refit(version)
+            first = sizes[0] if version < 5 + REPRIME else payload_nbytes(sizes[0], 1)
+            assert stats.wire_bytes == first + sum(empty[1:])
 
 
 def test_after_a_failed_refit_the_next_is_full_and_correct() -> None:

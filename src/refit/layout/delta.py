@@ -30,6 +30,9 @@ SAMPLE = 64
 """Every SAMPLE-th unit is compared first: a bucket that changed well beyond the threshold goes full without the
 whole comparison, so a refit in which everything changed costs close to a full one. A wrong guess only ever
 sends a bucket full, never wrong bytes."""
+REPRIME = 4
+"""A bucket found dense is no longer kept in the images (neither side copies it; it goes full, uncompared);
+the REPRIME-th refit after, it is kept again, so that a return to sparse changes is seen."""
 
 
 def num_units(nbytes: int) -> int:
@@ -60,6 +63,10 @@ class WireImage:
             torch.zeros(num_units(nb) * UNIT, dtype=torch.uint8, device=device) for nb in manifest.bucket_nbytes
         ]
         self.version: int | None = None
+        self.kept = [False] * len(manifest.bucket_nbytes)
+        """Per bucket: the image holds its bytes (a delta of it may be sent, or taken)."""
+        self._stale = [0] * len(manifest.bucket_nbytes)
+        """Per bucket not kept: refits since it was found dense."""
 
     @property
     def nbytes(self) -> int:
@@ -70,6 +77,7 @@ class WireImage:
         """Bucket `b` went full: its bytes in `buf` become the image's."""
         nb = self.manifest.bucket_nbytes[b]
         self.images[b][:nb].copy_(buf[:nb])
+        self.kept[b] = True
 
     def _changed(self, b: int, buf: torch.Tensor) -> torch.Tensor:
         """Per unit of bucket `b`: whether its bytes in `buf` differ from the image's (bool)."""
@@ -81,19 +89,27 @@ class WireImage:
             ne = torch.cat([ne, torch.ne(buf[nb - 1 : nb], img[nb - 1 : nb])])
         return ne
 
-    def encode(self, b: int, buf: torch.Tensor, *, threshold: float = DELTA_THRESHOLD) -> int | None:
-        """Bucket `b`, packed in `buf`, against the image: updates the image to it, and returns the nbytes of
-        the delta payload now in `buf`, or None when a delta would not pay (`buf` still holds the full bucket)."""
+    def encode(self, b: int, buf: torch.Tensor, *, threshold: float = DELTA_THRESHOLD) -> tuple[int | None, bool]:
+        """Bucket `b`, packed in `buf`, against the image. Returns the nbytes of the delta payload now in `buf`, or
+        None when it goes full (`buf` untouched), and whether the images keep it (a delta: always; a full bucket:
+        unless it is found dense, or still stale since it was)."""
         nb = self.manifest.bucket_nbytes[b]
-        if self._surely_dense(b, buf, threshold):
+        if not self.kept[b]:
+            self._stale[b] += 1
+            if self._stale[b] < REPRIME:
+                return None, False
+            self._stale[b] = 0
             self.absorb(b, buf)
-            return None
+            return None, True
+        if self._surely_dense(b, buf, threshold):
+            self.kept[b], self._stale[b] = False, 0
+            return None, False
         ne = self._changed(b, buf)
         count = int(torch.count_nonzero(ne))
         size = payload_nbytes(nb, count)
         if size > threshold * nb or size > buf.numel():
             self.absorb(b, buf)
-            return None
+            return None, True
         idx = torch.nonzero(ne).view(-1)
         units = self.images[b].view(torch.int16)
         if count:
@@ -110,7 +126,7 @@ class WireImage:
         at = 8 + 4 * blocks
         buf[at : at + 2 * count].view(torch.int16).copy_(idx % BLOCK)  # wraps to int16: read back as unsigned
         torch.index_select(units, 0, idx, out=buf[head:size].view(torch.int16))
-        return size
+        return size, True
 
     def _surely_dense(self, b: int, buf: torch.Tensor, threshold: float) -> bool:
         """A sample of the units says a delta of bucket `b` would be well over `threshold` of its bytes."""
@@ -127,6 +143,8 @@ class WireImage:
         Everything is checked before a byte is written: IntegrityError for a malformed payload."""
         nb = self.manifest.bucket_nbytes[b]
         n, blocks = num_units(nb), num_blocks(nb)
+        if not self.kept[b]:
+            raise IntegrityError(f"delta bucket {b}: this receiver's image does not keep that bucket (sent full last)")
         if nbytes < 8 or nbytes > buf.numel():
             raise IntegrityError(f"delta bucket {b}: {nbytes} bytes is no delta payload")
         count = int(buf[:8].view(torch.int64)[0])

@@ -68,6 +68,9 @@ class Bucket(IntFlag):
     """Bit 0: `checksum` is set (over the bytes moved)."""
     DELTA = 2
     """Bit 1: the bytes moved are a delta payload (refit.layout.delta), not the bucket's wire bytes."""
+    KEPT = 4
+    """Bit 2, delta sessions: receivers keep the bucket in their wire image (a delta always is; a full bucket
+    without it is not kept: no delta of it may follow until one with it)."""
 
 
 class Offer(IntFlag):

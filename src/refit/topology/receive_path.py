@@ -174,14 +174,7 @@ class ReceivePath:
                 _verify(buf[: header.nbytes], header, b)
             stats.add("verify", time.perf_counter() - t)
             t = time.perf_counter()
-            if self.image is None or self._from_image is None:
-                tensors = self.unpacker.unpack(b, slot)
-            else:
-                if Bucket.DELTA & header.status:
-                    self.image.decode(b, buf, header.nbytes)
-                else:
-                    self.image.absorb(b, buf)
-                tensors = self._from_image.unpack(b, b)
+            tensors = self._unpack(b, slot, buf, header)
             if tensors:
                 self._engine_load(tensors)
             stats.add("load", time.perf_counter() - t)
@@ -190,6 +183,20 @@ class ReceivePath:
         except Exception as e:  # noqa: BLE001 - the engine's own error, reported to the sender by message
             return _engine_error(f"engine failed to load bucket {b}: {type(e).__name__}: {e}", e)
         return None
+
+    def _unpack(self, b: int, slot: int, buf: torch.Tensor, header: Header) -> list[tuple[str, torch.Tensor]]:
+        """Bucket `b`'s tensors: views of its slot, or (delta sessions, a bucket the image keeps) of the image,
+        once the delta payload is scattered into it or the full bucket copied there."""
+        image, keep = self.image, Bucket.DELTA | Bucket.KEPT
+        if image is None or self._from_image is None or not keep & header.status:
+            if image is not None:
+                image.kept[b] = False
+            return self.unpacker.unpack(b, slot)
+        if Bucket.DELTA & header.status:
+            image.decode(b, buf, header.nbytes)
+        else:
+            image.absorb(b, buf)
+        return self._from_image.unpack(b, b)
 
     def _engine_load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load into the engine; in fingerprint mode keep the digests its copy took of what it wrote."""

@@ -152,17 +152,18 @@ class SendPath:
         return errors
 
     def _delta(self, b: int, slot: int) -> tuple[int, Bucket]:
-        """A delta session: bucket `b` against the image (a delta payload when it pays), the image updated to it.
-        Returns the bytes to move and the bucket's delta flag."""
+        """A delta session: bucket `b` against the image (a delta payload when it pays), the image updated to it
+        unless it is not kept. Returns the bytes to move and the bucket's delta flags."""
         full = self.manifest.bucket_nbytes[b]
         if self.image is None:
             return full, Bucket(0)
         buf = self.transport.buffers[slot]
-        if not self.delta:
+        if not self.delta:  # a full refit primes every bucket
             self.image.absorb(b, buf)
-            return full, Bucket(0)
-        size = self.image.encode(b, buf, threshold=self.delta_threshold)
-        return (full, Bucket(0)) if size is None else (size, Bucket.DELTA)
+            return full, Bucket.KEPT
+        size, kept = self.image.encode(b, buf, threshold=self.delta_threshold)
+        flags = Bucket.KEPT if kept else Bucket(0)
+        return (full, flags) if size is None else (size, flags | Bucket.DELTA)
 
     def _pack(self, source: Source, b: int, slot: int, generation: int) -> None:
         """Fill `slot` with bucket `b`: replay its cached plan when `generation` vouches for it (without
