@@ -5,7 +5,8 @@ One JSON argument: "kind" ("mlp" or "moe", tests/helpers/mesh_model.py), "worker
 step before whose refit a parameter is replaced by a new DTensor), "elastic" (MeshRefit(elastic=True); each
 '@@rank0' line then has "errors": every rank's error or null) and "gated" (each refit waits for a line on
 rank 0's stdin, so a test can act between refits), "await_s" (from the second refit on, how long an elastic
-refit waits for a missing worker: never a process start, which the first refit waits for). Rank 0 prints the
+refit waits for a missing worker: never a process start, which the first refit waits for), "delta"
+(MeshRefit(delta=True)) and "lr" (the SGD step's). Rank 0 prints the
 rendezvous, then
 per refit one '@@rank0' JSON line: the stats (or the error), per worker the fingerprints of its slices
 of the live full tensors (as the engine must hold them: cast to the wire dtype, read in fp32), and how
@@ -94,10 +95,11 @@ def main() -> int:
     rank, kind, workers = dist.get_rank(), args["kind"], args["workers"]
     model = _model(kind)
     source = FsdpSource(model, wire_dtype=torch.bfloat16)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=args.get("lr", 0.1))
     settings = Settings(bucket_bytes=args.get("bucket_bytes", 8192), timeout_s=120.0)
     mesh = MeshRefit(source, num_workers=workers, transport=args["transport"], settings=settings,
-                     verify=args.get("verify"), elastic=args.get("elastic", False))  # fmt: skip
+                     verify=args.get("verify"), elastic=args.get("elastic", False),
+                     delta=args.get("delta", False))  # fmt: skip
     info = mesh.rendezvous()
     if rank == 0:
         print("@@rank0 " + json.dumps(info), flush=True)

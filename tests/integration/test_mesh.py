@@ -71,6 +71,15 @@ def test_fsdp2_to_two_tensor_parallel_workers_bitwise_with_fingerprint_and_dtype
 
 
 @pytest.mark.slow
+def test_delta_refits_m_to_n_move_less_and_stay_bitwise_through_a_dtype_change() -> None:
+    sent = _run("mlp", 2, "gloo", steps=5, delta=True, lr=1e-4, dtype_change_at=3)  # each worker checked bitwise
+    stats = [out["stats"] for out in sent]
+    assert [s["delta"] for s in stats] == [False, True, False, True, True]  # 3: a new epoch, full
+    assert all(s["wire_bytes"] < s["full_bytes"] for s in stats if s["delta"])
+    assert all(s["wire_bytes"] == s["full_bytes"] for s in stats if not s["delta"])
+
+
+@pytest.mark.slow
 def test_fsdp2_to_three_uneven_workers_bitwise() -> None:
     """Three workers: uneven slices (301 rows in 101, 101, 99) crossing the two ranks' uneven shards."""
     sent = _run("mlp", 3, "shm", steps=2)

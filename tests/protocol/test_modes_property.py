@@ -79,10 +79,19 @@ PEER = st.tuples(st.booleans(), REGION)
 """(staged, region) of a receiver."""
 
 
-def _values(name: str, version: int, dtype: torch.dtype) -> torch.Tensor:
-    """The trainer's values of `name` at `version`: the same for every attempt of a version."""
-    g = torch.Generator().manual_seed(version * 7919 + NAMES.index(name) + 1)
-    return torch.randn(TRAINER[name][0], generator=g).to(dtype)
+def _values(name: str, version: int, dtype: torch.dtype, sparse: bool = False) -> torch.Tensor:
+    """The trainer's values of `name` at `version`: the same for every attempt of a version. `sparse` (a delta
+    session): one base tensor with a sixteenth of its values changed per version, as after an optimizer step,
+    so that buckets go as deltas; otherwise every version's values are drawn anew."""
+    seed = version * 7919 + NAMES.index(name) + 1
+    if not sparse:
+        return torch.randn(TRAINER[name][0], generator=torch.Generator().manual_seed(seed)).to(dtype)
+    t = torch.randn(TRAINER[name][0], generator=torch.Generator().manual_seed(NAMES.index(name) + 1))
+    g = torch.Generator().manual_seed(seed)
+    flat = t.view(-1)
+    at = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 16)]
+    flat[at] += torch.randn(at.numel(), generator=g)
+    return t.to(dtype)
 
 
 def _holds(wire: torch.dtype, held: torch.dtype) -> bool:
@@ -243,8 +252,10 @@ class _Peer:
         return {n: t.dtype for n, t in self.live.module.items()}  # type: ignore[union-attr]
 
 
-def _sender(tensors: dict[str, torch.Tensor]) -> Sender:
+def _sender(tensors: dict[str, torch.Tensor], delta: bool) -> Sender:
     kwargs = {"transport": "shm", "num_receivers": 1, "elastic": True, "settings": SETTINGS, "verify": "fingerprint"}
+    if delta:
+        kwargs["delta"] = True
     try:
         return Sender(ModuleSource(tensors), min_receivers=MIN_RECEIVERS, **kwargs)
     except TypeError:  # before min_receivers: the model still expects a refit that reaches no one to fail
@@ -312,11 +323,14 @@ class Sessions(RuleBasedStateMachine):
 
     # -- session start -------------------------------------------------------------------------
 
-    @initialize(first=PEER, joiners=st.lists(PEER, max_size=MAX_MEMBERS - 1))
-    def start(self, first: tuple[bool, int | None], joiners: list[tuple[bool, int | None]]) -> None:
-        """The trainer's session and its first receiver (admitted by connect), then receivers that join."""
-        self.tensors = {n: _values(n, 0, dtype) for n, (_, dtype) in TRAINER.items()}
-        self.sender = _sender(self.tensors)
+    @initialize(first=PEER, joiners=st.lists(PEER, max_size=MAX_MEMBERS - 1), delta=st.booleans())
+    def start(self, first: tuple[bool, int | None], joiners: list[tuple[bool, int | None]], delta: bool) -> None:
+        """The trainer's session (delta refits or not) and its first receiver (admitted by connect), then
+        receivers that join."""
+        self.delta = delta
+        event(f"delta={delta}")
+        self.tensors = {n: _values(n, 0, dtype, delta) for n, (_, dtype) in TRAINER.items()}
+        self.sender = _sender(self.tensors, delta)
         p = self._start(*first)
         p.ask("connect")
         self.sender.connect()  # admits num_receivers=1
@@ -458,7 +472,7 @@ class Sessions(RuleBasedStateMachine):
         self.empty_refits += not self._members()
         with torch.no_grad():
             for n, t in self.tensors.items():
-                t.copy_(_values(n, version, t.dtype))
+                t.copy_(_values(n, version, t.dtype, self.delta))
         record = {n: t.clone(memory_format=torch.contiguous_format) for n, t in self.tensors.items()}
         if version in self.sent:
             assert all(torch.equal(_bytes(record[n]), _bytes(self.sent[version][n])) for n in record)
@@ -481,6 +495,8 @@ class Sessions(RuleBasedStateMachine):
             stats, error = None, e
         assert not isinstance(error, PeerError), f"refit {version} broke the elastic session: {error}"
         self.failed = (version, dtypes) if error is not None else None
+        if stats is not None and stats.delta:
+            event("a delta refit" + (" that moved less than full" if stats.wire_bytes < stats.full_bytes else ""))
 
         if refusers:  # the handshake fails; the receivers that validated it wait on for the next one
             assert isinstance(error, HandshakeError), (

@@ -56,6 +56,21 @@ class Begin(IntFlag):
     TWO_PHASE = 2
     """Bit 1: after DONE, the receiver holds its commit open until a second COMMIT carries the verdict (a vote
     across trainer ranks, or `verify="strict"`)."""
+    DELTA = 4
+    """Bit 2: a delta refit; the header's `checksum` field carries its base version (docs/PROTOCOL.md, Delta
+    refits): buckets may come as deltas against the wire image committed at that version."""
+
+
+class Bucket(IntFlag):
+    """BUCKET's status bits."""
+
+    CHECKSUM = 1
+    """Bit 0: `checksum` is set (over the bytes moved)."""
+    DELTA = 2
+    """Bit 1: the bytes moved are a delta payload (refit.layout.delta), not the bucket's wire bytes."""
+    KEPT = 4
+    """Bit 2, delta sessions: receivers keep the bucket in their wire image (a delta always is; a full bucket
+    without it is not kept: no delta of it may follow until one with it)."""
 
 
 class Offer(IntFlag):
@@ -63,6 +78,8 @@ class Offer(IntFlag):
 
     FINGERPRINT = 1
     """The fingerprint check is on: VERIFY follows the last bucket of every refit."""
+    DELTA = 2
+    """Bit 1: the sender may send delta refits this epoch: the receiver keeps the committed wire image."""
 
 
 @dataclass(frozen=True)

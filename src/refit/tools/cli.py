@@ -76,6 +76,8 @@ def _check_demo(args: argparse.Namespace) -> list[str]:
         raise ValueError("--ranks applies only to --trainer fsdp; add --trainer fsdp or drop --ranks")
     if (args.tp is not None or args.pp is not None) and args.trainer != "megatron":
         raise ValueError("--tp and --pp apply only to --trainer megatron; add --trainer megatron or drop them")
+    if (args.lr is not None or args.delta) and args.trainer != "plain":
+        raise ValueError("--lr and --delta apply to --trainer plain for now; drop them or use the plain trainer")
     if args.trainer == "megatron":
         _need("megatron.core", "--trainer megatron", "pip install -e '.[demo,megatron]' from the refit checkout")
     _need("transformers", "refit demo", "pip install -e '.[demo]' from the refit checkout")
@@ -132,6 +134,8 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 verbosity=args.verbosity,
                 json_path=out,
                 to_stderr=args.json == "-",
+                delta=args.delta,
+                lr=3e-3 if args.lr is None else args.lr,
             )
             if cfg.trainer in ("fsdp", "megatron"):
                 from refit.tools.demo.sharded import launch
@@ -467,6 +471,10 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
         "--dtype-change-at", type=int, default=2, help="step after which one tensor goes fp32 (-1: never)"
     )
     demo.add_argument("--bucket-bytes", type=int, default=8 << 20, help="bucket capacity in bytes")
+    demo.add_argument(
+        "--delta", action="store_true", help="delta refits: send only the wire chunks changed since the last commit"
+    )
+    demo.add_argument("--lr", type=float, help="the trainer's AdamW learning rate (default 3e-3; --trainer plain)")
     demo.add_argument("--layers", type=_at_least_one, default=8, help="decoder layers of the demo model")
     demo.add_argument(
         "--hidden", type=_at_least_one, default=512, help="hidden size of the demo model (a multiple of 64)"
@@ -564,6 +572,9 @@ def _plan_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
         "--trainer-ranks",
         type=_at_least_one,
         help="also show bytes and time per GPU for broadcast, per-rank and M:N with this many FSDP2 ranks",
+    )
+    planp.add_argument(
+        "--delta", action="store_true", help="also show the memory delta refits add (the committed wire image)"
     )
     planp.add_argument("--engine-tp", type=_at_least_one, default=1, help="engine tensor-parallel size (M:N figures)")
     planp.add_argument("--engine-ep", type=_at_least_one, default=1, help="engine expert-parallel groups (M:N figures)")

@@ -108,7 +108,17 @@ def plan_report(args: argparse.Namespace) -> dict:
         "control_bytes_per_refit": 64 * (3 + 2 * m.num_buckets),
         "staging_bytes_per_engine": staging_nbytes(spec_list),
         **_staging_split(args, m),
+        **_delta_image(args, m),
     }
+
+
+def _delta_image(args: argparse.Namespace, m: Manifest) -> dict:
+    """`--delta`: the committed wire image each side keeps (refit.layout.delta), one more copy of the wire bytes."""
+    from refit.layout.delta import UNIT, num_units
+
+    if not getattr(args, "delta", False):
+        return {}
+    return {"delta_image_bytes": sum(num_units(nb) * UNIT for nb in m.bucket_nbytes)}
 
 
 def _staging_split(args: argparse.Namespace, m: Manifest) -> dict:
@@ -147,6 +157,11 @@ def show_plan(r: dict, args: argparse.Namespace, console: Console) -> int:
         f"staged refit (Receiver(staged=True)): {r['staging_bytes_per_engine'] / 2**20:.1f} MiB more per engine "
         "(one staging copy of what it loads, in this wire dtype; an engine holding a wider dtype stages in that)"
     )
+    if "delta_image_bytes" in r:
+        console.print(
+            f"delta refits (delta=True): {r['delta_image_bytes'] / 2**20:.1f} MiB more on the sender (on its device) "
+            "and on each receiver: the committed wire image, one copy of the model in its wire dtype"
+        )
     if "staging_split" in r:
         console.print(f"with --staging-bytes {args.staging_bytes}: {r['staging_split']['pause_covers']}")
     if "paths" in r:

@@ -301,6 +301,8 @@ class MeshRefit:
         names = sorted({parse_piece(n)[0] for p in pairs for n in p.unverified_names})
         stats.unverified, stats.unverified_names = len(names), names
         stats.control_bytes = sum(p.control_bytes for p in pairs)
+        stats.wire_bytes, stats.full_bytes = sum(p.wire_bytes for p in pairs), sum(p.full_bytes for p in pairs)
+        stats.delta = bool(pairs) and all(p.delta for p in pairs)
         stats.seconds["total"] = max(p.total_s for p in pairs)
         return stats
 
@@ -472,6 +474,7 @@ class MeshReceiver:
             self.on_commit(version)
         stats = RefitStats(version=version, epoch=results[0].epoch, handshake=any(r.handshake for r in results))
         stats.nbytes = sum(r.nbytes for r in results)
+        stats.wire_bytes, stats.full_bytes = sum(r.wire_bytes for r in results), sum(r.full_bytes for r in results)
         stats.worker_bytes = [stats.nbytes]
         stats.seconds["total"] = max(r.total_s for r in results)
         unread = sorted({parse_piece(n)[0] for r in results for n in r.unverified_names})

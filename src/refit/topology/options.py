@@ -25,7 +25,13 @@ class SenderOptions:
     refit), and one that leaves or dies is dropped while the refit goes on with the rest (`RefitStats.departed`
     names it); without it any lost receiver fails the refit and the session.
     `min_receivers` (elastic): a refit that commits on fewer receivers raises RefitError naming who left and why
-    (those that committed hold the version); 0 lets a refit with no receiver at all pass."""
+    (those that committed hold the version); 0 lets a refit with no receiver at all pass.
+    `delta`: send only the wire chunks that changed since the version every receiver committed (docs/PROTOCOL.md,
+    Delta refits); each side keeps that committed wire image (one copy of the model in its wire dtype, on the
+    transport's device). A new epoch, a joiner, a receiver that did not commit the image's version, or a refit
+    after any failure is sent full; so is each bucket whose delta payload would exceed `delta_threshold` of its
+    bytes (default 0.25: about an eighth of its values changed).
+    Verification is unchanged: whole tensors against the trainer's live ones."""
 
     transport: str = "shm"
     num_receivers: int = 1
@@ -36,6 +42,8 @@ class SenderOptions:
     port: int = 0
     elastic: bool = False
     min_receivers: int = 1
+    delta: bool = False
+    delta_threshold: float = 0.25
 
     def __post_init__(self) -> None:
         if self.num_receivers < 1:
@@ -53,6 +61,10 @@ class SenderOptions:
             )
         if self.elastic and self.zero_copy:
             raise ValueError("elastic=True cannot be combined with zero_copy (a joiner would need the source handles)")
+        if self.delta and self.zero_copy:
+            raise ValueError("delta=True cannot be combined with zero_copy (zero-copy moves no bucket to shrink)")
+        if not 0.0 <= self.delta_threshold <= 1.0:
+            raise ValueError(f"delta_threshold ({self.delta_threshold}) must be within 0..1 (a fraction of a bucket)")
         if self.zero_copy and self.transport != "cuda-ipc":
             raise ValueError(f"zero_copy needs the cuda-ipc transport ({self.transport!r} given)")
 

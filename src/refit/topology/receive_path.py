@@ -16,10 +16,11 @@ import torch
 from refit.checks.bucket_checksum import checksum
 from refit.engines.base import Engine
 from refit.errors import IntegrityError, PeerError, RefitError
+from refit.layout.delta import WireImage
 from refit.layout.manifest import Manifest
 from refit.layout.packing import Unpacker, copy_share
 from refit.log import get_logger
-from refit.protocol.wire import Begin, Channel, Header, Kind, parse_json
+from refit.protocol.wire import Begin, Bucket, Channel, Header, Kind, parse_json
 from refit.settings import Settings
 from refit.topology.digest_plan import compare
 from refit.topology.membership import readable
@@ -43,8 +44,11 @@ class ReceivePath:
         device: torch.device,
         rank: int,
         fingerprint: bool = False,
+        delta: bool = False,
     ) -> None:
-        """`fingerprint`: the sender will check digests (MANIFEST status 1), so loads digest what they write."""
+        """`fingerprint`: the sender will check digests (MANIFEST status 1), so loads digest what they write.
+        `delta`: the sender may send deltas (MANIFEST status 2): keep the committed wire image, and load every
+        bucket from it."""
         self.engine = engine
         self.manifest = manifest
         self.transport = transport
@@ -61,6 +65,8 @@ class ReceivePath:
         self._positions: dict[int, tuple[list[str], torch.Tensor]] = {}
         """Per names list an engine returned (its plans return the same list every refit): their positions."""
         self._where: dict[str, int] | None = None
+        self.image = WireImage(manifest, device) if delta else None
+        self._from_image = Unpacker(manifest, self.image.images, device=device) if self.image is not None else None
         self.sources: list[tuple[str, torch.Tensor]] = []
         """Zero-copy mode: the sender's tensors, mapped once per epoch (`open_sources`)."""
 
@@ -113,7 +119,9 @@ class ReceivePath:
             t = time.perf_counter()
             header, _ = self.channel.expect(Kind.BUCKET, f"refit {begin.version}, bucket {b}")
             failure = failure or _check_header(header, m, begin, b)
-            handle = transport.recv(b % len(transport.buffers), m.bucket_nbytes[b])
+            nbytes = self._wire_nbytes(header, b)
+            stats.wire_bytes += nbytes
+            handle = transport.recv(b % len(transport.buffers), nbytes)
             stats.add("recv", time.perf_counter() - t)
             if pending is not None:
                 failure = self._finish(*pending, stats, failure)
@@ -125,6 +133,17 @@ class ReceivePath:
         if pending is not None:
             failure = self._finish(*pending, stats, failure)
         return failure
+
+    def _wire_nbytes(self, header: Header, b: int) -> int:
+        """The bytes bucket `b` moves: the manifest's, or a delta payload's (at most one buffer)."""
+        if not Bucket.DELTA & header.status:
+            return self.manifest.bucket_nbytes[b]
+        if self.image is None or not 0 < header.nbytes <= len(self.transport.buffers[0]):
+            raise IntegrityError(
+                f"bucket {b} is a delta of {header.nbytes} bytes, but this epoch has no delta image or buffers "
+                f"that small ({len(self.transport.buffers[0])} bytes); the sender is not speaking this protocol"
+            )
+        return header.nbytes
 
     def _finish(
         self, b: int, handle: Pending, header: Header, stats: RefitStats, failure: RefitError | None
@@ -150,11 +169,12 @@ class ReceivePath:
         """Check bucket `b`'s checksum (when sent), unpack it from `slot` and load it into the engine."""
         t = time.perf_counter()
         try:
-            if header.status:
-                _verify(self.transport.buffers[slot][: header.nbytes], header, b)
+            buf = self.transport.buffers[slot]
+            if Bucket.CHECKSUM & header.status:
+                _verify(buf[: header.nbytes], header, b)
             stats.add("verify", time.perf_counter() - t)
             t = time.perf_counter()
-            tensors = self.unpacker.unpack(b, slot)
+            tensors = self._unpack(b, slot, buf, header)
             if tensors:
                 self._engine_load(tensors)
             stats.add("load", time.perf_counter() - t)
@@ -163,6 +183,20 @@ class ReceivePath:
         except Exception as e:  # noqa: BLE001 - the engine's own error, reported to the sender by message
             return _engine_error(f"engine failed to load bucket {b}: {type(e).__name__}: {e}", e)
         return None
+
+    def _unpack(self, b: int, slot: int, buf: torch.Tensor, header: Header) -> list[tuple[str, torch.Tensor]]:
+        """Bucket `b`'s tensors: views of its slot, or (delta sessions, a bucket the image keeps) of the image,
+        once the delta payload is scattered into it or the full bucket copied there."""
+        image, keep = self.image, Bucket.DELTA | Bucket.KEPT
+        if image is None or self._from_image is None or not keep & header.status:
+            if image is not None:
+                image.kept[b] = False
+            return self.unpacker.unpack(b, slot)
+        if Bucket.DELTA & header.status:
+            image.decode(b, buf, header.nbytes)
+        else:
+            image.absorb(b, buf)
+        return self._from_image.unpack(b, b)
 
     def _engine_load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load into the engine; in fingerprint mode keep the digests its copy took of what it wrote."""
@@ -225,7 +259,8 @@ def _engine_error(message: str, cause: BaseException) -> RefitError:
 def _check_header(h: Header, m: Manifest, begin: Header, b: int) -> IntegrityError | None:
     if h.epoch != m.epoch or h.digest != m.digest:
         return IntegrityError(f"bucket {b} header is for another manifest (epoch {h.epoch}, expected {m.epoch})")
-    if h.version != begin.version or h.index != b or h.nbytes != m.bucket_nbytes[b]:
+    moved = m.bucket_nbytes[b] if not Bucket.DELTA & h.status else h.nbytes
+    if h.version != begin.version or h.index != b or h.nbytes != moved:
         return IntegrityError(
             f"bucket {b} header disagrees with the manifest (version {h.version}, index {h.index}, "
             f"nbytes {h.nbytes}; expected {begin.version}, {b}, {m.bucket_nbytes[b]})"

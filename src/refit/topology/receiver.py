@@ -375,6 +375,7 @@ class Receiver:
             device=self.device,
             rank=self.rank,
             fingerprint=bool(Offer.FINGERPRINT & header.status),
+            delta=bool(Offer.DELTA & header.status),
         )
         self._path._warned_unverified = not self.warn_unverified
 
@@ -387,12 +388,13 @@ class Receiver:
             raise IntegrityError(msg)
         t0, version = time.perf_counter(), begin.version
         stats = RefitStats(version=version, epoch=m.epoch, num_buckets=m.num_buckets, nbytes=m.nbytes)
+        stats.full_bytes, stats.delta = sum(m.bucket_nbytes), bool(Begin.DELTA & begin.status)
         ctrl0 = ch.bytes_sent + ch.bytes_received
         self.engine.begin(version)
         done: dict = {}
         try:
             assert self._path is not None
-            refused = self._relayout(m, version)
+            refused = self._relayout(m, version) or self._delta_base(begin)
             if self.staging_split is not None:  # as split for this refit (a followed relayout splits again)
                 stats.staged_bytes = self.staging_split.staged_nbytes
                 stats.direct_bytes = self.staging_split.direct_wire_nbytes
@@ -423,11 +425,29 @@ class Receiver:
         ch.send(Header(Kind.DONE, version=version), done or None)
         if two_phase:
             self._await_verdict(version)
+        if self._path is not None and self._path.image is not None:
+            self._path.image.version = version  # the base a later delta may name
         log.info("committed version %d (%d bytes, %d bucket(s))", version, m.nbytes, m.num_buckets)
         stats.add("commit", time.perf_counter() - t)
         stats.control_bytes = ch.bytes_sent + ch.bytes_received - ctrl0
         stats.seconds["total"] = time.perf_counter() - t0
         return stats
+
+    def _delta_base(self, begin: Header) -> RefitError | None:
+        """A delta refit must name the version this receiver's wire image holds; from here until this refit
+        commits the image is being rewritten, so it stands for no version."""
+        image = self._path.image if self._path is not None else None
+        held = image.version if image is not None else None
+        if image is not None:
+            image.version = None
+        if not Begin.DELTA & begin.status or (held is not None and held == begin.checksum):
+            return None
+        holds = "no delta image this epoch" if image is None else f"an image of version {held}"
+        return IntegrityError(
+            f"refused a delta refit of version {begin.version} against base version {begin.checksum}: this receiver "
+            f"holds {holds} (it joined, failed or missed a version); nothing of it was loaded. The sender's next "
+            "refit goes full"
+        )
 
     def _relayout(self, m: Manifest, version: int) -> RefitError | None:
         """The engine's tensors changed since this epoch's manifest was validated (recast, reshaped): validate

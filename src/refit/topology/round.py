@@ -45,14 +45,33 @@ class Round:
         stats.add("handshake", time.perf_counter() - t0)
         ctrl0 = s._control_bytes()
         flags = (Begin.ZERO_COPY if s.zero_copy else Begin(0)) | (Begin.TWO_PHASE if s.commit.two_phase else Begin(0))
-        begin = Header(Kind.BEGIN, epoch=m.epoch, version=version, digest=m.digest, index=m.num_buckets, status=flags)
+        base = s.delta_base()
+        flags |= Begin.DELTA if base is not None else Begin(0)
+        begin = Header(
+            Kind.BEGIN,
+            epoch=m.epoch,
+            version=version,
+            digest=m.digest,
+            index=m.num_buckets,
+            status=flags,
+            checksum=base or 0,
+        )
         if s.zero_copy:  # the optimizer's writes must be done before receivers read the tensors
             torch.cuda.current_stream(s.device).synchronize()
         lost = s.membership.lost
         each(s.channels, lambda ch: ch.send(begin), lost)
         s._begun = True
-        errors = s._path.send(s.source, version, stats, s._generation, verify_checksum=s.verify_checksum, on_lost=lost)
+        errors = s._path.send(
+            s.source,
+            version,
+            stats,
+            s._generation,
+            verify_checksum=s.verify_checksum,
+            on_lost=lost,
+            delta=base is not None,
+        )
         self._commit(m, stats, errors)
+        s.delta_committed(version, stats.receivers)
         stats.control_bytes = max(0, s._control_bytes() - ctrl0)  # a receiver dropped mid-refit takes its count
         stats.seconds["total"] = time.perf_counter() - t0
         log.info(

@@ -18,10 +18,11 @@ import torch
 from refit.checks.bucket_checksum import checksum
 from refit.checks.copy_digest import FusedCopy
 from refit.errors import IntegrityError, PeerError
+from refit.layout.delta import WireImage
 from refit.layout.manifest import Manifest
 from refit.layout.packing import Packer, copy_share
 from refit.log import get_logger
-from refit.protocol.wire import Channel, Header, Kind
+from refit.protocol.wire import Bucket, Channel, Header, Kind
 from refit.settings import Settings
 from refit.sources.base import Source
 from refit.topology.digest_plan import DigestPlan
@@ -58,7 +59,10 @@ class SendPath:
         num_slots: int,
         zero_copy: bool,
         digests: DigestPlan | None,
+        image: WireImage | None = None,
+        delta_threshold: float = 0.25,
     ) -> None:
+        """`image`: a delta session's committed wire image (refit.layout.delta), kept up to date by every refit."""
         self.manifest = manifest
         self.transport = transport
         self.channels = channels
@@ -69,6 +73,9 @@ class SendPath:
         self.packer = Packer(manifest, transport.buffers, digesting=FusedCopy if digests is not None else None)
         self.bucket_names = [[manifest.entries[s.entry].name for s in segs] for segs in manifest.segments]
         self.on_lost: Lost | None = None
+        self.image = image
+        self.delta = False
+        self.delta_threshold = delta_threshold
 
     def buffer(self, b: int) -> torch.Tensor:
         """The slot buffer bucket `b` is packed into."""
@@ -83,16 +90,21 @@ class SendPath:
         *,
         verify_checksum: bool,
         on_lost: Lost | None = None,
+        delta: bool = False,
     ) -> list[str]:
         """`source`'s tensors as `version`: every bucket (none in zero-copy mode; each with its checksum when
         `verify_checksum`), then the digests; returns receivers' per-bucket errors. A receiver lost on the
-        way goes to `on_lost` (elastic: dropped, the rest go on), or its error is raised."""
+        way goes to `on_lost` (elastic: dropped, the rest go on), or its error is raised. `delta`: buckets may go as
+        deltas against the image (the BEGIN said so)."""
         self.on_lost = on_lost
+        self.delta = delta
         try:
             digests = self.digests
             if digests is not None:
                 digests.reset()
             with copy_share(self.transport.name):
+                stats.delta = delta
+                stats.full_bytes = 0 if self.zero_copy else sum(self.manifest.bucket_nbytes)
                 errors = [] if self.zero_copy else self._stream(source, version, stats, generation, verify_checksum)
             if digests is not None and not errors:
                 self._send_digests(source, version, stats, digests, generation)
@@ -113,8 +125,10 @@ class SendPath:
                 self._retire(b - slots, inflight[slot], version, stats, errors)
             t = time.perf_counter()
             self._pack(source, b, slot, generation)
-            nbytes = m.bucket_nbytes[b]
+            nbytes, flags = self._delta(b, slot)
             crc = checksum(self.transport.buffers[slot][:nbytes]) if verify_checksum else 0
+            flags |= Bucket.CHECKSUM if verify_checksum else Bucket(0)
+            stats.wire_bytes += nbytes
             self.transport.before_send(slot)
             stats.add("pack", time.perf_counter() - t)
             t = time.perf_counter()
@@ -127,7 +141,7 @@ class SendPath:
                 digest=m.digest,
                 nbytes=nbytes,
                 checksum=crc,
-                status=int(verify_checksum),
+                status=flags,
             )
             each(self.channels, lambda ch, h=header: ch.send(h), self.on_lost)
             inflight[slot] = self.transport.send(slot, nbytes)
@@ -136,6 +150,20 @@ class SendPath:
         for b in range(max(0, m.num_buckets - slots), m.num_buckets):
             self._retire(b, inflight[b % slots], version, stats, errors)
         return errors
+
+    def _delta(self, b: int, slot: int) -> tuple[int, Bucket]:
+        """A delta session: bucket `b` against the image (a delta payload when it pays), the image updated to it
+        unless it is not kept. Returns the bytes to move and the bucket's delta flags."""
+        full = self.manifest.bucket_nbytes[b]
+        if self.image is None:
+            return full, Bucket(0)
+        buf = self.transport.buffers[slot]
+        if not self.delta:  # a full refit primes every bucket
+            self.image.absorb(b, buf)
+            return full, Bucket.KEPT
+        size, kept = self.image.encode(b, buf, threshold=self.delta_threshold)
+        flags = Bucket.KEPT if kept else Bucket(0)
+        return (full, flags) if size is None else (size, flags | Bucket.DELTA)
 
     def _pack(self, source: Source, b: int, slot: int, generation: int) -> None:
         """Fill `slot` with bucket `b`: replay its cached plan when `generation` vouches for it (without

@@ -17,6 +17,7 @@ from refit import transports
 from refit.checks.manifest_check import Report
 from refit.errors import HandshakeError, PeerError, RefitError
 from refit.layout.budget import bucket_capacity, free_bytes, needed_bytes
+from refit.layout.delta import WireImage
 from refit.layout.manifest import Manifest
 from refit.layout.planner import forecast, plan
 from refit.log import get_logger
@@ -98,6 +99,8 @@ class Sender:
         self._epoch = 0
         self._generation = 0
         self._begun = False
+        self._holders: set[int] = set()
+        """Delta: the ranks of the receivers that committed the wire image's version."""
         self.statements: list[bytes] = []
         """What each receiver sent with READY: M:N shard statements (JSON; refit.topology.mesh), else empty."""
 
@@ -219,6 +222,8 @@ class Sender:
             num_slots=self.num_slots,
             zero_copy=self.zero_copy,
             digests=self._digests,
+            image=WireImage(manifest, self.device) if self.options.delta else None,
+            delta_threshold=self.options.delta_threshold,
         )
         log.info(
             "handshake: epoch %d, digest %s, %d tensors, %d bucket(s) of %d bytes",
@@ -232,10 +237,10 @@ class Sender:
     def _offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]:
         """Send `manifest` to `channels` and read each REPORT (keeping its regions); returns their refusals."""
         payload, fingerprint = manifest.to_json(), bool(self.verify)
+        flags = (Offer.FINGERPRINT if fingerprint else Offer(0)) | (Offer.DELTA if self.options.delta else Offer(0))
 
         def offer(ch: Channel) -> None:  # each receiver's copy is bound to its session: digest is a MAC under its key
             binding = auth.tag(ch.key, b"MANIFEST", manifest_binding(manifest.epoch, manifest.digest))
-            flags = Offer.FINGERPRINT if fingerprint else Offer(0)
             ch.send(Header(Kind.MANIFEST, epoch=manifest.epoch, digest=binding, status=flags), payload)
 
         failures: list[str] = []
@@ -280,6 +285,24 @@ class Sender:
         if self.zero_copy:
             return True
         return sorted(self.source.specs(), key=lambda s: s.name) != [p.spec for p in self.manifest.entries]
+
+    def delta_base(self) -> int | None:
+        """The version a refit may be sent as a delta against: the image's, when every receiver of this round
+        committed it; None sends it full. The image then reads as being rewritten until the round commits."""
+        image = self._path.image if self._path is not None else None
+        if image is None:
+            return None
+        base = image.version
+        if base is not None and any(ch.rank not in self._holders for ch in self.channels):
+            base = None  # a joiner, or a receiver that did not commit it: never a delta against what it lacks
+        image.version = None
+        return base
+
+    def delta_committed(self, version: int, receivers: list[int]) -> None:
+        """The round committed on `receivers` (every receiver of it): the image now stands for `version`."""
+        image = self._path.image if self._path is not None else None
+        if image is not None:
+            image.version, self._holders = version, set(receivers)
 
     def refit(self, version: int) -> RefitStats:
         """Send the source's current weights as `version`; returns when every receiver committed.

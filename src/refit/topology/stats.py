@@ -36,6 +36,12 @@ class RefitStats:
     direct_bytes: int = 0
     """Partial staged refit (receiver): wire bytes of the tensors staging could not hold, received straight into
     the live engine during the pause (0: the pause covered only the final copy)."""
+    wire_bytes: int = 0
+    """Bucket bytes moved on the data plane (a delta refit: its payloads; else every bucket's bytes)."""
+    full_bytes: int = 0
+    """Bucket bytes a full refit of this epoch moves (padding included), for comparison with `wire_bytes`."""
+    delta: bool = False
+    """The refit was sent as a delta against the version every receiver committed (`SenderOptions.delta`)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Seconds per stage; 'total' is the refit's wall time. Sender: handshake, pack, send, wait, verify (its
     digests sent), commit (COMMIT sent until every DONE: the receivers' fingerprint check and engine commit),

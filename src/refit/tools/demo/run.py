@@ -71,6 +71,10 @@ class DemoConfig:
     """Where `run` writes its refits as JSON ('' for nowhere)."""
     to_stderr: bool = False
     """Human output to stderr (stdout carries JSON)."""
+    delta: bool = False
+    """Delta refits (`Sender(delta=True)`): only the wire chunks changed since the last commit move."""
+    lr: float = 3e-3
+    """The plain trainer's AdamW learning rate (RL post-training runs at 1e-6 to 1e-5)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -92,6 +96,8 @@ class DemoConfig:
                 f"--tp {self.tp} must divide the KV heads ({kv_heads} at hidden {self.hidden}) and --pp {self.pp} "
                 f"the layers ({self.layers}); e.g. --tp 2 --pp 2 at the defaults"
             )
+        if self.lr <= 0:
+            raise ValueError(f"lr ({self.lr}) must be > 0")
         if self.engine not in ("module", "vllm"):
             raise ValueError(f"engine must be 'module' or 'vllm', got {self.engine!r}")
         if self.engine_tp < 1 or (self.engine_tp > 1 and self.engine != "vllm"):
@@ -287,9 +293,9 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Te
 class PlainTrainer:
     """The trainer for the default demo: one process, an unsharded model."""
 
-    def __init__(self, model: torch.nn.Module, ids: torch.Tensor) -> None:
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, *, lr: float = 3e-3) -> None:
         self.model, self.ids = model, ids
-        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
         self.source = ModuleSource(model, wire_dtype=torch.bfloat16)
 
     def step(self) -> float:
@@ -367,7 +373,7 @@ def run(cfg: DemoConfig, console: Console, trainer=None, engine: EngineProcess |
 def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | None) -> bool:
     with progress_console(quiet=cfg.verbosity < 0).status("building the demo model and tokenizer"):
         mcfg, model, tok, ids, prompts = demo_model(cfg)
-        trainer = trainer or PlainTrainer(model, ids)
+        trainer = trainer or PlainTrainer(model, ids, lr=cfg.lr)
         reference = build_model(model_config(**mcfg), seed=0)
     source = trainer.source
     # What vLLM's checkpoint (config, tokenizer; dummy weights) is saved from: never a sharded model.
@@ -381,9 +387,16 @@ def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | No
     settings = Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
     # every refit ends with the engine's digests checked against the trainer's live tensors
     sender = (
-        MeshRefit(source, num_workers=cfg.engine_tp, transport=cfg.transport, settings=settings, verify="fingerprint")
+        MeshRefit(
+            source,
+            num_workers=cfg.engine_tp,
+            transport=cfg.transport,
+            settings=settings,
+            verify="fingerprint",
+            delta=cfg.delta,
+        )
         if cfg.mesh
-        else Sender(source, transport=cfg.transport, settings=settings, verify="fingerprint")
+        else Sender(source, transport=cfg.transport, settings=settings, verify="fingerprint", delta=cfg.delta)
     )
     with tempfile.TemporaryDirectory() as workdir:
         engine = _start_engine(cfg, console, sender, (model, tok, prompts), workdir, process)
@@ -573,6 +586,9 @@ def _row(s: RefitStats, row: Row, loss: float) -> dict:
         "handshake": s.handshake,
         "loss": loss,
         "nbytes": s.nbytes,
+        "wire_bytes": s.wire_bytes,
+        "full_bytes": s.full_bytes,
+        "delta": s.delta,
         "num_buckets": s.num_buckets,
         "seconds": _trainer_seconds(s),
         "engine_seconds": dict(row.engine["stats"]["seconds"]),

@@ -1,0 +1,276 @@
+"""Delta refits (`Sender(delta=True)`): only the wire chunks that changed since the version every receiver
+committed move, and every refit still leaves each engine holding, bitwise, the trainer's live tensors in the
+wire dtype. Receivers run in threads of the test process (tests/helpers/threaded.py) over real shm and gloo
+transports; every outcome is waited for as an event."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from threaded import Peer, RowsEngine
+
+from refit import ModuleEngine, ModuleSource, RefitError, Sender, Settings
+from refit.layout.delta import REPRIME, payload_nbytes
+from refit.topology.receiver import Receiver
+from refit.topology.stats import RefitStats
+
+BF16 = torch.bfloat16
+BUCKET = 512 << 10
+"""Bucket capacity: a one-chunk delta (64 KiB and its table) is well under half of a full bucket."""
+SETTINGS = Settings(bucket_bytes=BUCKET, timeout_s=60.0)
+
+
+def _trainer() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "embed.weight": torch.randn(512, 512, generator=g),  # 512 KiB in bf16: one bucket of its own
+        "mlp.weight": torch.randn(256, 384, generator=g),
+        "norm.weight": torch.randn(1000, generator=g),
+    }
+
+
+def _engine(live: dict[str, torch.Tensor]) -> ModuleEngine:
+    return ModuleEngine({n: torch.zeros_like(t) for n, t in live.items()})
+
+
+def _assert_holds(engine: ModuleEngine, live: dict[str, torch.Tensor]) -> None:
+    """The engine (fp32) holds the trainer's live tensors cast to bf16, bitwise."""
+    _assert_holds_in(engine, live, BF16)
+
+
+def _assert_holds_in(engine: ModuleEngine, live: dict[str, torch.Tensor], wire: torch.dtype) -> None:
+    for name, t in live.items():
+        got = engine.tensor(name)
+        want = t.to(wire).to(got.dtype)
+        assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), f"{name} differs"
+
+
+class Session:
+    """A delta Sender over `live` and receivers in threads; `refit(v)` runs one on every peer."""
+
+    def __init__(
+        self,
+        live: dict[str, torch.Tensor],
+        *,
+        transport: str,
+        receivers: int = 1,
+        engines: list[tuple[ModuleEngine, dict]] | None = None,
+        **options,
+    ) -> None:
+        """`engines`: (engine, Receiver keyword arguments) of each receiver; default `receivers` plain ones."""
+        self.live = live
+        self.check = True
+        """Check every plain engine against `live` in bf16 after each refit."""
+        engines = engines or [(_engine(live), {}) for _ in range(receivers)]
+        self.sender = Sender(
+            ModuleSource(live, wire_dtype=BF16),
+            transport=transport,
+            num_receivers=len(engines),
+            settings=SETTINGS,
+            delta=True,
+            **options,
+        )
+        self.peers: list[Peer] = []
+        for engine, args in engines:
+            self.add(engine, **args)
+
+    def add(self, engine: ModuleEngine, **receiver_args) -> Peer:
+        peer = Peer(Receiver(engine, self.sender.rendezvous(), settings=SETTINGS, **receiver_args))
+        peer.ask("connect")
+        self.peers.append(peer)
+        return peer
+
+    def refit(self, version: int) -> tuple[RefitStats, list[object]]:
+        for p in self.peers:
+            p.ask("receive")
+        try:
+            stats = self.sender.refit(version)
+        except RefitError as e:
+            outcomes = [p.outcome() for p in self.peers]
+            raise RefitError(f"{e} | receivers: {outcomes}") from e
+        outcomes = [p.outcome() for p in self.peers]
+        for o in outcomes:
+            assert isinstance(o, RefitStats), o
+        for p in self.peers:
+            if self.check and p.receiver.staging is None and not isinstance(p.engine, RowsEngine):
+                _assert_holds(p.engine, self.live)
+        return stats, outcomes
+
+    def close(self) -> None:
+        self.sender.close()
+        for p in self.peers:
+            p.stop()
+
+
+@contextlib.contextmanager
+def session(live: dict[str, torch.Tensor], **kw) -> Iterator[Session]:
+    s = Session(live, **kw)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _full(stats: RefitStats) -> bool:
+    return not stats.delta and stats.wire_bytes == stats.full_bytes
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_after_a_small_change_only_its_chunks_move(transport: str) -> None:
+    live = _trainer()
+    with session(live, transport=transport) as s:
+        first, _ = s.refit(1)
+        assert _full(first)
+        sizes = s.sender.manifest.bucket_nbytes
+        assert len(sizes) >= 2
+        empty = [payload_nbytes(nb, 0) for nb in sizes]  # an unchanged bucket moves its table alone
+        same, got = s.refit(2)
+        assert same.delta and same.wire_bytes == sum(empty) and got[0].wire_bytes == same.wire_bytes
+        live["embed.weight"][0, 3] += 1.0  # one value of the first bucket (embed.weight fills it)
+        live["embed.weight"][7, 9] += 1.0
+        two, got = s.refit(3)
+        assert two.delta and two.wire_bytes == payload_nbytes(sizes[0], 2) + sum(empty[1:])
+        assert got[0].wire_bytes == two.wire_bytes
+        live["embed.weight"].add_(1.0)  # every value of one bucket: that bucket goes full, the rest as deltas
+        most, _ = s.refit(4)
+        assert most.delta and most.wire_bytes == sizes[0] + sum(empty[1:])
+        for version in range(5, 6 + REPRIME):  # found dense: sent full and not kept, until kept again
+            live["embed.weight"][1, version] += 1.0
+            stats, _ = s.refit(version)
+            first = sizes[0] if version < 5 + REPRIME else payload_nbytes(sizes[0], 1)
+            assert stats.wire_bytes == first + sum(empty[1:])
+
+
+def test_after_a_failed_refit_the_next_is_full_and_correct() -> None:
+    live = _trainer()
+    with session(live, transport="shm", receivers=2) as s:
+        s.refit(1)
+        s.refit(2)
+        broken = s.peers[1].engine
+        inner = broken.load_digested
+        armed = {"on": True}
+
+        def load_digested(tensors):  # noqa: ANN001, ANN202 - as the engine's
+            if armed["on"]:
+                armed["on"] = False
+                raise RuntimeError("the engine ran out of memory")
+            return inner(tensors)
+
+        broken.load_digested = load_digested  # type: ignore[method-assign]
+        live["mlp.weight"][5] *= 3.0
+        for p in s.peers:
+            p.ask("receive")
+        with pytest.raises(RefitError, match="out of memory"):
+            s.sender.refit(3)
+        outcomes = [p.outcome() for p in s.peers]
+        assert isinstance(outcomes[0], RefitStats) and isinstance(outcomes[1], RefitError)
+        # receiver 0 committed 3, receiver 1 did not: never a delta against a version one of them lacks
+        retry, _ = s.refit(3)
+        assert _full(retry)
+        live["norm.weight"][0] = 5.0
+        again, _ = s.refit(4)
+        assert again.delta and again.wire_bytes < again.full_bytes
+
+
+def test_a_joiner_gets_a_full_refit_and_then_deltas_resume() -> None:
+    live = _trainer()
+    with session(live, transport="shm", elastic=True) as s:
+        s.refit(1)
+        assert s.refit(2)[0].delta
+        joiner = s.add(_engine(live))
+        joiner.join()
+        assert s.sender.await_receivers(2, timeout_s=60.0)
+        live["mlp.weight"][0, 0] = 2.0
+        joined, got = s.refit(3)
+        assert _full(joined) and got[1].wire_bytes == joined.full_bytes
+        live["mlp.weight"][0, 1] = 2.0
+        after, _ = s.refit(4)
+        assert after.delta and after.wire_bytes < after.full_bytes / 4
+
+
+def test_a_dtype_change_starts_a_full_epoch_and_a_replaced_tensor_is_followed() -> None:
+    live = _trainer()
+    with session(live, transport="shm") as s:
+        s.refit(1)
+        fresh = live["mlp.weight"].clone()  # new storage, same values but one
+        fresh[1, 1] = -4.0
+        live["mlp.weight"] = fresh
+        replaced, _ = s.refit(2)
+        assert replaced.delta and replaced.wire_bytes < replaced.full_bytes / 4
+        live["norm.weight"] = live["norm.weight"].double()  # the wire dtype stays bf16: no new epoch
+        s.refit(3)
+        s.sender.source.set_wire_dtype("norm.weight", torch.float32)  # another wire dtype: a new epoch
+        s.check = False  # the bf16 check does not hold for norm.weight now
+        switched, _ = s.refit(4)
+        assert switched.handshake and _full(switched)
+        _assert_holds_in(s.peers[0].engine, {"norm.weight": live["norm.weight"]}, torch.float32)
+        live["embed.weight"][9, 9] = 0.5
+        after, _ = s.refit(5)
+        assert after.delta and after.wire_bytes < after.full_bytes / 4
+        _assert_holds_in(s.peers[0].engine, {"embed.weight": live["embed.weight"]}, BF16)
+
+
+def test_a_receiver_behind_refuses_the_delta_and_the_retry_is_full() -> None:
+    live = _trainer()
+    with session(live, transport="shm") as s:
+        s.refit(1)
+        path = s.peers[0].receiver._path
+        assert path is not None and path.image is not None
+        path.image.version = 0  # as if it had missed version 1: the sender still thinks it holds 1
+        live["norm.weight"][3] = 1.5
+        s.peers[0].ask("receive")
+        with pytest.raises(RefitError, match=r"refused a delta refit of version 2 against base version 1"):
+            s.sender.refit(2)
+        assert isinstance(s.peers[0].outcome(), RefitError)
+        retry, _ = s.refit(2)
+        assert _full(retry)
+
+
+def test_a_lost_chunk_fails_the_fingerprint_check_and_the_refit() -> None:
+    live = _trainer()
+    with session(live, transport="shm") as s:
+        s.refit(1)
+        path = s.peers[0].receiver._path
+        assert path is not None and path.image is not None
+        path.image.images[0][100] ^= 0xFF  # a chunk that will not move: the image no longer holds version 1
+        live["norm.weight"][3] = 1.5
+        s.peers[0].ask("receive")
+        with pytest.raises(RefitError, match="fingerprint check failed"):
+            s.sender.refit(2)
+        assert isinstance(s.peers[0].outcome(), RefitError)
+        assert _full(s.refit(2)[0])
+
+
+def test_staged_receivers_take_deltas_into_staging() -> None:
+    live = _trainer()
+    with session(live, transport="shm", engines=[(_engine(live), {}), (_engine(live), {"staged": True})]) as s:
+        staged = s.peers[1]
+        for version in (1, 2, 3):
+            live["embed.weight"][version, 0] = float(version)
+            stats, _ = s.refit(version)
+            assert stats.delta == (version > 1)
+            assert staged.receiver.apply_staged()
+            _assert_holds(staged.engine, live)
+
+
+def test_rows_engines_take_deltas_of_their_rows() -> None:
+    live = _trainer()
+    rows_engine = RowsEngine({n: torch.zeros_like(t) for n, t in live.items()}, "mlp.weight", 64, 128)
+    with session(live, transport="gloo", engines=[(_engine(live), {}), (rows_engine, {})]) as s:
+        rows = s.peers[1]
+        for version in (1, 2):
+            live["mlp.weight"][70, version] = 9.0
+            stats, _ = s.refit(version)
+            assert stats.delta == (version > 1)
+            got = rows.engine.tensor("mlp.weight")
+            assert torch.equal(got, live["mlp.weight"][64:128].to(BF16).float())
+
+
+def test_delta_refuses_zero_copy_and_a_threshold_outside_0_to_1() -> None:
+    with pytest.raises(ValueError, match="delta=True cannot be combined with zero_copy"):
+        Sender(ModuleSource(_trainer()), transport="cuda-ipc", delta=True, zero_copy=True)
+    with pytest.raises(ValueError, match=r"delta_threshold \(1.5\) must be within 0..1"):
+        Sender(ModuleSource(_trainer()), delta=True, delta_threshold=1.5)
