@@ -109,11 +109,16 @@ def test_a_vote_decides_the_commit_on_every_receiver(verdict: str) -> None:
 
 
 @contextlib.contextmanager
-def _world_of_one() -> Iterator[None]:
-    """A real gloo group of one rank, in this process (RankedRefit's collectives run over it)."""
+def _world_of_one() -> Iterator[dist.ProcessGroup | None]:
+    """A real gloo group of one rank, in this process (RankedRefit's collectives run over it): a new group
+    beside a default one an earlier in-process test left (a world of one too), else the default group."""
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1, "this test needs a world of one rank"
+        yield dist.new_group(backend="gloo")
+        return
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        yield
+        yield None
     finally:
         dist.destroy_process_group()
 
@@ -123,10 +128,10 @@ def test_a_ranked_refit_builds_its_sender_with_the_vote_across_ranks_as_its_comm
     trainer = {"w": torch.randn(8, 16, generator=g), "b": torch.randn(40, generator=g)}
     source = ModuleSource(trainer)
     assert not hasattr(Sender, "vote_with")  # no policy is changed on a Sender after its construction
-    with _world_of_one():
+    with _world_of_one() as group:
         with Sender(source) as built, pytest.raises(ValueError, match=r"pass the source and the Sender's options"):
             RankedRefit(built)
-        ranked = RankedRefit(source, settings=Settings(bucket_bytes=4096, timeout_s=60.0), verify="strict")
+        ranked = RankedRefit(source, group=group, settings=Settings(bucket_bytes=4096, timeout_s=60.0), verify="strict")
         try:
             commit = ranked.sender.commit
             assert commit.strict and commit.vote == ranked._vote and commit.two_phase
