@@ -99,7 +99,9 @@ def test_a_receiver_killed_with_a_read_in_flight_fails_the_refit_within_its_time
 def test_a_sender_killed_with_a_read_in_flight_leaves_the_engine_failed_within_the_timeout() -> None:
     args = {"specs": SPECS, "transport": "nixl", "bucket_bytes": 4096, "die_at_bucket": 10**6, "timeout_s": 60}
     env = {**os.environ, "PYTHONPATH": pythonpath()}
-    proc = warm.popen([sys.executable, helper("sender_peer.py"), json.dumps(args)], stdout=subprocess.PIPE, text=True, env=env)
+    proc = warm.popen(
+        [sys.executable, helper("sender_peer.py"), json.dumps(args)], stdout=subprocess.PIPE, text=True, env=env
+    )
     assert proc.stdout is not None
     rendezvous = json.loads(proc.stdout.readline().removeprefix("@@sender "))
     engine = ModuleEngine(make_tensors(SPECS, seed=5))
@@ -124,3 +126,20 @@ def test_a_sender_killed_with_a_read_in_flight_leaves_the_engine_failed_within_t
         assert time.monotonic() - start < TIMEOUT_S
     assert engine.weights.state.value != "current"
     assert engine.weights.version != 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vram_buffers_on_both_sides_refit_bitwise_over_nixl() -> None:
+    """VRAM: the sender's buffers and the engine's on cuda:0 (two processes), NIXL's VRAM memory type."""
+    specs = [[f"w{i}", [256, 256], "float32"] for i in range(6)]
+    with session(specs, transport="nixl", bucket_bytes=1 << 18, device="cuda:0", peer_devices=["cuda:0"]) as (
+        sender,
+        tensors,
+        (p,),
+    ):
+        assert sender.transport is not None and sender.transport.buffers[0].is_cuda
+        for version in (1, 2):
+            sender.refit(version)
+            _assert_current(p.report(), sender, tensors, version)
+            _step(tensors)
+    assert p.wait() == 0

@@ -73,6 +73,7 @@ def test_malformed_setup_info_is_refused_before_any_agent_is_added(change: dict)
         sender.close()
 
 
+@pytest.mark.slow  # twenty sessions: about 12 s on the 2-core machine
 def test_one_agent_per_role_serves_twenty_sessions_and_every_registration_is_released() -> None:
     g = torch.Generator().manual_seed(0)
     live = {f"w{i}": torch.randn(64, 64, generator=g) for i in range(6)}
