@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -50,7 +52,15 @@ def _nixl() -> Any:
             raise ValueError(
                 "transport 'nixl' needs NVIDIA NIXL: pip install 'refit[nixl]' (nixl-cu12), or nixl / nixl-cu13"
             ) from None
+    _off_stdout()
     return nixl
+
+
+def _off_stdout() -> None:
+    """NIXL's Python logger writes to stdout, which tools and launchers parse; its lines go to stderr instead."""
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 @dataclass(slots=True)
