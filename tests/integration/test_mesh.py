@@ -13,6 +13,12 @@ import pytest
 import warm
 from trainer_ranks import go, line, start
 
+from refit.tools.doctor import installed
+
+NIXL = pytest.param(
+    "nixl", marks=pytest.mark.skipif(not installed("nixl_cu12"), reason="needs nixl: pip install '.[nixl]'")
+)
+
 HELPERS = os.path.dirname(os.path.abspath(__file__)).replace("integration", "helpers")
 
 
@@ -59,7 +65,7 @@ def _run(kind: str, workers: int, transport: str, steps: int = 3, **extra) -> li
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["gloo", "shm"])
+@pytest.mark.parametrize("transport", ["gloo", "shm", NIXL])
 def test_fsdp2_to_two_tensor_parallel_workers_bitwise_with_fingerprint_and_dtype_change(transport: str) -> None:
     sent = _run("mlp", 2, transport, verify="fingerprint", dtype_change_at=3, replace_at=2)
     model = sent[0]["stats"]["model_bytes"]

@@ -89,7 +89,7 @@ def _check_demo(args: argparse.Namespace) -> list[str]:
         )
     names = [t.strip() for t in args.transport.split(",") if t.strip()]
     if not names:
-        raise ValueError("--transport needs at least one of shm, gloo, cuda-ipc, nccl")
+        raise ValueError("--transport needs at least one of shm, gloo, cuda-ipc, nccl, nixl")
     for name in names:
         reason = transports.unavailable(name)
         if reason:
@@ -182,16 +182,19 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         from refit.tools.bench.presets import from_config
 
         from_config(config_file(args.config))
-    if args.transport and transports.unavailable(args.transport):
-        raise ValueError(transports.unavailable(args.transport))
+    names = [t.strip() for t in (args.transport or "").split(",") if t.strip()] or [""]
+    for name in names:
+        if name and transports.unavailable(name):
+            raise ValueError(transports.unavailable(name))
     reports = []
     layer_counts = _ints(args.layers, "--layers") if args.layers else [None]
-    runs = [(p, n, k) for p in presets for n in receivers for k in layer_counts]
-    methods = _bench_methods(args.methods, default_transport(args.transport or ""))
+    methods = {t: _bench_methods(args.methods, default_transport(t)) for t in names}
+    runs = [(t, p, n, k) for p in presets for t in names for n in receivers for k in layer_counts]
     with progress(quiet=args.verbosity < 0) as bar:
-        task = bar.add_task("bench", total=len(runs) * len(methods))
-        for preset, n, layers in runs:
-            reports.append(run_bench(_bench_config(args, preset, n, layers, methods), _step(bar, task, preset)))
+        task = bar.add_task("bench", total=sum(len(methods[t]) for t, *_ in runs))
+        for transport, preset, n, layers in runs:
+            cfg = _bench_config(args, preset, n, layers, methods[transport], transport)
+            reports.append(run_bench(cfg, _step(bar, task, preset)))
             bar.advance(task)  # the run's last method
             show(reports[-1:], console)
     show_scaling(reports, console)
@@ -267,7 +270,9 @@ def _step(bar: Progress, task: TaskID, preset: str) -> Callable[[str], None]:
     return on_method
 
 
-def _bench_config(args: argparse.Namespace, preset: str, n: int, layers: int | None, methods: tuple[str, ...]):  # type: ignore[no-untyped-def]
+def _bench_config(  # type: ignore[no-untyped-def]
+    args: argparse.Namespace, preset: str, n: int, layers: int | None, methods: tuple[str, ...], transport: str = ""
+):
     from refit.tools.bench.runner import BenchConfig
 
     log.info("bench: %s, %d receiver(s)", preset, n)
@@ -275,7 +280,7 @@ def _bench_config(args: argparse.Namespace, preset: str, n: int, layers: int | N
         preset=preset,
         config=args.config,
         dtype=args.dtype,
-        transport=args.transport or "",
+        transport=transport,
         receivers=n,
         repeats=3 if args.quick else args.repeats,
         warmup=args.warmup,
@@ -501,7 +506,11 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
     )
     bench.add_argument("--config", help="a transformers config.json to take the shapes from (instead of --preset)")
     bench.add_argument("--dtype", default="bfloat16", help="wire dtype of every tensor")
-    bench.add_argument("--transport", help="shm, gloo, cuda-ipc, nccl (default: cuda-ipc with CUDA, else shm)")
+    bench.add_argument(
+        "--transport",
+        help="comma-separated, each run side by side: shm, gloo, cuda-ipc, nccl, nixl (default: cuda-ipc with CUDA, "
+        "else shm)",
+    )
     bench.add_argument("--receivers", default="1", help="comma-separated receiver counts, e.g. 1,2,4")
     bench.add_argument(
         "--repeats",

@@ -20,6 +20,7 @@ from importlib import metadata, util
 
 import torch
 
+from refit.errors import PeerError
 from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes
 from refit.log import get_logger
 from refit.settings import Settings
@@ -95,7 +96,7 @@ def diagnose(*, transports: list[str], settings: Settings | None = None, probe: 
         if probe and "cuda-ipc" in transports:
             checks.append(probe_cuda_ipc())
         checks += [check_peers(), check_nccl()]
-    checks += [check_container(), check_vllm(), check_ray()]
+    checks += [check_container(), check_vllm(), check_ray(), check_nixl(probe=probe and "nixl" in transports)]
     report = Report(checks=checks)
     report.verdicts = [verdict(report, t) for t in transports]
     for c in report.checks:
@@ -371,6 +372,42 @@ def check_ray() -> Check:
     return Check(name="ray", status=OK, detail=f"Ray {_version('ray')}")
 
 
+def check_nixl(*, probe: bool) -> Check:
+    """NVIDIA NIXL: whether it imports, the UCX modules its wheel ships, and (probing) its plugins and UCX's
+    memory types as an agent sees them."""
+    module = next((m for m in ("nixl_cu12", "nixl_cu13", "nixl") if installed(m)), None)
+    if module is None:
+        return Check(
+            name="nixl",
+            status=INFO,
+            detail="not installed (needed only for transport 'nixl')",
+            fix="pip install -e '.[nixl]' (nixl-cu12)",
+        )
+    version = _version(module.replace("_", "-"), "nixl")
+    spec = util.find_spec(module)
+    root = os.path.dirname(os.path.dirname(spec.origin)) if spec is not None and spec.origin else ""
+    ucx_dir = os.path.join(root, f"{module}.libs", "ucx")
+    files = os.listdir(ucx_dir) if os.path.isdir(ucx_dir) else []
+    mods = sorted({f.split(".")[0].removeprefix("libuct_") for f in files if f.startswith("libuct_")})
+    parts = [f"NIXL {version} ({module})"]
+    if mods:
+        parts.append("UCX plugin modules " + ", ".join(mods))
+    if os.environ.get("UCX_TLS"):
+        parts.append(f"UCX_TLS={os.environ['UCX_TLS']}")
+    if probe:
+        from refit.transports import nixl
+
+        try:
+            agent = nixl.agent(nixl.READING)
+        except (PeerError, ValueError) as e:
+            detail = f"{'; '.join(parts)}; {e}"
+            return Check(name="nixl", status=FAIL, detail=detail, fix="check NIXL_PLUGIN_DIR and UCX_TLS")
+        plugins = agent.nixl.get_plugin_list()
+        mems = agent.nixl.get_backend_mem_types(nixl.BACKEND)
+        parts.append(f"plugins {', '.join(plugins)}; {nixl.BACKEND} memory {', '.join(mems)}")
+    return Check(name="nixl", status=OK, detail="; ".join(parts))
+
+
 def installed(module: str) -> bool:
     """Whether `module` can be imported, without importing it (None in sys.modules counts as blocked)."""
     if module in sys.modules:
@@ -475,6 +512,9 @@ def verdict(report: Report, transport: str) -> Verdict:
         return failed
     if transport == "cuda-ipc":
         return _cuda_ipc_verdict(report)
+    nixl = report.by_name("nixl")
+    if transport == "nixl" and nixl is not None and nixl.status != OK:
+        return Verdict(transport=transport, status=FAIL, reason=f"nixl: {nixl.detail}", fix=nixl.fix)
     if transport == "nccl" and torch.cuda.device_count() < 2:
         return Verdict(
             transport=transport,
@@ -494,6 +534,7 @@ NEEDS = {
     "gloo": ["torch", "rendezvous", "memory cpu"],
     "cuda-ipc": ["cuda", "rendezvous"],
     "nccl": ["cuda", "rendezvous", "nccl"],
+    "nixl": ["torch", "rendezvous", "memory cpu", "nixl"],
 }
 """The checks each built-in transport needs to pass."""
 
@@ -533,6 +574,8 @@ USE = {
     "gloo": "CPU, any placement: a gloo broadcast over TCP, across hosts too",
     "cuda-ipc": "colocated GPU: the engine reads the trainer's device buffers through CUDA IPC handles",
     "nccl": "disaggregated GPU: an NCCL broadcast to engine GPUs on this or other hosts",
+    "nixl": "CPU (or GPU with device=cuda), any placement: engines READ the trainer's registered buffers "
+    "one-sided through NIXL over UCX, across hosts too; its data connections are not authenticated (docs/SECURITY.md)",
 }
 
 

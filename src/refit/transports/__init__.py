@@ -1,6 +1,6 @@
 """Transports by name, imported lazily so optional dependencies stay optional.
 
-Four are built in. More come from `register(name, cls_or_"module:Class")` in this process, or from an
+Five are built in. More come from `register(name, cls_or_"module:Class")` in this process, or from an
 installed package's entry point in group "refit.transports" (every process sees those):
 
     [project.entry-points."refit.transports"]
@@ -25,6 +25,7 @@ _BUILTIN: dict[str, str] = {
     "gloo": "refit.transports.gloo:GlooTransport",
     "cuda-ipc": "refit.transports.cuda_ipc:CudaIpcTransport",
     "nccl": "refit.transports.nccl:NcclTransport",
+    "nixl": "refit.transports.nixl:NixlTransport",
 }
 _DEVICE_TYPES = ("cpu", "cuda")
 
