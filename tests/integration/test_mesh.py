@@ -13,11 +13,9 @@ import pytest
 import warm
 from trainer_ranks import go, line, start
 
-from refit.tools.doctor import installed
+from refit.tools.doctor import nixl_installed
 
-NIXL = pytest.param(
-    "nixl", marks=pytest.mark.skipif(not installed("nixl_cu12"), reason="needs nixl: pip install '.[nixl]'")
-)
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not nixl_installed(), reason="needs nixl: pip install '.[nixl]'"))
 
 HELPERS = os.path.dirname(os.path.abspath(__file__)).replace("integration", "helpers")
 

@@ -14,7 +14,10 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("nixl_cu12")
+from refit.tools.doctor import nixl_installed
+
+if not nixl_installed():
+    pytest.skip("needs nixl: pip install '.[nixl]'", allow_module_level=True)
 
 import warm  # noqa: E402
 from elastic_peer import ElasticPeer  # noqa: E402

@@ -8,7 +8,10 @@ import threading
 import pytest
 import torch
 
-pytest.importorskip("nixl_cu12")
+from refit.tools.doctor import nixl_installed
+
+if not nixl_installed():
+    pytest.skip("needs nixl: pip install '.[nixl]'", allow_module_level=True)
 
 from refit import ModuleEngine, ModuleSource, PeerError, Receiver, Sender, Settings  # noqa: E402
 from refit.transports import nixl  # noqa: E402

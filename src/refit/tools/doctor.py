@@ -375,7 +375,7 @@ def check_ray() -> Check:
 def check_nixl(*, probe: bool) -> Check:
     """NVIDIA NIXL: whether it imports, the UCX modules its wheel ships, and (probing) its plugins and UCX's
     memory types as an agent sees them."""
-    module = next((m for m in ("nixl_cu12", "nixl_cu13", "nixl") if installed(m)), None)
+    module = next((m for m in nixl_modules() if installed(m)), None)
     if module is None:
         return Check(
             name="nixl",
@@ -406,6 +406,15 @@ def check_nixl(*, probe: bool) -> Check:
         mems = agent.nixl.get_backend_mem_types(nixl.BACKEND)
         parts.append(f"plugins {', '.join(plugins)}; {nixl.BACKEND} memory {', '.join(mems)}")
     return Check(name="nixl", status=OK, detail="; ".join(parts))
+
+
+def nixl_modules() -> tuple[str, ...]:
+    """NIXL's import names (refit.transports.nixl.MODULES), without importing torch's side of refit."""
+    return ("nixl_cu12", "nixl_cu13", "nixl")
+
+
+def nixl_installed() -> bool:
+    return any(installed(m) for m in nixl_modules())
 
 
 def installed(module: str) -> bool:

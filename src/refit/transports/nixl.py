@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import importlib
 import logging
 import os
 import socket
@@ -41,19 +42,19 @@ MAX_POLL_SLEEP_S = 0.001
 
 log = get_logger("nixl")
 
+MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+"""The wheels' import names, in the order tried: nixl-cu12, nixl-cu13 (its UCX needs libcudart.so.13), nixl."""
+
 
 def _nixl() -> Any:
-    try:
-        import nixl_cu12 as nixl  # the CUDA 12 wheel's import name
-    except ImportError:
+    for name in MODULES:
         try:
-            import nixl  # type: ignore[no-redef]
+            nixl = importlib.import_module(name)
         except ImportError:
-            raise ValueError(
-                "transport 'nixl' needs NVIDIA NIXL: pip install 'refit[nixl]' (nixl-cu12), or nixl / nixl-cu13"
-            ) from None
-    _off_stdout()
-    return nixl
+            continue
+        _off_stdout()
+        return nixl
+    raise ValueError("transport 'nixl' needs NVIDIA NIXL: pip install 'refit[nixl]' (nixl-cu12), or nixl / nixl-cu13")
 
 
 def _off_stdout() -> None:

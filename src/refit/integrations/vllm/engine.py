@@ -337,6 +337,10 @@ def parse_options(raw: Any) -> VllmOptions:
 
 
 def engine_seconds(engine: Any, receiver_seconds: dict[str, float]) -> dict[str, float]:
-    """A worker's engine time for one refit: 'copy', 'post' and their sum 'load', beside 'recv'."""
+    """A worker's engine time for one refit: 'copy', 'post' and their sum 'load', beside 'recv' and, where the
+    refit was verified, 'verify' (the receiver's digests of what it holds, compared with the trainer's)."""
     copy, post = engine.seconds.get("copy", 0.0), engine.seconds.get("post", 0.0)
-    return {"copy": copy, "post": post, "load": copy + post, "recv": receiver_seconds.get("recv", 0.0)}
+    out = {"copy": copy, "post": post, "load": copy + post, "recv": receiver_seconds.get("recv", 0.0)}
+    if "verify" in receiver_seconds:
+        out["verify"] = receiver_seconds["verify"]
+    return out

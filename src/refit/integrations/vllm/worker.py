@@ -118,7 +118,7 @@ class RefitWorkerExtension:
         return {n: fp for n, (_, region, fp) in worker_held(self).items() if region is None}
 
     def refit_engine_seconds(self) -> dict[str, float]:
-        """The last refit's engine time in this worker: 'copy', 'post', 'load' (their sum), 'recv'."""
+        """The last refit's engine time in this worker: 'copy', 'post', 'load' (their sum), 'recv', 'verify'."""
         return worker_seconds(self)
 
     def refit_held(self) -> dict[str, list]:

@@ -65,11 +65,24 @@ def default_transport(name: str = "") -> str:
     return name or ("cuda-ipc" if torch.cuda.is_available() else "shm")
 
 
+EITHER_MEMORY = {"nixl"}
+"""Transports that move host or device memory: the bench gives them the GPU where there is one."""
+
+
+def bench_device(transport: str) -> torch.device:
+    """Where the sender's tensors and buffers live: cuda:0 for a CUDA transport, and for one in
+    EITHER_MEMORY where CUDA is available (nixl then reads VRAM, two processes on one GPU); else the CPU."""
+    on_gpu = transports.get(transport).device_type == "cuda" or (
+        transport in EITHER_MEMORY and torch.cuda.is_available()
+    )
+    return torch.device("cuda:0" if on_gpu else "cpu")
+
+
 def applicable(transport: str, device: torch.device | None = None) -> tuple[str, ...]:
     """The methods that measure something over `transport` with the sender's tensors on `device` (default:
-    cuda:0 for a CUDA transport, else the CPU), in METHODS order."""
+    `bench_device`), in METHODS order."""
     if device is None:
-        device = torch.device("cuda:0" if transports.get(transport).device_type == "cuda" else "cpu")
+        device = bench_device(transport)
 
     def applies(m: str) -> bool:
         if m in LOCAL:
@@ -483,11 +496,12 @@ def _method(
 
 
 def _devices(cfg: BenchConfig) -> tuple[torch.device, list[str]]:
-    if transports.get(cfg.transport).device_type != "cuda":
-        return torch.device("cpu"), ["cpu"] * cfg.receivers
+    device = bench_device(cfg.transport)
+    if device.type == "cpu":
+        return device, ["cpu"] * cfg.receivers
     n = torch.cuda.device_count()
-    if cfg.transport == "cuda-ipc":
-        return torch.device("cuda:0"), ["cuda:0"] * cfg.receivers
+    if cfg.transport == "cuda-ipc" or cfg.transport in EITHER_MEMORY:
+        return device, ["cuda:0"] * cfg.receivers
     if n < 2:
         raise ValueError("the nccl bench needs at least 2 GPUs (sender on cuda:0, receivers on the others)")
     return torch.device("cuda:0"), [f"cuda:{1 + r % (n - 1)}" for r in range(cfg.receivers)]

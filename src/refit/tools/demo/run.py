@@ -244,12 +244,13 @@ class VllmSide:
 
     def refit(self, version: int) -> RefitStats:
         stats = self.driver.refit(version)
-        # The driver adds the workers' own engine time as "load"; without it the column reads n/a.
-        self._seconds = {"load": stats.seconds["load"]} if "load" in stats.seconds else {}
+        per_worker = self.llm.collective_rpc("refit_engine_seconds")
+        # The slowest worker's own time, as the driver reports 'load'; a stage no worker timed reads n/a.
+        self._seconds = {
+            k: max(w.get(k, 0.0) for w in per_worker) for k in ENGINE_STAGES if any(k in w for w in per_worker)
+        }
         if stats.worker_bytes:  # M:N: what each worker itself received, as it counted
-            stats.worker_bytes = [
-                int(w.get("received_bytes", 0)) for w in self.llm.collective_rpc("refit_engine_seconds")
-            ]
+            stats.worker_bytes = [int(w.get("received_bytes", 0)) for w in per_worker]
         return stats
 
     def report(self, weights: dict[str, torch.Tensor]) -> dict:
