@@ -140,9 +140,10 @@ def test_vram_buffers_on_both_sides_refit_bitwise_over_nixl() -> None:
         tensors,
         (p,),
     ):
-        assert sender.transport is not None and sender.transport.buffers[0].is_cuda
         for version in (1, 2):
             sender.refit(version)
+            # the transport is made at the first refit's connect, so its buffers exist only after it
+            assert sender.transport is not None and sender.transport.buffers[0].is_cuda
             _assert_current(p.report(), sender, tensors, version)
             _step(tensors)
     assert p.wait() == 0

@@ -67,6 +67,20 @@ class WireImage:
         """Per bucket: the image holds its bytes (a delta of it may be sent, or taken)."""
         self._stale = [0] * len(manifest.bucket_nbytes)
         """Per bucket not kept: refits since it was found dense."""
+        self.holders: set[int] = set()
+        """The ranks of the receivers that committed `version`."""
+
+    def base_for(self, ranks: list[int]) -> int | None:
+        """The version a refit to `ranks` may be sent as a delta against: the image's, when each of them committed
+        it (never a delta against what a joiner or a failed receiver lacks); None sends it full. The image then
+        reads as being rewritten until `committed`."""
+        base = self.version if all(r in self.holders for r in ranks) else None
+        self.version = None
+        return base
+
+    def committed(self, version: int, ranks: list[int]) -> None:
+        """A refit committed on `ranks` (every receiver of it): the image now stands for `version`."""
+        self.version, self.holders = version, set(ranks)
 
     @property
     def nbytes(self) -> int:

@@ -43,9 +43,10 @@ class Round:
         )
         stats.add("connect", t0 - self.t_connect)
         stats.add("handshake", time.perf_counter() - t0)
-        ctrl0 = s._control_bytes()
+        ctrl0 = _control_bytes(s.channels)
         flags = (Begin.ZERO_COPY if s.zero_copy else Begin(0)) | (Begin.TWO_PHASE if s.commit.two_phase else Begin(0))
-        base = s.delta_base()
+        image = s._path.image
+        base = image.base_for([ch.rank for ch in s.channels]) if image is not None else None
         flags |= Begin.DELTA if base is not None else Begin(0)
         begin = Header(
             Kind.BEGIN,
@@ -71,8 +72,9 @@ class Round:
             delta=base is not None,
         )
         self._commit(m, stats, errors)
-        s.delta_committed(version, stats.receivers)
-        stats.control_bytes = max(0, s._control_bytes() - ctrl0)  # a receiver dropped mid-refit takes its count
+        if image is not None:
+            image.committed(version, stats.receivers)
+        stats.control_bytes = max(0, _control_bytes(s.channels) - ctrl0)  # a receiver dropped mid-refit takes its count
         stats.seconds["total"] = time.perf_counter() - t0
         log.info(
             "committed version %d: %d bytes in %d bucket(s), %.1f ms",
@@ -159,3 +161,7 @@ def _strict_failure(names: list[str]) -> str:
         f"verify='strict': {len(names)} tensor(s) could not be read back from the engine to verify: {shown}; "
         "verify='fingerprint' accepts unverified tensors"
     )
+
+
+def _control_bytes(channels: list[Channel]) -> int:
+    return sum(ch.bytes_sent + ch.bytes_received for ch in channels)

@@ -99,8 +99,6 @@ class Sender:
         self._epoch = 0
         self._generation = 0
         self._begun = False
-        self._holders: set[int] = set()
-        """Delta: the ranks of the receivers that committed the wire image's version."""
         self.statements: list[bytes] = []
         """What each receiver sent with READY: M:N shard statements (JSON; refit.topology.mesh), else empty."""
 
@@ -114,7 +112,7 @@ class Sender:
 
     @property
     def uses_store(self) -> bool:
-        """A group transport (gloo, nccl): its setup is a group formed through a store, fixed in size."""
+        """A group transport (gloo, nccl): a group formed through a store, fixed in size."""
         return bool(self._transport_cls.uses_store)
 
     def bucket_buffer(self, b: int) -> torch.Tensor | None:
@@ -286,24 +284,6 @@ class Sender:
             return True
         return sorted(self.source.specs(), key=lambda s: s.name) != [p.spec for p in self.manifest.entries]
 
-    def delta_base(self) -> int | None:
-        """The version a refit may be sent as a delta against: the image's, when every receiver of this round
-        committed it; None sends it full. The image then reads as being rewritten until the round commits."""
-        image = self._path.image if self._path is not None else None
-        if image is None:
-            return None
-        base = image.version
-        if base is not None and any(ch.rank not in self._holders for ch in self.channels):
-            base = None  # a joiner, or a receiver that did not commit it: never a delta against what it lacks
-        image.version = None
-        return base
-
-    def delta_committed(self, version: int, receivers: list[int]) -> None:
-        """The round committed on `receivers` (every receiver of it): the image now stands for `version`."""
-        image = self._path.image if self._path is not None else None
-        if image is not None:
-            image.version, self._holders = version, set(receivers)
-
     def refit(self, version: int) -> RefitStats:
         """Send the source's current weights as `version`; returns when every receiver committed.
 
@@ -349,20 +329,15 @@ class Sender:
             with contextlib.suppress(PeerError):
                 ch.send(Header(Kind.ERROR), {"message": self._broken})
 
-    def _control_bytes(self) -> int:
-        return sum(ch.bytes_sent + ch.bytes_received for ch in self.channels)
-
     def predicted_memory(self) -> dict[str, int]:
-        """Predicted bytes each side allocates or maps for the current manifest (buffers x slots, and the
-        receiver's staging tensor); `refit.tools.bench.memory.MemoryProbe` measures the same."""
+        """Predicted bytes each side allocates or maps for the manifest (`bench.memory.MemoryProbe` measures it)."""
         if self.manifest is None:
             raise ValueError("no manifest yet: call refit() (or connect and handshake) first")
         f = forecast(self.manifest, num_slots=self.num_slots)
         return {"sender": f.sender_bytes, "receiver": f.receiver_bytes}
 
     def close(self) -> None:
-        """End the session: tell receivers, stop heartbeats, release the transport and sockets, and drop
-        the send path's views into the buffers."""
+        """End the session: tell receivers, stop heartbeats, release the transport, sockets and buffer views."""
         self._finalizer()
         self._path = None
 
