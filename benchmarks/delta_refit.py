@@ -141,10 +141,15 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--bucket-bytes", type=int, default=8 << 20)
-    p.add_argument("--device", default="cpu", help="the trainer's device (cuda for cuda-ipc and nccl)")
+    p.add_argument("--device", default="cpu", help="the trainer's device (cuda for nccl and nixl in VRAM)")
     p.add_argument("--engine-device", default="", help="the engines' device (default: --device; nccl: cuda:1)")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    if args.transport == "cuda-ipc":
+        p.error(
+            "cuda-ipc cannot run here: the engines live in this process, and CUDA IPC opens no handle in the "
+            "process that made it; use --transport nixl (one GPU) or nccl (two GPUs)"
+        )
     result = run(args)
     text = json.dumps(result, indent=1)
     print(text)

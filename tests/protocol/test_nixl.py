@@ -147,3 +147,14 @@ def test_vram_buffers_on_both_sides_refit_bitwise_over_nixl() -> None:
             _assert_current(p.report(), sender, tensors, version)
             _step(tensors)
     assert p.wait() == 0
+
+
+def test_the_bench_floor_over_nixl_times_the_receivers_reads(tmp_path) -> None:
+    from refit.tools.cli import main
+
+    out = tmp_path / "bench.json"
+    args = ["bench", "--transport", "nixl", "--preset", "tiny", "--methods", "floor", "--repeats", "2"]
+    assert main([*args, "--json", str(out)]) == 0
+    floor = json.loads(out.read_text())[0]["results"]["floor"]
+    # The sender's sends move nothing on a one-sided transport: timed alone, they "ran" at 500 TB/s on an H200.
+    assert 0 < floor["gbps"] < 200, floor

@@ -37,8 +37,9 @@ from refit.transports.base import DONE, INTERRUPT_EVERY_S, Interrupted, Pending,
 
 BACKEND = "UCX"
 SERVING, READING = "serving", "reading"
-MAX_POLL_SLEEP_S = 0.001
-"""Longest pause between two looks at a READ in flight (each look also makes the reading agent's progress)."""
+MAX_POLL_SLEEP_S = {"DRAM": 0.001, "VRAM": 0.00005}
+"""Longest pause between two looks at a READ in flight (each look also makes the reading agent's progress):
+a VRAM READ of a 1 GiB bucket on one H200 takes about 0.5 ms, which a 1 ms pause would double."""
 
 log = get_logger("nixl")
 
@@ -77,10 +78,13 @@ class Agent:
     def __init__(self, role: str, backend: str) -> None:
         nixl = _nixl()
         sync = nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT  # mesh pairs use one agent from several threads
-        config = nixl.nixl_agent_config(enable_prog_thread=role == SERVING, backends=[backend], sync_mode=sync)
+        config = nixl.nixl_agent_config(enable_prog_thread=role == SERVING, backends=[], sync_mode=sync)
         self.name = f"refit-{role}-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         try:
             self.nixl = nixl.nixl_agent(self.name, config)
+            _ucx_defaults()
+            if backend in self.nixl.get_plugin_list():
+                self.nixl.create_backend(backend, backend_params(backend))
         except Exception as e:  # noqa: BLE001 - NIXL raises its own error types; the cause is kept
             raise PeerError(f"NIXL agent with backend {backend} could not start: {type(e).__name__}: {e}") from None
         if backend not in self.nixl.backends:
@@ -127,6 +131,29 @@ class Agent:
                 self.nixl.remove_remote_agent(name)
             except Exception as e:  # noqa: BLE001 - a peer that died is already gone; nothing to undo
                 log.debug("removing remote agent %s: %s", name, e)
+
+
+UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+"""Set before the first agent unless the environment says otherwise. UCX turns cuda_ipc's GET off where it
+sees no NVLink, which leaves a READ between two processes on one GPU to a copy through host memory: 0.8 GB/s
+against 1950 GB/s on an H200 (BENCHMARKS.md, 2026-12-04)."""
+
+
+def _ucx_defaults() -> None:
+    for key, value in UCX_DEFAULTS.items():
+        if key not in os.environ:
+            os.environ[key] = value
+            log.info("nixl: %s=%s (set it in the environment to choose otherwise)", key, value)
+
+
+def backend_params(backend: str) -> dict[str, str]:
+    """UCX without its peer-failure mode unless REFIT_NIXL_ERROR_MODE=peer (see docs/SCALING.md)."""
+    if backend != "UCX":
+        return {}
+    mode = os.environ.get("REFIT_NIXL_ERROR_MODE", "none")
+    if mode not in ("none", "peer"):
+        raise ValueError(f"REFIT_NIXL_ERROR_MODE must be 'none' or 'peer', got {mode!r}")
+    return {"ucx_error_handling_mode": mode}
 
 
 _AGENTS: dict[tuple[str, str], Agent] = {}
@@ -248,7 +275,8 @@ class NixlTransport(Transport):
                 state = nixl.transfer(handle)
         except Exception as e:  # noqa: BLE001 - NIXL's own error types (a disconnected peer among them)
             raise PeerError(f"NIXL READ of slot {slot} ({nbytes} B) from {remote.agent} failed: {e}") from None
-        read = _Read(self._agent, handle, state, f"NIXL READ of slot {slot} ({nbytes} B) from {remote.agent}")
+        what = f"NIXL READ of slot {slot} ({nbytes} B) from {remote.agent}"
+        read = _Read(self._agent, handle, state, what, MAX_POLL_SLEEP_S[self._mem])
         self._inflight = [r for r in self._inflight if not r.finished]
         self._inflight.append(read)
         return read
@@ -329,8 +357,9 @@ def _count(v: object) -> bool:
 class _Read(Pending):
     """A READ in flight, polled (each poll makes the reading agent's progress) until done, failed or timed out."""
 
-    def __init__(self, agent: Agent, handle: Any, state: str, what: str) -> None:
+    def __init__(self, agent: Agent, handle: Any, state: str, what: str, max_pause_s: float) -> None:
         self._agent, self._handle, self._state, self._what = agent, handle, state, what
+        self._max_pause_s = max_pause_s
         self.finished = False
 
     def wait(self, timeout_s: float, interrupted: Callable[[], bool] | None = None) -> None:
@@ -351,7 +380,7 @@ class _Read(Pending):
                     if interrupted():
                         raise Interrupted(f"{self._what} was interrupted")
                 time.sleep(pause)
-                pause = min(2 * pause, MAX_POLL_SLEEP_S)
+                pause = min(2 * pause, self._max_pause_s)
                 self._state = self._poll()
         finally:
             self.drop()

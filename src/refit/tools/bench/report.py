@@ -33,6 +33,8 @@ def floor_label(report: dict) -> str:
     if report["config"]["transport"] in COLOCATED:
         where = "device" if report["device"] != "cpu" else "host"
         return f"floor: one flat {where} copy of the model's bytes"
+    if report["config"]["transport"] == "nixl":
+        return "floor: raw NIXL READs of one buffer"
     return "floor: raw broadcast of one buffer"
 
 

@@ -283,6 +283,7 @@ def _floor(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: tor
         num_slots=1,
         nbytes=size,
         count=(cfg.warmup + cfg.repeats) * count,
+        per=count,
     ) as sender:
         assert sender.transport is not None
         bw = []
@@ -291,6 +292,8 @@ def _floor(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: tor
             t = time.perf_counter()
             for _ in range(count):
                 sender.transport.send(0, size).wait(300.0)
+            for ch in sender.channels:  # a one-sided transport (nixl) moves the bytes in the receivers' READs
+                ch.expect(Kind.ACK, "floor")
             _sync(device)
             if i >= cfg.warmup:
                 bw.append(size * count / (time.perf_counter() - t))

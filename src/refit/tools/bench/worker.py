@@ -24,11 +24,13 @@ MARK = "@@bench "
 
 
 def _floor(r: Receiver, job: dict) -> None:
+    """`count` receives, an ACK after every `per` (one timed repeat): one-sided transports move bytes here."""
     assert r.transport is not None and r.channel is not None
-    for _ in range(job["count"]):
+    for i in range(job["count"]):
         r.transport.recv(0, job["nbytes"]).wait(r.settings.timeout_s)
-    r.transport.flush()
-    r.channel.send(Header(Kind.ACK))
+        if (i + 1) % job["per"] == 0:
+            r.transport.flush()
+            r.channel.send(Header(Kind.ACK))
 
 
 def _per_tensor(r: Receiver, engine: ModuleEngine, job: dict, specs: list[list]) -> None:
