@@ -82,7 +82,8 @@ class Agent:
         self.name = f"refit-{role}-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         try:
             self.nixl = nixl.nixl_agent(self.name, config)
-            _ucx_defaults()
+            if torch.cuda.is_available():  # elsewhere UCX has no CUDA module and warns, on stdout, of the variable
+                _ucx_defaults()
             if backend in self.nixl.get_plugin_list():
                 self.nixl.create_backend(backend, backend_params(backend))
         except Exception as e:  # noqa: BLE001 - NIXL raises its own error types; the cause is kept
