@@ -274,3 +274,51 @@ def test_delta_refuses_zero_copy_and_a_threshold_outside_0_to_1() -> None:
         Sender(ModuleSource(_trainer()), transport="cuda-ipc", delta=True, zero_copy=True)
     with pytest.raises(ValueError, match=r"delta_threshold \(1.5\) must be within 0..1"):
         Sender(ModuleSource(_trainer()), delta=True, delta_threshold=1.5)
+
+
+SPAN = 64 << 10
+"""A bucket of 64 KiB: the spanning tensor below fills three of them."""
+
+
+@pytest.mark.parametrize("verify", [None, "fingerprint"])
+def test_a_tensor_spanning_buckets_that_change_densely_and_sparsely_is_loaded_whole(verify: str | None) -> None:
+    """Each bucket of a spanning tensor may go a different way (kept and a delta, found dense and sent full);
+    the engine is handed the whole tensor as the trainer holds it, whichever way each part went."""
+    g = torch.Generator().manual_seed(3)
+    live = {"span.weight": torch.randn(3 * 256, 128, generator=g), "norm.weight": torch.randn(64, generator=g)}
+    settings = Settings(bucket_bytes=SPAN, timeout_s=60.0)
+    engine = _engine(live)
+    sender = Sender(ModuleSource(live, wire_dtype=BF16), transport="shm", settings=settings, delta=True, verify=verify)
+    peer = Peer(Receiver(engine, sender.rendezvous(), settings=settings))
+    peer.ask("connect")
+    try:
+        for version in range(1, 9):
+            if version > 1:
+                rows = slice(256, 512) if version % 2 else slice(0, 256)
+                live["span.weight"][rows] += torch.randn(256, 128, generator=g)  # one bucket, densely
+                live["span.weight"][700, version] += 1.0  # another, in one value
+                live["span.weight"][10 if version % 2 else 300, version] += 1.0
+            peer.ask("receive")
+            sender.refit(version)
+            assert isinstance(peer.outcome(), RefitStats)
+            assert engine.weights.version == version
+            _assert_holds(engine, live)
+        assert sender.manifest is not None and sender.manifest.num_buckets >= 3
+    finally:
+        sender.close()
+        peer.stop()
+
+
+def test_a_sparse_change_at_the_sampling_stride_is_not_judged_dense() -> None:
+    """The density sample must not alias with the tensors' layout: tensors of 256 bytes where only the first
+    value changes (under 1 % of values) still go as a delta, and so does a refit in which nothing changed."""
+    live = {f"t{i}": torch.randn(128) for i in range(512)}  # 256 bytes each in bf16: 128 KiB
+    with session(live, transport="shm") as s:
+        s.refit(1)
+        for version in range(2, 6):
+            for t in live.values():
+                t[0] += 1.0
+            stats, _ = s.refit(version)
+            assert stats.delta and stats.wire_bytes < stats.full_bytes / 4, (version, stats.wire_bytes)
+            same, _ = s.refit(version + 100)
+            assert same.delta and same.wire_bytes < same.full_bytes / 100

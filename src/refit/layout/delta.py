@@ -27,9 +27,11 @@ values changed). Measured over gloo (BENCHMARKS.md): the delta's own work grows 
 at 4 % of values, 305 ms at 21 %, against 62 and 66 ms for a full refit of the same 50 MB), so beyond this the bytes
 it saves cannot pay for it on any link we have measured."""
 SAMPLE = 64
-"""Every SAMPLE-th unit is compared first: a bucket that changed well beyond the threshold goes full without the
-whole comparison, so a refit in which everything changed costs close to a full one. A wrong guess only ever
-sends a bucket full, never wrong bytes."""
+"""One unit in each run of SAMPLE units, at a random place fixed per epoch, is compared first: a bucket that changed
+well beyond the threshold goes full without the whole comparison, so a refit in which everything changed costs
+close to a full one. A fixed stride would alias with tensors whose size divides it (only the first value of each
+changing); the jitter keeps the sample's changed fraction an unbiased estimate. A wrong guess only ever sends a
+bucket full, never wrong bytes."""
 REPRIME = 4
 """A bucket found dense is no longer kept in the images (neither side copies it; it goes full, uncompared);
 the REPRIME-th refit after, it is kept again, so that a return to sparse changes is seen."""
@@ -69,6 +71,8 @@ class WireImage:
         """Per bucket not kept: refits since it was found dense."""
         self.holders: set[int] = set()
         """The ranks of the receivers that committed `version`."""
+        self._samples: dict[int, torch.Tensor] = {}
+        """Per bucket compared by a sample: the units sampled (one per run of SAMPLE units, drawn once)."""
 
     def base_for(self, ranks: list[int]) -> int | None:
         """The version a refit to `ranks` may be sent as a delta against: the image's, when each of them committed
@@ -147,8 +151,13 @@ class WireImage:
         whole = self.manifest.bucket_nbytes[b] // UNIT
         if whole < 64 * SAMPLE:
             return False
-        new = buf[: whole * UNIT].view(torch.int16)[::SAMPLE]
-        old = self.images[b][: whole * UNIT].view(torch.int16)[::SAMPLE]
+        at = self._samples.get(b)
+        if at is None:
+            runs = whole // SAMPLE
+            jitter = torch.randint(0, SAMPLE, (runs,), generator=torch.Generator().manual_seed(b))
+            at = self._samples[b] = (torch.arange(runs) * SAMPLE + jitter).to(buf.device)
+        new = buf[: whole * UNIT].view(torch.int16).index_select(0, at)
+        old = self.images[b][: whole * UNIT].view(torch.int16).index_select(0, at)
         # a payload costs 2 * UNIT bytes per changed unit: over `threshold` beyond 1.5x the changed fraction
         return int(torch.count_nonzero(torch.ne(new, old))) > 1.5 * (threshold / 2) * new.numel()
 

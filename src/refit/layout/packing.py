@@ -237,13 +237,24 @@ class Unpacker:
     """
 
     def __init__(
-        self, manifest: Manifest, buffers: Sequence[torch.Tensor], *, device: torch.device | None = None
+        self,
+        manifest: Manifest,
+        buffers: Sequence[torch.Tensor],
+        *,
+        device: torch.device | None = None,
+        share: Unpacker | None = None,
     ) -> None:
-        """`device`: where the staging tensor lives (the receiver's own device; defaults to the buffers')."""
+        """`device`: where the staging tensor lives (the receiver's own device; defaults to the buffers').
+        `share`: another Unpacker of the same manifest whose staging tensor this one assembles into, so that a
+        spanning tensor whose buckets are unpacked by either is gathered in one place."""
         self.manifest = manifest
         self._buffers = buffers
         device = device or (buffers[0].device if buffers else torch.device("cpu"))
-        self._staging = torch.empty(manifest.max_split_nbytes, dtype=torch.uint8, device=device)
+        if share is not None:
+            assert share.manifest is manifest, "a shared staging tensor serves one manifest"
+            self._staging = share._staging
+        else:
+            self._staging = torch.empty(manifest.max_split_nbytes, dtype=torch.uint8, device=device)
         self._plans: dict[tuple[int, int], _BucketPlan] = {}
 
     def unpack(self, bucket: int, slot: int) -> list[tuple[str, torch.Tensor]]:

@@ -66,7 +66,10 @@ class ReceivePath:
         """Per names list an engine returned (its plans return the same list every refit): their positions."""
         self._where: dict[str, int] | None = None
         self.image = WireImage(manifest, device) if delta else None
-        self._from_image = Unpacker(manifest, self.image.images, device=device) if self.image is not None else None
+        images = self.image.images if self.image is not None else None
+        self._from_image = Unpacker(manifest, images, device=device, share=self.unpacker) if images else None
+        """Unpacks a bucket the image keeps; a spanning tensor is gathered in `unpacker`'s staging whichever way
+        each of its buckets came."""
         self.sources: list[tuple[str, torch.Tensor]] = []
         """Zero-copy mode: the sender's tensors, mapped once per epoch (`open_sources`)."""
 
