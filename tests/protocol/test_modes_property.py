@@ -43,6 +43,7 @@ from hypothesis.stateful import (
 
 from refit import HandshakeError, ModuleEngine, ModuleSource, PeerError, RefitError, Sender, Settings, State
 from refit.layout.spec import TensorSpec
+from refit.topology.policies import Commit
 from refit.topology.receiver import Receiver
 from refit.topology.stats import RefitStats
 
@@ -54,8 +55,12 @@ TRAINER = {
     "mlp.bias": ((32,), F32),
     "norm.weight": ((40,), BF16),
     "head.weight": ((16, 64), F32),
+    "span.weight": ((128, 128), BF16),
 }
-"""About 11 KB: at least three buckets of 4096 bytes, so every refit has at least three loads."""
+"""About 43 KB: at least three buckets of either size below, so every refit has at least three loads; span.weight
+spans buckets (32 KiB), and in a delta session its first half changes densely and the rest sparsely."""
+SPAN = "span.weight"
+DENSE_ROWS = 64
 NAMES = list(TRAINER)
 TP = "tp.weight"
 ROWS = 4
@@ -71,12 +76,17 @@ MAX_PEERS = 8
 TIMEOUT_S = 30.0
 WAIT_S = 120.0
 """Bound on waiting for an in-process receiver's outcome that must come (nothing starts a process here)."""
-SETTINGS = Settings(bucket_bytes=4096, timeout_s=TIMEOUT_S)
+BUCKETS = [4096, 16384]
+"""Bucket capacities a session may draw: many small buckets, or buckets large enough that the delta's density
+sample judges a bucket dense (it is then sent full and not kept, beside kept ones of the same tensor)."""
+STAGING_BYTES = 6144
+"""Partial staging: the tensors first in bucket order that fit in this many bytes are staged, the rest go live."""
 MIN_RECEIVERS = 1
 REGION = st.sampled_from([None, 0, 1, 2])
 """None: the receiver holds every tensor whole; k: rows [4k, 4k + 4) of TP, the rest whole."""
-PEER = st.tuples(st.booleans(), REGION)
-"""(staged, region) of a receiver."""
+PEER = st.tuples(st.sampled_from(["unstaged", "staged", "partial"]), REGION)
+"""(staging, region) of a receiver: unstaged, staged whole, or staged up to STAGING_BYTES (partial staging)."""
+VERIFY = st.sampled_from([None, "fingerprint", "strict"])
 
 
 def _values(name: str, version: int, dtype: torch.dtype, sparse: bool = False) -> torch.Tensor:
@@ -89,6 +99,9 @@ def _values(name: str, version: int, dtype: torch.dtype, sparse: bool = False) -
     t = torch.randn(TRAINER[name][0], generator=torch.Generator().manual_seed(NAMES.index(name) + 1))
     g = torch.Generator().manual_seed(seed)
     flat = t.view(-1)
+    if name == SPAN:  # its first half drawn anew (dense buckets), its second changed sparsely as the rest
+        t[:DENSE_ROWS] = torch.randn(t[:DENSE_ROWS].shape, generator=g)
+        flat = t[DENSE_ROWS:].view(-1)
     at = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 16)]
     flat[at] += torch.randn(at.numel(), generator=g)
     return t.to(dtype)
@@ -149,8 +162,11 @@ class _RowsEngine(_Engine):
 class _Peer:
     """One Receiver served by its own thread, which runs the commands it is given and reports each outcome."""
 
-    def __init__(self, index: int, rendezvous: dict, *, staged: bool, region: int | None) -> None:
-        self.index, self.staged, self.region = index, staged, region
+    def __init__(
+        self, index: int, rendezvous: dict, *, staging: str, region: int | None, settings: Settings
+    ) -> None:
+        self.index, self.staged, self.region = index, staging != "unstaged", region
+        self.staging = staging
         g = torch.Generator().manual_seed(1000 + index)
         own = {n: torch.randn(shape, generator=g).to(dtype) for n, (shape, dtype) in TRAINER.items()}
         self.live: _Engine = _RowsEngine(own, region) if region is not None else _Engine(own)
@@ -159,9 +175,10 @@ class _Peer:
         self.receiver = Receiver(
             self.live,
             rendezvous,
-            settings=SETTINGS,
+            settings=settings,
             device=torch.device("cpu"),
-            staged=staged,
+            staged=self.staged,
+            staging_bytes=STAGING_BYTES if staging == "partial" else None,
             on_commit=self.calls.append,
         )
         self.status = "starting"
@@ -200,10 +217,18 @@ class _Peer:
         self._asked: list[str] = []
         self.thread = threading.Thread(target=self._serve, name=f"modes-receiver-{index}", daemon=True)
         self.thread.start()
+        self.paused = threading.Event()
+        """Partial staging: the engine loop entered the pause of the refit under way."""
+        self._applied: queue.Queue[object] = queue.Queue()
+        self._stopping = False
+        self.loop = None
+        if staging == "partial":
+            self.loop = threading.Thread(target=self._engine_loop, name=f"modes-loop-{index}", daemon=True)
+            self.loop.start()
 
     def __repr__(self) -> str:
         held = "whole" if self.region is None else f"rows {self.region * ROWS}-{(self.region + 1) * ROWS}"
-        return f"<receiver #{self.index} ({'staged' if self.staged else 'unstaged'}, {held})>"
+        return f"<receiver #{self.index} ({self.staging}, {held})>"
 
     @property
     def rank(self) -> int:
@@ -230,6 +255,42 @@ class _Peer:
                 out = e
             self._outcomes.put(out)
 
+    def _engine_loop(self) -> None:
+        """Partial staging's engine loop: it calls apply_staged() when the receive side asks for the pause (an
+        engine calls it between every generation step; here only then, so the model knows what it applies)."""
+        staging = self.receiver.staging
+        assert staging is not None
+        while True:
+            with staging._cond:
+                staging._cond.wait_for(lambda: staging._want is not None or self._stopping)
+                if self._stopping:
+                    return
+            self.paused.set()
+            try:
+                out: object = self.receiver.apply_staged()
+            except RefitError as e:
+                out = e
+            self._applied.put(out)
+
+    def stop_loop(self) -> None:
+        staging = self.receiver.staging
+        if self.loop is None or staging is None:
+            return
+        with staging._cond:
+            self._stopping = True
+            staging._cond.notify_all()
+        self.loop.join(WAIT_S)
+
+    def pause_outcome(self) -> object:
+        """What the engine loop's apply_staged() in the pause ended in (True: applied), or None: no pause."""
+        if not self.paused.is_set():
+            return None
+        self.paused.clear()
+        try:
+            return self._applied.get(timeout=WAIT_S)
+        except queue.Empty:
+            raise AssertionError(f"{self!r}: the engine loop did not leave the pause; threads:\n{_stacks()}") from None
+
     def ask(self, command: str) -> None:
         self._asked.append(command)
         self._commands.put(command)
@@ -252,14 +313,40 @@ class _Peer:
         return {n: t.dtype for n, t in self.live.module.items()}  # type: ignore[union-attr]
 
 
-def _sender(tensors: dict[str, torch.Tensor], delta: bool) -> Sender:
-    kwargs = {"transport": "shm", "num_receivers": 1, "elastic": True, "settings": SETTINGS, "verify": "fingerprint"}
-    if delta:
-        kwargs["delta"] = True
-    try:
-        return Sender(ModuleSource(tensors), min_receivers=MIN_RECEIVERS, **kwargs)
-    except TypeError:  # before min_receivers: the model still expects a refit that reaches no one to fail
-        return Sender(ModuleSource(tensors), **kwargs)
+def _sender(tensors: dict[str, torch.Tensor], mode: Mode) -> Sender:
+    commit = Commit(strict=mode.verify == "strict", vote=mode.vote) if mode.vote is not None else None
+    return Sender(
+        ModuleSource(tensors),
+        transport="shm",
+        num_receivers=1,
+        elastic=True,
+        min_receivers=MIN_RECEIVERS,
+        settings=mode.settings,
+        verify=mode.verify,
+        delta=mode.delta,
+        commit=commit,
+    )
+
+
+class Mode:
+    """One session's modes: delta or not, the verify mode, a vote across (simulated) trainer ranks or not,
+    the bucket capacity. `veto`: the other rank's failure, cast in the next refit's vote."""
+
+    def __init__(self, *, delta: bool, verify: str | None, vote: bool, bucket_bytes: int) -> None:
+        self.delta, self.verify = delta, verify
+        self.settings = Settings(bucket_bytes=bucket_bytes, timeout_s=TIMEOUT_S)
+        self.veto = False
+        self.vetoed = False
+        """The last refit's vote was vetoed by the other rank."""
+        self.vote = self._vote if vote else None
+
+    def _vote(self, own: str) -> str:
+        self.vetoed, self.veto = self.veto, False
+        return own or ("rank 1: the other trainer rank failed its refit" if self.vetoed else "")
+
+    def __repr__(self) -> str:
+        vote = "vote" if self.vote is not None else "no vote"
+        return f"<delta={self.delta} verify={self.verify} {vote} buckets={self.settings.bucket_bytes}>"
 
 
 def _open_fds() -> set[str]:
@@ -303,9 +390,10 @@ class Sessions(RuleBasedStateMachine):
     def _idle_members(self) -> list[_Peer]:
         return [p for p in self._members() if not p.pending]
 
-    def _start(self, staged: bool, region: int | None) -> _Peer:
+    def _start(self, staging: str, region: int | None) -> _Peer:
         assert self.sender is not None
-        p = _Peer(len(self.peers) + 1, self.sender.rendezvous(), staged=staged, region=region)
+        rendezvous = self.sender.rendezvous()
+        p = _Peer(len(self.peers) + 1, rendezvous, staging=staging, region=region, settings=self.mode.settings)
         self.peers.append(p)
         return p
 
@@ -323,14 +411,32 @@ class Sessions(RuleBasedStateMachine):
 
     # -- session start -------------------------------------------------------------------------
 
-    @initialize(first=PEER, joiners=st.lists(PEER, max_size=MAX_MEMBERS - 1), delta=st.booleans())
-    def start(self, first: tuple[bool, int | None], joiners: list[tuple[bool, int | None]], delta: bool) -> None:
-        """The trainer's session (delta refits or not) and its first receiver (admitted by connect), then
-        receivers that join."""
+    @initialize(
+        first=PEER,
+        joiners=st.lists(PEER, max_size=MAX_MEMBERS - 1),
+        delta=st.booleans(),
+        verify=VERIFY,
+        vote=st.booleans(),
+        bucket_bytes=st.sampled_from(BUCKETS),
+    )
+    def start(
+        self,
+        first: tuple[str, int | None],
+        joiners: list[tuple[str, int | None]],
+        delta: bool,
+        verify: str | None,
+        vote: bool,
+        bucket_bytes: int,
+    ) -> None:
+        """The trainer's session (its modes) and its first receiver (admitted by connect), then receivers
+        that join."""
+        self.mode = Mode(delta=delta, verify=verify, vote=vote, bucket_bytes=bucket_bytes)
         self.delta = delta
         event(f"delta={delta}")
+        event(f"verify={verify}")
+        event(f"vote={vote}")
         self.tensors = {n: _values(n, 0, dtype, delta) for n, (_, dtype) in TRAINER.items()}
-        self.sender = _sender(self.tensors, delta)
+        self.sender = _sender(self.tensors, self.mode)
         p = self._start(*first)
         p.ask("connect")
         self.sender.connect()  # admits num_receivers=1
@@ -341,9 +447,9 @@ class Sessions(RuleBasedStateMachine):
 
     # -- membership ----------------------------------------------------------------------------
 
-    def _join(self, staged: bool, region: int | None) -> None:
+    def _join(self, staging: str, region: int | None) -> None:
         assert self.sender is not None
-        p = self._start(staged, region)
+        p = self._start(staging, region)
         out = p.do("connect")
         assert out == "connected", f"{p!r} could not join: {out!r}"
         p.status, p.joiner = "member", True
@@ -353,12 +459,18 @@ class Sessions(RuleBasedStateMachine):
     @precondition(lambda self: len(self._members()) < MAX_MEMBERS and len(self.peers) < MAX_PEERS)
     @rule(region=REGION)
     def join_unstaged(self, region: int | None) -> None:
-        self._join(False, region)
+        self._join("unstaged", region)
 
     @precondition(lambda self: len(self._members()) < MAX_MEMBERS and len(self.peers) < MAX_PEERS)
-    @rule(region=REGION)
-    def join_staged(self, region: int | None) -> None:
-        self._join(True, region)
+    @rule(region=REGION, partial=st.booleans())
+    def join_staged(self, region: int | None, partial: bool) -> None:
+        self._join("partial" if partial else "staged", region)
+
+    @precondition(lambda self: self.mode.vote is not None)
+    @rule()
+    def other_rank_fails(self) -> None:
+        """Another trainer rank fails its part of the next refit: the vote fails it on every receiver."""
+        self.mode.veto = True
 
     @precondition(lambda self: self._idle_members())
     @rule(data=st.data())
@@ -470,6 +582,7 @@ class Sessions(RuleBasedStateMachine):
         assert self.sender is not None
         dtypes = {n: t.dtype for n, t in self.tensors.items()}
         self.empty_refits += not self._members()
+        self.mode.vetoed = False
         with torch.no_grad():
             for n, t in self.tensors.items():
                 t.copy_(_values(n, version, t.dtype, self.delta))
@@ -531,7 +644,10 @@ class Sessions(RuleBasedStateMachine):
         lossy = [p for p in survivors if not self._fits(p, specs)]
         if lossy:  # an engine recast to a dtype that cannot hold the wire's values refuses the refit (staged too)
             return
-        if len(survivors) < MIN_RECEIVERS:
+        if self.mode.vetoed:
+            assert error is not None, f"refit {version}: the other rank failed, but the vote committed it"
+            event("refit: vetoed by the other rank")
+        elif len(survivors) < MIN_RECEIVERS:
             assert error is not None, (
                 f"refit {version} reached {len(survivors)} receiver(s) (departed: {stats.departed if stats else '?'}) "
                 f"and returned success; min_receivers={MIN_RECEIVERS} wants RefitError"
@@ -544,6 +660,7 @@ class Sessions(RuleBasedStateMachine):
         if p.fired:
             assert isinstance(out, PeerError), f"{p!r} died mid-refit {version} but reports {out!r}"
             p.status, p.ready = "died", None
+            p.pause_outcome()
             event("receiver: died mid-refit")
         elif refused:
             assert isinstance(out, HandshakeError), f"{p!r} joined unable to hold the manifest but: {out!r}"
@@ -551,7 +668,11 @@ class Sessions(RuleBasedStateMachine):
             event("receiver: refused at its join")
         elif isinstance(out, RefitStats):
             assert out.version == version, f"{p!r} committed {out.version} during refit {version}"
-            if p.staged:
+            if p.staging == "partial":  # the pause ends with the apply, in the engine loop
+                applied = p.pause_outcome()
+                assert applied is True, f"{p!r} committed {version} but its pause ended in {applied!r}"
+                p.expected.append(version)
+            elif p.staged:
                 p.ready = version
             else:
                 p.expected.append(version)
@@ -559,6 +680,8 @@ class Sessions(RuleBasedStateMachine):
             raise AssertionError(f"{p!r}'s session ended during refit {version}: {out!r}")
         elif isinstance(out, RefitError):
             p.ready = None  # begun and failed: nothing staged
+            applied = p.pause_outcome()
+            assert applied is None or isinstance(applied, RefitError), f"{p!r}: failed but applied: {applied!r}"
         else:
             raise AssertionError(f"{p!r} raised during refit {version}") from out  # type: ignore[arg-type]
         if first and not refused and not p.fired:
@@ -608,6 +731,7 @@ class Sessions(RuleBasedStateMachine):
                 p.outcome()
             p.do("close")
             p.ask("stop")
+            p.stop_loop()
         for p in self.peers:
             p.thread.join(WAIT_S)
         if failing:
@@ -639,7 +763,7 @@ def _settings(**kw: object) -> settings:
 def test_refit_sessions_keep_every_current_engine_bitwise_the_trainers_fixed_seed() -> None:
     run_state_machine_as_test(
         Sessions,
-        settings=_settings(max_examples=12, stateful_step_count=15, derandomize=True, report_multiple_bugs=False),
+        settings=_settings(max_examples=25, stateful_step_count=15, derandomize=True, report_multiple_bugs=False),
     )
 
 
