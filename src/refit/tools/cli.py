@@ -657,7 +657,7 @@ def _doctor_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignor
         help="check which transports will work on this machine, and what to change",
         description="Check CUDA, CUDA IPC (a real export/open between two processes), GPU peers "
         "and NVLink, NCCL, /dev/shm and free memory against the bucket budget, vLLM with refit's "
-        "backend, and Ray. Exit code 1 when an asked --transport cannot work.",
+        "backend, Ray, and NVIDIA NIXL. Exit code 1 when an asked --transport cannot work.",
     )
     doctor.add_argument("--transport", help="comma-separated transports you mean to use (default: report all, exit 0)")
     doctor.add_argument("--no-probe", action="store_true", help="skip the CUDA IPC probe (a second process)")
