@@ -555,7 +555,7 @@ LEGEND = "\n".join(
         "loads bucket i while the trainer packs the next; its verify (digests of what it holds, read back here since "
         "its loads cast bf16 into fp32, compared with the trainer's) starts when the trainer's digests arrive and is "
         "most of commit.",
-        "MB: the model's bytes on the wire dtypes; wire MB: the bytes that crossed the link, Δ where the refit went "
+        "MB: the model's bytes in its wire dtypes; wire MB: the bytes that crossed the link, Δ where the refit went "
         "as a delta (--delta: only the chunks changed since the last commit). "
         "epoch*: a handshake began a new epoch. params: every engine tensor bitwise what was sent; gen: the engine's "
         "greedy output equals the trainer's.",
