@@ -149,7 +149,7 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, fmt: BlockFormat = DEFA
         raise ValueError(f"scale_inv is on {scale_inv.device}, q on {q.device}")
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    padded, rows, cols = _padded(q, fmt)
+    padded, rows, cols = _padded(q, fmt, torch.float32)  # a new tensor: q is FP8
     blocks = _as_blocks(padded, fmt)
     blocks.mul_(_decode_scales(scale_inv).reshape(blocks.shape[0], blocks.shape[2])[:, None, :, None])
     return padded[:, :rows, :cols].reshape(q.shape)
@@ -159,18 +159,20 @@ def _quantize_to(x: torch.Tensor, fmt: BlockFormat, q: torch.Tensor, scales: tor
     """The rule, written into `q` (x's shape, fmt.dtype) and `scales` (scale_shape, fmt.scale_dtype)."""
     if x.numel() == 0:
         return
-    padded, rows, cols = _padded(x, fmt)
+    padded, rows, cols = _padded(x, fmt, x.dtype)
     blocks = _as_blocks(padded, fmt)
-    # amax and amin propagate NaN and +-Inf, so one look at the per-block maxima finds every non-finite block.
-    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg_())
+    # |x| and max are exact in the source dtype, so amax needs no float32 copy of x. amax and amin propagate
+    # NaN and +-Inf, so one look at the per-block maxima finds every non-finite block.
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg_()).float()
     _check_finite(amax, scale_shape(x.shape, fmt), name)
     scale = torch.div(amax, amax.new_full((), fmt.fp8_max)).clamp_min_(SMALLEST_SCALE)
     scale.masked_fill_(amax == 0, 1.0)
     if fmt.scale == "ue8m0":
         scale, exponent = _ceil_to_power_of_two(scale)
-    blocks.div_(scale[:, None, :, None]).clamp_(-fmt.fp8_max, fmt.fp8_max)
+    # bf16 or fp16 by float32 promotes to float32: the quotient is the float32 one of the rule.
+    quotient = torch.div(blocks, scale[:, None, :, None]).clamp_(-fmt.fp8_max, fmt.fp8_max)
     # copy_ casts float32 to FP8 exactly as .to() does: round to nearest, ties to even.
-    q.view(padded.shape[0], rows, cols).copy_(padded[:, :rows, :cols])
+    q.view(padded.shape[0], rows, cols).copy_(quotient.view(padded.shape)[:, :rows, :cols])
     stored = exponent.to(torch.uint8) if fmt.scale_dtype == torch.uint8 else scale
     scales.copy_(stored.view(scales.shape))
 
@@ -211,17 +213,18 @@ def _check_source(x: torch.Tensor) -> None:
         raise ValueError("a 0-d tensor has no blocks: quantize tensors with at least one dimension")
 
 
-def _padded(t: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, int, int]:
-    """A float32 copy of `t` as (leading, rows, cols), zero-padded to whole blocks, with the unpadded rows and
-    cols. Zeros leave every amax as it is, so a partial block's amax is over its existing elements only."""
+def _padded(t: torch.Tensor, fmt: BlockFormat, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
+    """`t` in `dtype` as contiguous (leading, rows, cols), zero-padded to whole blocks (a copy only where it
+    must be), with the unpadded rows and cols. Zeros leave every amax as it is, so a partial block's amax is
+    over its existing elements only."""
     rows, cols = (1, t.shape[0]) if t.dim() == 1 else (t.shape[-2], t.shape[-1])
     lead = t.numel() // (rows * cols)
     bm, bn = fmt.block
     padded_rows, padded_cols = -(-rows // bm) * bm, -(-cols // bn) * bn
     t3 = t.reshape(lead, rows, cols)
     if (padded_rows, padded_cols) == (rows, cols):
-        return t3.to(torch.float32, copy=True, memory_format=torch.contiguous_format), rows, cols
-    out = torch.zeros((lead, padded_rows, padded_cols), dtype=torch.float32, device=t.device)
+        return t3.to(dtype, memory_format=torch.contiguous_format), rows, cols
+    out = torch.zeros((lead, padded_rows, padded_cols), dtype=dtype, device=t.device)
     out[:, :rows, :cols] = t3
     return out, rows, cols
 
