@@ -11,8 +11,17 @@ refit is not on the package index: install it from its checkout, then run the ex
 from __future__ import annotations
 
 import argparse
+import sys
 
-import ray
+try:
+    import ray
+    import transformers  # noqa: F401 - the demo model below is a transformers model
+except ModuleNotFoundError as e:
+    sys.stderr.write(
+        f"error: examples/ray_refit.py needs {e.name}, which is not installed; "
+        "pip install -e '.[ray,demo]' from the refit checkout\n"
+    )
+    raise SystemExit(2) from None
 import torch
 
 from refit import ModuleEngine, ModuleSource, Receiver, Sender

@@ -15,39 +15,45 @@ DEFAULT_ALIGNMENT = 256
 
 
 def _ratio() -> float:
-    raw = os.environ.get("REFIT_BUFFER_MEMORY_RATIO") or os.environ.get("NRL_REFIT_BUFFER_MEMORY_RATIO")
-    if raw is None:
+    name = (
+        "REFIT_BUFFER_MEMORY_RATIO" if os.environ.get("REFIT_BUFFER_MEMORY_RATIO") else "NRL_REFIT_BUFFER_MEMORY_RATIO"
+    )
+    raw = os.environ.get(name)
+    if not raw:
         return DEFAULT_RATIO
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"REFIT_BUFFER_MEMORY_RATIO must be a number in (0, 1], got {raw!r}") from None
+        value = float("nan")
     if not 0 < value <= 1:
-        raise ValueError(f"REFIT_BUFFER_MEMORY_RATIO must be in (0, 1], got {value}")
+        raise ValueError(f"{name} must be a number in (0, 1], got {raw!r}; fix it or unset it")
     return value
 
 
 def _float(name: str, default: float) -> float:
     raw = os.environ.get(name)
-    if raw is None:
+    if not raw:
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+        raise ValueError(f"{name} must be a number of seconds > 0, got {raw!r}; fix it or unset it") from None
+    if not value > 0:  # also refuses nan
+        raise ValueError(f"{name} must be a number of seconds > 0, got {raw!r}; fix it or unset it")
     return value
 
 
 def _bucket_bytes() -> int | None:
     raw = os.environ.get("REFIT_BUCKET_BYTES")
-    if raw is None:
+    if not raw:
         return None
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"REFIT_BUCKET_BYTES must be an integer, got {raw!r}") from None
+        raise ValueError(
+            f"REFIT_BUCKET_BYTES must be an integer number of bytes (at least {DEFAULT_ALIGNMENT}), got {raw!r}; "
+            "fix it or unset it"
+        ) from None
 
 
 def check_bucket_bytes(value: int | None) -> None:
@@ -62,6 +68,42 @@ def check_bucket_bytes(value: int | None) -> None:
             f"bucket_bytes ({value}) is below the alignment of {DEFAULT_ALIGNMENT} bytes; give at least "
             f"{DEFAULT_ALIGNMENT} (Settings.bucket_bytes or REFIT_BUCKET_BYTES)"
         )
+
+
+def given(name: str) -> bool:
+    """Whether environment variable `name` is set (non-empty): a tool whose own default differs from
+    Settings' (the bench's longer timeout) lets the variable win only then."""
+    return bool(os.environ.get(name))
+
+
+_SWITCHES = ("REFIT_CPU_KERNEL", "REFIT_CUDA_IPC")
+_COUNTS = {  # read once, at import, by the GPU kernels (refit.layout.copy_kernel, refit.checks.tensor_digest)
+    "REFIT_COPY_PROGRAMS": 0,
+    "REFIT_DIGEST_CHUNK_WORDS": 1,
+    "REFIT_DIGEST_ROWS": 1,
+    "REFIT_DIGEST_COLS": 1,
+    "REFIT_DIGEST_WARPS": 1,
+}
+_CHOICES = {"REFIT_NIXL_ERROR_MODE": ("none", "peer")}
+
+
+def check_environment() -> Settings:
+    """Every REFIT_* variable checked at once, for a command to call before any work: the Settings they
+    make, or ValueError naming the variable and the fix. Some are read elsewhere, at import or at first
+    use, where a bad value would fail mid-run or with a traceback."""
+    for name in _SWITCHES:
+        raw = os.environ.get(name)
+        if raw and raw not in ("0", "1"):
+            raise ValueError(f"{name} must be 0 or 1, got {raw!r}; fix it or unset it")
+    for name, least in _COUNTS.items():
+        raw = os.environ.get(name)
+        if raw and not (raw.strip().isdigit() and int(raw) >= least):
+            raise ValueError(f"{name} must be an integer >= {least}, got {raw!r}; fix it or unset it")
+    for name, choices in _CHOICES.items():
+        raw = os.environ.get(name)
+        if raw and raw not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {raw!r}; fix it or unset it")
+    return Settings()
 
 
 def cpu_kernel_enabled() -> bool:

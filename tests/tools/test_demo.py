@@ -70,7 +70,7 @@ def test_a_refit_known_only_by_its_total_shows_no_stage_and_no_remainder() -> No
     console.print(_table("shm", [row]))
     [line] = [x for x in console.export_text().splitlines() if x.startswith("│")]
     cells = [c.strip() for c in line.strip("│").split("│")]
-    assert cells[5:12] == ["n/a"] * 7 and cells[12] == "250.0" and cells[14:16] == ["10.0", "n/a"]
+    assert cells[6:13] == ["n/a"] * 7 and cells[13] == "250.0" and cells[15:17] == ["10.0", "n/a"]
 
 
 @pytest.mark.slow

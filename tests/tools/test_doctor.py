@@ -106,7 +106,7 @@ def test_a_failed_ipc_probe_with_no_dev_shm_to_fall_back_on_rules_cuda_ipc_out()
 
 
 def test_a_rendezvous_host_that_is_not_this_machine_fails() -> None:
-    check = doctor.check_rendezvous("203.0.113.7")  # TEST-NET-3: never an address of this machine
+    check = doctor.check_rendezvous(Settings(host="203.0.113.7"))  # TEST-NET-3: never an address of this machine
     assert check.status == FAIL and "REFIT_HOST" in check.fix
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import compress
 
-from refit.dtypes import dtype_name, lossless
+from refit.dtypes import dtype_from_name, dtype_name, lossless
 from refit.layout.manifest import gc_paused
 from refit.layout.spec import TensorSpec
 from refit.log import get_logger
@@ -65,7 +65,8 @@ class Report:
         if self.unexpected:
             parts.append(f"{len(self.unexpected)} unexpected (sender sends, engine lacks): {_list(self.unexpected)}")
         if self.mismatched:
-            rows = [f"{n}: engine holds {e}, sender sends {g}" for n, e, g in self.mismatched]
+            ranked = sorted(self.mismatched, key=lambda m: _cause(m[1], m[2])[0])  # stable: shapes first
+            rows = [f"{n}: engine holds {e}, sender sends {g}{_cause(e, g)[1]}" for n, e, g in ranked]
             parts.append(f"{len(self.mismatched)} mismatched: {_list(rows)}")
         return (
             "manifest does not match the engine; nothing was loaded. " + "; ".join(parts) + ". "
@@ -79,6 +80,22 @@ class Report:
             f"; or, to send tensors the engine will not load on purpose, waive them on the engine with "
             f"ignore=[{shown}] (names or fnmatch patterns)."
         )
+
+
+def _cause(engine: str, sent: str) -> tuple[int, str]:
+    """Which difference of a mismatched row fails it, and its rank in the report (shapes first): a dtype the
+    engine holds exactly beside a shape difference is not the cause. Rows not of the form '[shape] dtype'
+    (tie conflicts) rank last, unmarked."""
+    try:
+        (e_shape, e_dtype), (s_shape, s_dtype) = (d.rsplit(" ", 1) for d in (engine, sent))
+        exact = e_dtype == s_dtype or lossless(dtype_from_name(s_dtype), dtype_from_name(e_dtype))
+    except ValueError:
+        return 2, ""
+    if e_shape == s_shape:
+        return 1, " (dtype: the engine cannot hold it exactly)"
+    if exact:
+        return 0, " (shape)" if e_dtype == s_dtype else " (shape; the dtype alone would load exactly)"
+    return 0, " (shape, and the dtype cannot be held exactly)"
 
 
 def _list(items: Iterable[str]) -> str:

@@ -20,7 +20,8 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from refit.log import configure, get_logger
-from refit.tools.console import console_for, progress, progress_console
+from refit.settings import check_environment, given
+from refit.tools.console import console_for, progress, progress_console, silence_libraries
 from refit.tools.plan import config_file
 
 log = get_logger("cli")
@@ -70,8 +71,6 @@ def _need(module: str, what: str, install: str) -> None:
 
 
 def _check_demo(args: argparse.Namespace) -> list[str]:
-    from refit import transports
-
     if args.ranks is not None and args.trainer != "fsdp":
         raise ValueError("--ranks applies only to --trainer fsdp; add --trainer fsdp or drop --ranks")
     if (args.tp is not None or args.pp is not None) and args.trainer != "megatron":
@@ -91,10 +90,42 @@ def _check_demo(args: argparse.Namespace) -> list[str]:
     if not names:
         raise ValueError("--transport needs at least one of shm, gloo, cuda-ipc, nccl, nixl")
     for name in names:
-        reason = transports.unavailable(name)
-        if reason:
-            raise ValueError(reason)
+        _check_transport(name)
     return names
+
+
+NIXL_MISSING = (
+    "transport 'nixl' needs NVIDIA NIXL, which is not installed; pip install -e '.[nixl]' from the refit checkout "
+    "(nixl-cu12), or pip install nixl-cu13 (CUDA 13), or use another transport"
+)
+
+
+def _check_transport(name: str) -> None:
+    """Refused before any process starts: a worker would fail later, with its own traceback."""
+    from refit import transports
+    from refit.tools.doctor import nixl_installed
+
+    reason = transports.unavailable(name)
+    if reason:
+        raise ValueError(reason)
+    if name == "nixl" and not nixl_installed():
+        raise ValueError(NIXL_MISSING)
+
+
+def _check_listen(args: argparse.Namespace) -> None:
+    """The commands that run a Sender listen on REFIT_IFNAME or REFIT_HOST: refused now, not as an OSError."""
+    from refit.tools.doctor import listen_problem
+
+    problem, fix = listen_problem(args.settings)
+    if problem:
+        raise ValueError(f"{problem}; {fix}")
+
+
+def _bucket_bytes(args: argparse.Namespace, default: int) -> int:
+    """--bucket-bytes, else REFIT_BUCKET_BYTES, else the command's own default."""
+    if args.bucket_bytes is not None:
+        return args.bucket_bytes
+    return default if args.settings.bucket_bytes is None else args.settings.bucket_bytes
 
 
 def _check_demo_size(args: argparse.Namespace) -> None:
@@ -113,6 +144,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
 
     names = _check_demo(args)
     _check_demo_size(args)
+    _check_listen(args)
     results, ok = [], True
     engine: EngineProcess | None = None  # one engine process (one set of imports) for every plain run
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -128,7 +160,8 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 engine_tp=args.engine_tp,
                 steps=args.steps,
                 dtype_change_at=args.dtype_change_at,
-                bucket_bytes=args.bucket_bytes,
+                bucket_bytes=_bucket_bytes(args, DEMO_BUCKET_BYTES),
+                timeout_s=args.settings.timeout_s,
                 layers=args.layers,
                 hidden=args.hidden,
                 verbosity=args.verbosity,
@@ -155,6 +188,10 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     return 0 if ok else 1
 
 
+DEMO_BUCKET_BYTES = 8 << 20
+"""Small enough that the demo model spans several buckets."""
+
+
 def _ints(text: str, option: str) -> list[int]:
     try:
         return [int(r) for r in text.split(",")]
@@ -171,8 +208,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
             raise ValueError(
                 f"--methods with --ranks: unknown {', '.join(unknown)}; choose from " + ", ".join(COLOCATED_METHODS)
             )
+        _check_listen(args)
         return _json_through_a_file(args, __import__("refit.tools.bench.colocated", fromlist=["cli"]).cli, console)
-    from refit import transports
     from refit.tools.bench.report import plot, show, show_scaling, write_json
     from refit.tools.bench.runner import default_transport, run_bench
 
@@ -184,8 +221,9 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         from_config(config_file(args.config))
     names = [t.strip() for t in (args.transport or "").split(",") if t.strip()] or [""]
     for name in names:
-        if name and transports.unavailable(name):
-            raise ValueError(transports.unavailable(name))
+        if name:
+            _check_transport(name)
+    _check_listen(args)
     reports = []
     layer_counts = _ints(args.layers, "--layers") if args.layers else [None]
     methods = {t: _bench_methods(args.methods, default_transport(t)) for t in names}
@@ -206,11 +244,15 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 
 
 BENCH_PRESET, BENCH_REPEATS = "qwen2-0.5b", 5
+BENCH_BUCKET_BYTES = 1 << 30
+BENCH_TIMEOUT_S = 300.0
+"""The bench's limit on each wait unless REFIT_TIMEOUT is set: a 1 GiB bucket on a loaded machine."""
 PLOT_INSTALL = "pip install matplotlib (or pip install -e '.[plot]' from the refit checkout)"
 
 
 def _check_bench(args: argparse.Namespace) -> None:
-    """What can be told before the bench starts: missing packages, conflicting options."""
+    """What can be told before the bench starts (missing packages, conflicting options), and the settings
+    that options and environment give together."""
     if args.engine == "vllm":
         _need(
             "vllm",
@@ -221,6 +263,8 @@ def _check_bench(args: argparse.Namespace) -> None:
     if args.plot:
         _need("matplotlib", "--plot", PLOT_INSTALL)
     _resolve_quick(args)
+    args.bucket_bytes = _bucket_bytes(args, BENCH_BUCKET_BYTES)
+    args.timeout_s = args.settings.timeout_s if given("REFIT_TIMEOUT") else BENCH_TIMEOUT_S
 
 
 def _resolve_quick(args: argparse.Namespace) -> None:
@@ -286,6 +330,7 @@ def _bench_config(  # type: ignore[no-untyped-def]
         warmup=args.warmup,
         layers=layers,
         bucket_bytes=args.bucket_bytes,
+        timeout_s=args.timeout_s,
         methods=methods,
     )
 
@@ -330,7 +375,7 @@ def _doctor(args: argparse.Namespace, console: Console) -> int:
     with progress_console(quiet=args.verbosity < 0).status(
         "checking this machine (the CUDA IPC probe starts a second process)"
     ):
-        report = diagnose(transports=asked, probe=not args.no_probe)
+        report = diagnose(transports=asked, settings=args.settings, probe=not args.no_probe)
     failed = report.failed(asked) if args.transport else []
     if args.json:
         _emit_json({**report.to_json(), "asked": asked if args.transport else [], "ok": not failed}, args.json)
@@ -380,7 +425,14 @@ def _common() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="more log lines on stderr: -v INFO (and vLLM's own logs), -vv DEBUG (per bucket)",
     )
-    p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="errors only")
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="errors only: no tables, no progress, no warnings, and vLLM, transformers, torch, NIXL and UCX "
+        "at their error level; a library's C++ code that writes to the terminal itself can still print",
+    )
     return p
 
 
@@ -475,7 +527,9 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
     demo.add_argument(
         "--dtype-change-at", type=int, default=2, help="step after which one tensor goes fp32 (-1: never)"
     )
-    demo.add_argument("--bucket-bytes", type=int, default=8 << 20, help="bucket capacity in bytes")
+    demo.add_argument(
+        "--bucket-bytes", type=int, help="bucket capacity in bytes (default: REFIT_BUCKET_BYTES, else 8388608)"
+    )
     demo.add_argument(
         "--delta", action="store_true", help="delta refits: send only the wire chunks changed since the last commit"
     )
@@ -518,7 +572,11 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
         help=f"timed refits per method, the median reported (default: {BENCH_REPEATS}; not with --quick)",
     )
     bench.add_argument("--warmup", type=int, default=1, help="untimed refits per method first")
-    bench.add_argument("--bucket-bytes", type=int, default=1 << 30, help="bucket capacity in bytes")
+    bench.add_argument(
+        "--bucket-bytes",
+        type=int,
+        help="bucket capacity in bytes, capped at the model's (default: REFIT_BUCKET_BYTES, else 1073741824)",
+    )
     bench.add_argument(
         "--layers", help="comma-separated: keep only the model's first N layers, e.g. 4,5 (default: all)"
     )
@@ -599,7 +657,7 @@ def _doctor_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignor
         help="check which transports will work on this machine, and what to change",
         description="Check CUDA, CUDA IPC (a real export/open between two processes), GPU peers "
         "and NVLink, NCCL, /dev/shm and free memory against the bucket budget, vLLM with refit's "
-        "backend, and Ray. Exit code 1 when an asked --transport cannot work.",
+        "backend, Ray, and NVIDIA NIXL. Exit code 1 when an asked --transport cannot work.",
     )
     doctor.add_argument("--transport", help="comma-separated transports you mean to use (default: report all, exit 0)")
     doctor.add_argument("--no-probe", action="store_true", help="skip the CUDA IPC probe (a second process)")
@@ -642,7 +700,15 @@ def _command(args: argparse.Namespace) -> Callable[[argparse.Namespace, Console]
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_threads()
+    argv = sys.argv[1:] if argv is None else argv
+    if _asks_quiet(argv):
+        silence_libraries()
+    try:  # before the parser: its imports read some of the variables
+        settings = check_environment()
+    except ValueError as e:
+        return _usage_error(e)
     args = build_parser().parse_args(argv)
+    args.settings = settings
     args.verbosity = -1 if getattr(args, "quiet", False) else getattr(args, "verbose", 0)
     configure(args.verbosity)
     json_out = getattr(args, "json", None) == "-"
@@ -659,8 +725,7 @@ def main(argv: list[str] | None = None) -> int:
             _check_bench(args)
         return _command(args)(args, console)
     except ValueError as e:
-        console_for(stderr=True).print(f"[red]error:[/] {escape(str(e))}", highlight=False)
-        return 2
+        return _usage_error(e)
     except RefitError as e:
         log.debug("refit failed", exc_info=True)
         console_for(stderr=True).print(f"[red]refit failed:[/] {escape(str(e))}", highlight=False)
@@ -668,6 +733,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # the children got the same SIGINT and end silently (refit.tools.children)
         console_for(stderr=True).print("interrupted", highlight=False)
         return 130
+
+
+def _asks_quiet(argv: list[str]) -> bool:
+    """-q, seen before the parser runs: the parser's imports load torch, which may warn as it loads."""
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    return "-q" in options or "--quiet" in options
+
+
+def _usage_error(e: ValueError) -> int:
+    console_for(stderr=True).print(f"[red]error:[/] {escape(str(e))}", highlight=False)
+    return 2
 
 
 if __name__ == "__main__":

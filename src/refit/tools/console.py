@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from typing import TextIO
 
 from rich.console import Console
@@ -38,3 +40,15 @@ def progress(*, quiet: bool = False) -> Progress:
         TimeElapsedColumn(),
     )
     return Progress(*columns, console=progress_console(quiet=quiet), transient=True)
+
+
+QUIET_ENV = {"PYTHONWARNINGS": "ignore", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}
+"""With -q, set unless already set: every warning off, and NIXL's and UCX's own logs (Python and C++) at
+their error level, in this process and the children that inherit the environment."""
+
+
+def silence_libraries() -> None:
+    """-q: errors only. Must run before torch is imported (it warns as it loads, e.g. without NumPy)."""
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+    warnings.simplefilter("ignore")

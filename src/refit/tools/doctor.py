@@ -23,8 +23,9 @@ import torch
 from refit.errors import PeerError
 from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes
 from refit.log import get_logger
-from refit.settings import Settings
+from refit.settings import DEFAULT_HOST, Settings
 from refit.transports import get as transport_class
+from refit.transports.address import interface_address
 
 log = get_logger("doctor")
 OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
@@ -86,7 +87,7 @@ def diagnose(*, transports: list[str], settings: Settings | None = None, probe: 
     checks = [
         check_torch(),
         cuda,
-        check_rendezvous(settings.host),
+        check_rendezvous(settings),
         check_shm(settings),
         check_memory(torch.device("cpu"), settings),
     ]
@@ -136,19 +137,32 @@ def check_cuda() -> Check:
     )
 
 
-def check_rendezvous(host: str) -> Check:
-    """The sender listens on REFIT_HOST: it must be an address of this machine."""
+def check_rendezvous(settings: Settings) -> Check:
+    """The sender listens on REFIT_IFNAME's address, else REFIT_HOST: it must be an address of this machine."""
+    problem, fix = listen_problem(settings)
+    if problem:
+        return Check(name="rendezvous", status=FAIL, detail=problem, fix=fix)
+    where = f"REFIT_IFNAME={settings.ifname}" if settings.ifname else f"{settings.host} (REFIT_HOST)"
+    return Check(name="rendezvous", status=OK, detail=f"can listen on {where}")
+
+
+def listen_problem(settings: Settings) -> tuple[str, str]:
+    """Why a Sender could not listen with `settings`, and the fix; ('', '') when it can."""
+    if settings.ifname:
+        try:
+            interface_address(settings.ifname)
+        except ValueError as e:
+            return str(e), "set REFIT_IFNAME to one of them, or unset it"
+        return "", ""
     try:
-        with socket.create_server((host, 0)):
+        with socket.create_server((settings.host, 0)):
             pass
     except OSError as e:
-        return Check(
-            name="rendezvous",
-            status=FAIL,
-            detail=f"cannot listen on {host}: {e}",
-            fix="set REFIT_HOST to an address of this machine (default 127.0.0.1)",
+        return (
+            f"REFIT_HOST={settings.host}: cannot listen there ({str(e.strerror or e).split(' (while')[0]})",
+            f"set REFIT_HOST to an address of this machine, or unset it (default {DEFAULT_HOST})",
         )
-    return Check(name="rendezvous", status=OK, detail=f"can listen on {host} (REFIT_HOST)")
+    return "", ""
 
 
 def _budget(device: torch.device, settings: Settings) -> tuple[int, int]:

@@ -47,6 +47,21 @@ def _mesh_report(args: argparse.Namespace, spec_list: list) -> dict:
     return out
 
 
+def plan_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The environment's Settings (the CLI's, checked before any work), with --ratio and --bucket-bytes over
+    their variables."""
+    import dataclasses
+
+    from refit.settings import Settings
+
+    env = getattr(args, "settings", None) or Settings()
+    return dataclasses.replace(
+        env,
+        ratio=env.ratio if args.ratio is None else args.ratio,
+        bucket_bytes=env.bucket_bytes if args.bucket_bytes is None else args.bucket_bytes,
+    )
+
+
 def plan_report(args: argparse.Namespace) -> dict:
     """What `refit plan` shows, as JSON-able numbers."""
     import torch
@@ -55,7 +70,6 @@ def plan_report(args: argparse.Namespace) -> dict:
     from refit.engines.staging import staging_nbytes
     from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes, needed_bytes
     from refit.layout.planner import forecast, plan, specs_digest
-    from refit.settings import Settings
     from refit.tools.bench.presets import PRESETS, from_config, specs
 
     if args.config:
@@ -67,12 +81,7 @@ def plan_report(args: argparse.Namespace) -> dict:
     if getattr(args, "layers", None) is not None:
         shape = shape.truncated(args.layers)
     spec_list = specs(shape, dtype_from_name(args.dtype))
-    settings = Settings()
-    if args.ratio is not None or args.bucket_bytes is not None:
-        settings = Settings(
-            ratio=settings.ratio if args.ratio is None else args.ratio,
-            bucket_bytes=settings.bucket_bytes if args.bucket_bytes is None else args.bucket_bytes,
-        )
+    settings = plan_settings(args)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     free = free_bytes(device)
     # As the Sender's connect computes it: the budget, capped at what the model needs.

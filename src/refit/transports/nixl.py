@@ -55,7 +55,10 @@ def _nixl() -> Any:
             continue
         _off_stdout()
         return nixl
-    raise ValueError("transport 'nixl' needs NVIDIA NIXL: pip install 'refit[nixl]' (nixl-cu12), or nixl / nixl-cu13")
+    raise ValueError(
+        "transport 'nixl' needs NVIDIA NIXL, which is not installed; pip install -e '.[nixl]' from the refit "
+        "checkout (nixl-cu12), or pip install nixl-cu13 (CUDA 13)"
+    )
 
 
 def _off_stdout() -> None:

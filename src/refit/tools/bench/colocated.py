@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import refit
 from refit.dtypes import dtype_from_name, dtype_name
+from refit.settings import given
 from refit.tools.bench.presets import PRESETS, from_config, specs
 from refit.tools.bench.worker import MARK
 from refit.tools.children import module_command
@@ -49,6 +50,8 @@ class ColocatedConfig:
     repeats: int = 5
     warmup: int = 1
     bucket_bytes: int = 1 << 30
+    timeout_s: float = 600.0
+    """Limit on each wait inside a refit (REFIT_TIMEOUT when set)."""
     methods: tuple[str, ...] = METHODS
     num_slots: int = 2
     """Bucket buffers per per-rank Sender (1: the worker's copy never overlaps the next gather)."""
@@ -145,7 +148,7 @@ def _method(method: str, shards: dict[str, torch.Tensor], cfg: ColocatedConfig, 
     from refit.topology.sender import Sender
 
     transport = "cuda-ipc" if device.type == "cuda" else "shm"
-    settings = Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=600.0)
+    settings = Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
     source = FsdpSource(shards)
     rank, world = dist.get_rank(), dist.get_world_size()
     version = iter(range(1, 1 << 30))
@@ -296,7 +299,7 @@ def _run(cfg: ColocatedConfig) -> dict:
                 for i, (w, info) in enumerate(zip(workers, msg["infos"])):
                     mode = "mesh" if msg.get("mesh") else "refit"
                     job = {"mode": mode, "rendezvous": info, "worker": i, "workers": len(workers)}
-                    _write(w, {**job, "bucket_bytes": cfg.bucket_bytes, "timeout_s": 600.0})
+                    _write(w, {**job, "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s})
             else:
                 if msg["method"] != "floor":
                     for w in workers:
@@ -403,6 +406,7 @@ def cli(args, console) -> int:  # type: ignore[no-untyped-def]
             repeats=3 if args.quick else args.repeats,
             warmup=args.warmup,
             bucket_bytes=args.bucket_bytes,
+            timeout_s=args.settings.timeout_s if given("REFIT_TIMEOUT") else 600.0,
         )
         reports.append(run_colocated(cfg))
         show(reports[-1], console)

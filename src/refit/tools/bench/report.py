@@ -94,7 +94,21 @@ def notes(report: dict) -> list[str]:
         slower = [m for m in VERIFIED if probe in res and m in res and res[probe]["median_s"] > res[m]["median_s"]]
         if slower:
             lines.append(_probe_slower(res, probe, slower[0]))
+    if "serial" in res and "refit" in res and res["serial"]["median_s"] < res["refit"]["median_s"]:
+        lines.append(_serial_faster(report))
     return lines
+
+
+def _serial_faster(report: dict) -> str:
+    res, c = report["results"], report["config"]
+    size = max(1, min(c["bucket_bytes"], report["nbytes"]))  # the runner caps a bucket at the model's bytes
+    buckets = max(1, -(-report["nbytes"] // size))
+    return (
+        f"{LABELS['serial']} beats {LABELS['refit']} ({_ms(res['serial'])} vs {_ms(res['refit'])}): pipelining packs "
+        f"bucket i+1 while bucket i is on the wire, which pays only when a refit spans several buckets and packing "
+        f"and the link do not share the same cores; here the model takes about {buckets} bucket(s) of "
+        f"{size / 2**20:.1f} MiB, so the second buffer only adds its setup (try a smaller --bucket-bytes)."
+    )
 
 
 def _ms(r: dict, key: str = "median_s") -> str:

@@ -110,6 +110,8 @@ class BenchConfig:
     """Timed refits per method, after `warmup` untimed ones."""
     warmup: int = 1
     bucket_bytes: int = 1 << 30
+    timeout_s: float = 300.0
+    """Limit on each wait inside a refit, on both sides (the CLI: REFIT_TIMEOUT when set)."""
     methods: tuple[str, ...] = METHODS
     layers: int | None = None
     """Keep only the model's first `layers` layers (None: all)."""
@@ -227,6 +229,11 @@ def _timed(fn: Callable[[], object], device: torch.device, cfg: BenchConfig) -> 
     return times
 
 
+def session_settings(cfg: BenchConfig, bucket_bytes: int) -> Settings:
+    """The Settings of the bench's Senders: its bucket and timeout; the rest from the environment."""
+    return Settings(bucket_bytes=bucket_bytes, timeout_s=cfg.timeout_s)
+
+
 @contextlib.contextmanager
 def _session(
     workers: Workers,
@@ -242,7 +249,7 @@ def _session(
     verify: str | None = None,
     **job: object,
 ) -> Iterator[Sender]:
-    settings = Settings(bucket_bytes=bucket_bytes, timeout_s=300.0)
+    settings = session_settings(cfg, bucket_bytes)
     sender = Sender(
         source,
         transport=cfg.transport,
@@ -254,7 +261,15 @@ def _session(
         verify_checksum=verify_checksum,
         verify=verify,
     )
-    workers.submit({"mode": mode, "rendezvous": sender.rendezvous(), "bucket_bytes": bucket_bytes, **job})
+    workers.submit(
+        {
+            "mode": mode,
+            "rendezvous": sender.rendezvous(),
+            "bucket_bytes": bucket_bytes,
+            "timeout_s": cfg.timeout_s,
+            **job,
+        }
+    )
     try:
         sender.connect()
         yield sender

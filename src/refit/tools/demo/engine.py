@@ -22,6 +22,8 @@ from refit.tools.demo.model import build_model, greedy, model_config
 from refit.topology.receiver import Receiver
 
 MARK = "@@refit "
+NOT_JOINED = 2
+"""Exit code of an engine process whose session never joined the trainer (its 'exit' event says why)."""
 log = get_logger("demo engine")
 
 
@@ -64,9 +66,13 @@ def _session(args: dict, model: torch.nn.Module) -> int:
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 120.0))
     with Receiver(engine, args["rendezvous"], settings=settings) as receiver:
         while True:
+            joined = receiver.channel is not None
             try:
                 stats = receiver.receive()
             except RefitError as e:
+                if not joined:  # refused, or nothing listens there: no retry can help, so the trainer stops now
+                    emit({"event": "exit", "message": f"could not connect to the trainer: {e}"})
+                    return NOT_JOINED
                 emit({"event": "error", "message": str(e), "state": engine.weights.state.value})
                 if isinstance(e, PeerError):
                     return 3

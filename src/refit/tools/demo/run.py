@@ -25,7 +25,7 @@ from refit.settings import Settings
 from refit.sources.module import ModuleSource
 from refit.tools.children import module_command
 from refit.tools.console import console_on, progress, progress_console
-from refit.tools.demo.engine import MARK
+from refit.tools.demo.engine import MARK, NOT_JOINED
 from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
 from refit.topology.mesh import MeshRefit
 from refit.topology.sender import Sender
@@ -65,6 +65,7 @@ class DemoConfig:
     hidden: int = 512
     """Hidden size of the demo model (a multiple of 64)."""
     timeout_s: float = 120.0
+    """Limit on every wait inside a refit, on both sides (the CLI: REFIT_TIMEOUT)."""
     verbosity: int = 0
     """The CLI's -v count (-1 for -q); the engine process logs at the same level."""
     json_path: str = ""
@@ -109,6 +110,11 @@ class DemoConfig:
     def mesh(self) -> bool:
         """M:N (refit.topology.mesh): an FSDP2 trainer into vLLM, each worker receiving only its slices."""
         return self.trainer == "fsdp" and self.engine == "vllm"
+
+
+class EngineNotJoined(ValueError):
+    """The demo's own engine process was refused by the trainer or could not reach it: a set-up problem
+    (the CLI: one line, exit code 2), told as soon as the engine gives up, not at the connect timeout."""
 
 
 @dataclass(slots=True)
@@ -180,6 +186,11 @@ class EngineProcess:
             if self.sender.connected or self.proc.poll() is None:
                 raise
             said = self._exit_message()
+            if self.proc.returncode == NOT_JOINED:
+                raise EngineNotJoined(
+                    f"the demo's engine {said}; check REFIT_HOST and REFIT_IFNAME (the engine connects to the "
+                    "address the trainer advertises) or unset them"
+                ) from None
             raise RefitError(
                 f"engine process exited with code {self.proc.returncode} before it connected"
                 + (f": {said}" if said else "")
@@ -382,10 +393,10 @@ def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | No
     nparams = getattr(trainer, "num_params", None) or sum(p.numel() for p in model.parameters())
     console.print(
         f"[bold]refit demo[/] over [cyan]{cfg.transport}[/] into a [cyan]{cfg.engine}[/] engine: Llama-style "
-        f"LM, {nparams / 1e6:.1f}M params, fp32 master weights sent as bf16, {cfg.steps} steps"
+        f"LM, {nparams / 1e6:.1f}M params, fp32 master weights sent as bf16, {_plural(cfg.steps, 'step')}"
         f"{_sharding(cfg)}"
     )
-    settings = Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
+    settings = session_settings(cfg)
     # every refit ends with the engine's digests checked against the trainer's live tensors
     sender = (
         MeshRefit(
@@ -412,6 +423,15 @@ def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | No
         with open(cfg.json_path, "w") as f:
             json.dump({**result, "ok": ok, "refits": rows, "predicted_memory": mem}, f)
     return ok
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def session_settings(cfg: DemoConfig) -> Settings:
+    """The Settings of the demo's Sender: its bucket and timeout from `cfg`; the rest from the environment."""
+    return Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
 
 
 def _sharding(cfg: DemoConfig) -> str:
@@ -503,12 +523,12 @@ def _loop(
 def _show(cfg: DemoConfig, console: Console, rows: list[dict], mem: dict, ok: bool) -> None:
     console.print(_table(cfg.transport, rows))
     console.print(LEGEND)
-    for r in rows:
-        if r.get("connect_seconds", 0.0) >= 5e-5:
-            console.print(
-                f"version {r['version']} first waited {r['connect_seconds'] * 1e3:.1f} ms for the engine to connect "
-                "(up to REFIT_CONNECT_TIMEOUT), before its total began"
-            )
+    first = rows[0] if rows else {}
+    if first.get("connect_seconds", 0.0) >= 5e-5:  # the engine connects during the first refit only
+        console.print(
+            f"version {first['version']} first waited {first['connect_seconds'] * 1e3:.1f} ms for the engine to "
+            "connect (up to REFIT_CONNECT_TIMEOUT), before its total began"
+        )
     if cfg.engine == "vllm" and cfg.verbosity > 0:
         console.print(ROTARY_NOTE)
     console.print(
@@ -535,6 +555,8 @@ LEGEND = "\n".join(
         "loads bucket i while the trainer packs the next; its verify (digests of what it holds, read back here since "
         "its loads cast bf16 into fp32, compared with the trainer's) starts when the trainer's digests arrive and is "
         "most of commit.",
+        "MB: the model's bytes in its wire dtypes; wire MB: the bytes that crossed the link, Δ where the refit went "
+        "as a delta (--delta: only the chunks changed since the last commit). "
         "epoch*: a handshake began a new epoch. params: every engine tensor bitwise what was sent; gen: the engine's "
         "greedy output equals the trainer's.",
     )
@@ -548,7 +570,7 @@ ROTARY_NOTE = (
 
 def _table(transport: str, rows: list[dict]) -> Table:
     t = Table(title=f"refits over {transport}")
-    columns = ("ver", "epoch", "loss", "MB", "bkts", *TRAINER_STAGES, "other", "total", "GB/s")
+    columns = ("ver", "epoch", "loss", "MB", "wire MB", "bkts", *TRAINER_STAGES, "other", "total", "GB/s")
     for col in (*columns, *(f"engine {k}" for k in ENGINE_STAGES), "params", "gen"):
         t.add_column(col, justify="right")
     mark = lambda ok: "[green]✓[/]" if ok else "[red]✗[/]"  # noqa: E731
@@ -559,6 +581,7 @@ def _table(transport: str, rows: list[dict]) -> Table:
             f"{r['epoch']}{'*' if r['handshake'] else ''}",
             f"{r['loss']:.3f}",
             f"{r['nbytes'] / 1e6:.1f}",
+            _wire_mb(r),
             str(r["num_buckets"]),
             *(ms(r["seconds"], k) for k in (*TRAINER_STAGES, "other", "total")),
             f"{r['gbps']:.2f}",
@@ -567,6 +590,12 @@ def _table(transport: str, rows: list[dict]) -> Table:
             mark(r["generate_ok"]),
         )
     return t
+
+
+def _wire_mb(r: dict) -> str:
+    """What crossed the link; 'Δ' marks a delta refit (only the chunks changed since the last commit)."""
+    wire = r["wire_bytes"] if r.get("delta") else r.get("wire_bytes") or r["nbytes"]
+    return f"{wire / 1e6:.1f}{' Δ' if r.get('delta') else ''}"
 
 
 def _trainer_seconds(s: RefitStats) -> dict[str, float]:

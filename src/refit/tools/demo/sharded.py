@@ -18,10 +18,9 @@ import torch
 import torch.distributed as dist
 
 import refit
-from refit.settings import Settings
 from refit.sources.fsdp import FsdpSource, full_tensor
 from refit.tools.children import module_command
-from refit.tools.demo.run import KEEP_FP32, DemoConfig, demo_model, run, train_step
+from refit.tools.demo.run import KEEP_FP32, DemoConfig, demo_model, run, session_settings, train_step
 from refit.topology.mesh import MeshRefit
 from refit.topology.stats import RefitStats
 
@@ -59,7 +58,7 @@ class FsdpTrainer:
 def _follow(cfg: DemoConfig, trainer) -> None:  # type: ignore[no-untyped-def]
     mesh = None
     if cfg.mesh:  # built as rank 0 builds its own; each call below is collective in the same order
-        settings = Settings(bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
+        settings = session_settings(cfg)
         mesh = MeshRefit(
             trainer.source, num_workers=cfg.engine_tp, transport=cfg.transport, settings=settings, verify="fingerprint"
         )
