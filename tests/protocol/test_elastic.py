@@ -19,7 +19,7 @@ from elastic_peer import ElasticPeer
 from peer import make_tensors
 from sessions import FailingSource, live_fingerprints
 
-from refit import ModuleSource, PeerError, Sender, Settings
+from refit import ModuleSource, PeerError, RefitError, Sender, Settings
 
 # Fresh interpreters for this file's peers: forked warm, the gloo survivor of a receiver dying mid-refit once
 # never joined the re-formed group (clean-clone CI, after this file's per-rank test); the cause is not found yet.
@@ -151,6 +151,25 @@ def test_a_receiver_that_leaves_gives_its_reason_to_the_next_refit_stats(how: di
         second = sender.refit(2)
         assert second.departed == [{"receiver": rank_b, "reason": reason}]
         assert second.receivers == [rank_a]
+        _assert_current(a.report(), sender, tensors, 2)
+    assert a.wait() == 0
+
+
+@pytest.mark.slow
+def test_a_departure_in_a_refit_that_fails_is_named_in_its_error_and_in_the_next_stats() -> None:
+    with elastic(receivers=2) as (sender, tensors, args):
+        a = ElasticPeer({**args, "fault": {"kind": "raise", "version": 2, "at_load": 1}})
+        b = ElasticPeer({**args, "leave_after": 1, "reason": "scaled down"})
+        sender.refit(1)
+        _assert_current(a.report(), sender, tensors, 1)
+        rank_b = _assert_current(b.report(), sender, tensors, 1)
+        assert b.report() == {"event": "left"} and b.wait() == 0
+        _step(tensors)
+        with pytest.raises(RefitError, match=f"injected engine failure.*receiver {rank_b}: scaled down"):
+            sender.refit(2)  # B's LEAVE is read at its start; A's engine fails it
+        assert a.report()["event"] == "error"
+        retried = sender.refit(2)
+        assert retried.departed == [{"receiver": rank_b, "reason": "scaled down"}]  # not lost with the failed refit
         _assert_current(a.report(), sender, tensors, 2)
     assert a.wait() == 0
 

@@ -70,6 +70,10 @@ class Fixed:
     def too_few(self, version: int, did: str, count: int, departed: list[dict]) -> str:
         raise AssertionError("a fixed membership never falls short: every receiver takes every refit")
 
+    def failed(self, message: str, stats: RefitStats) -> str:
+        """The error of a round that failed after `record` (nobody departs a fixed membership)."""
+        return message
+
 
 class Elastic(Fixed):
     """Receivers beyond the first may join at any time (they take part from the next refit); one that leaves
@@ -320,6 +324,15 @@ class Elastic(Fixed):
             f"departed since the last refit's stats: {_named(departed)}; start or reconnect an engine (await_receivers "
             "waits for one), or pass min_receivers=0 to let a refit reach none"
         )
+
+    def failed(self, message: str, stats: RefitStats) -> str:
+        """A failed round's error names who departed since the last refit's stats; they stay listed for the
+        next refit's stats (a failed round returns none)."""
+        if not stats.departed:
+            return message
+        members = self.members
+        members.departed[:0] = [d for d in stats.departed if d not in members.departed]  # too_few may have
+        return f"{message}; departed since the last refit's stats: {_named(stats.departed)}"
 
 
 def _named(departed: list[dict]) -> str:

@@ -533,10 +533,11 @@ class Receiver:
     def _finalize(self, version: int, two_phase: bool) -> RefitError | None:
         """Commit the engine; one that fails here still answers the sender. In a two-phase refit the
         engine goes back to 'updating' (the state only, none of its own begin work) until the verdict."""
+        last = self.engine.versions.weights.version  # updating since BEGIN: the last committed version
         try:
             self.engine.commit(version)
             if two_phase:
-                self.engine.versions.begin(version)
+                self.engine.versions.await_verdict(version, last)
         except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
         return None
