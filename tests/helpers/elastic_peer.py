@@ -1,8 +1,8 @@
 """An engine process for the elastic tests: peer.py's recording engine behind a Receiver that may leave.
 
 Run as `python tests/helpers/elastic_peer.py '<json>'` with peer.py's arguments plus `leave_after` (a
-version: after committing it, the receiver says LEAVE with `reason` and exits 0) or `close_after` (the same
-with a plain `Receiver.close()`). Reports JSON lines on
+version: after committing it, the receiver says LEAVE with `reason` and exits 0), `close_after` (the same
+with a plain `Receiver.close()`) or `stall_regroup` (seconds its engine stalls before joining a new group). Reports JSON lines on
 stdout as peer.py does (event "refit", "error" or "left"), after "started" once its imports are done.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
 from peer import MARK, Peer, RecordingEngine, _report, make_tensors
@@ -24,6 +25,8 @@ def main() -> int:
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 60.0))
     rendezvous = {**args["rendezvous"], **args.get("override", {})}
     receiver = Receiver(engine, rendezvous, settings=settings, device=torch.device("cpu"))
+    if "stall_regroup" in args:  # an engine that never gets round to joining a new group (the fault under test)
+        engine.release_buffers = lambda: time.sleep(args["stall_regroup"])
     try:
         while True:
             try:

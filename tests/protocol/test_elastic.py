@@ -19,7 +19,7 @@ from elastic_peer import ElasticPeer
 from peer import make_tensors
 from sessions import FailingSource, live_fingerprints
 
-from refit import ModuleSource, PeerError, Sender, Settings
+from refit import ModuleSource, PeerError, RefitError, Sender, Settings
 
 # Fresh interpreters for this file's peers: forked warm, the gloo survivor of a receiver dying mid-refit once
 # never joined the re-formed group (clean-clone CI, after this file's per-rank test); the cause is not found yet.
@@ -31,15 +31,21 @@ TIMEOUT_S = 60.0
 
 @contextlib.contextmanager
 def elastic(
-    receivers: int = 1, *, is_elastic: bool = True, transport: str = "shm", source: type[ModuleSource] = ModuleSource
+    receivers: int = 1,
+    *,
+    is_elastic: bool = True,
+    transport: str = "shm",
+    source: type[ModuleSource] = ModuleSource,
+    timeout_s: float = TIMEOUT_S,
 ) -> Iterator[tuple[Sender, dict, dict]]:
-    """A sender over deterministic tensors (elastic unless told), and the arguments a peer needs."""
+    """A sender over deterministic tensors (elastic unless told), and the arguments a peer needs (whose
+    timeout is TIMEOUT_S whatever the sender's `timeout_s`)."""
     tensors = make_tensors(SPECS, seed=1)
     sender = Sender(
         source(tensors),
         transport=transport,
         num_receivers=receivers,
-        settings=Settings(bucket_bytes=4096, timeout_s=TIMEOUT_S),
+        settings=Settings(bucket_bytes=4096, timeout_s=timeout_s),
         elastic=is_elastic,
     )
     args = {"rendezvous": sender.rendezvous(), "specs": SPECS, "bucket_bytes": 4096, "timeout_s": TIMEOUT_S}
@@ -145,6 +151,25 @@ def test_a_receiver_that_leaves_gives_its_reason_to_the_next_refit_stats(how: di
         second = sender.refit(2)
         assert second.departed == [{"receiver": rank_b, "reason": reason}]
         assert second.receivers == [rank_a]
+        _assert_current(a.report(), sender, tensors, 2)
+    assert a.wait() == 0
+
+
+@pytest.mark.slow
+def test_a_departure_in_a_refit_that_fails_is_named_in_its_error_and_in_the_next_stats() -> None:
+    with elastic(receivers=2) as (sender, tensors, args):
+        a = ElasticPeer({**args, "fault": {"kind": "raise", "version": 2, "at_load": 1}})
+        b = ElasticPeer({**args, "leave_after": 1, "reason": "scaled down"})
+        sender.refit(1)
+        _assert_current(a.report(), sender, tensors, 1)
+        rank_b = _assert_current(b.report(), sender, tensors, 1)
+        assert b.report() == {"event": "left"} and b.wait() == 0
+        _step(tensors)
+        with pytest.raises(RefitError, match=f"injected engine failure.*receiver {rank_b}: scaled down"):
+            sender.refit(2)  # B's LEAVE is read at its start; A's engine fails it
+        assert a.report()["event"] == "error"
+        retried = sender.refit(2)
+        assert retried.departed == [{"receiver": rank_b, "reason": "scaled down"}]  # not lost with the failed refit
         _assert_current(a.report(), sender, tensors, 2)
     assert a.wait() == 0
 
@@ -302,6 +327,37 @@ def test_over_gloo_a_receiver_dying_mid_refit_breaks_the_group_which_is_formed_a
         assert sender.refit(3).receivers == [rank_a]
         _assert_current(a.report(), sender, tensors, 3)
     assert a.wait() == 0
+
+
+@pytest.mark.slow
+def test_over_gloo_a_member_that_never_joins_a_new_group_is_dropped_within_the_heartbeat_window() -> None:
+    with elastic(receivers=2, transport="gloo", timeout_s=12) as (sender, tensors, args):  # heartbeats every 3 s
+        a = ElasticPeer(args)
+        b = ElasticPeer({**args, "stall_regroup": 600})  # its engine stalls when a new group forms
+        try:
+            sender.refit(1)
+            rank_a = _assert_current(a.report(), sender, tensors, 1)
+            rank_b = _assert_current(b.report(), sender, tensors, 1)
+            c = ElasticPeer({**args, "seed": 7})
+            c.started()
+            assert sender.await_receivers(3, timeout_s=TIMEOUT_S)
+            _step(tensors)
+            # C's arrival forms a group of four; B never joins it: dropped after three heartbeats (9 s), not at the
+            # store's timeout (which broke the session), and the group is formed again of A and C
+            second = sender.refit(2)
+            rank_c = _assert_current(c.report(), sender, tensors, 2)
+            assert second.receivers == [rank_a, rank_c]
+            assert [d["receiver"] for d in second.departed] == [rank_b]
+            assert "did not join within 9s" in second.departed[0]["reason"]
+            _assert_current(a.report(), sender, tensors, 2)
+            _step(tensors)
+            assert sender.refit(3).receivers == [rank_a, rank_c]
+            _assert_current(a.report(), sender, tensors, 3)
+            _assert_current(c.report(), sender, tensors, 3)
+        finally:
+            b.proc.kill()
+            b.wait()
+    assert a.wait() == 0 and c.wait() == 0
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ found by liveness checks, the rendezvous admits only real receivers, and nothing
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import glob
 import json
@@ -312,6 +313,45 @@ def test_strict_verification_fails_a_refit_with_unverified_tensors_on_every_rece
     sender.close()
     receiver.close()
     assert isinstance(errors[0], RefitError) and engine.weights.state == State.FAILED
+
+
+@pytest.mark.parametrize("mode", ["strict", "vote"])
+def test_a_two_phase_refit_that_committed_nowhere_leaves_the_version_last_committed(mode: str) -> None:
+    from refit import RefitError, State
+    from refit.topology.policies import Commit
+
+    armed = [True]
+    source, settings = ModuleSource(make_tensors(SPECS, seed=1)), Settings(timeout_s=30)
+    if mode == "strict":
+        sender = Sender(source, transport="shm", settings=settings, verify="strict")
+    else:
+        sender = Sender(
+            source, transport="shm", settings=settings, commit=Commit(vote=lambda own: own or armed[0] * "no")
+        )
+    engine = ModuleEngine(make_tensors(SPECS, seed=2))
+    receiver = Receiver(engine, sender.rendezvous())
+    _connect_in_threads(sender, [receiver])
+    unverified = {"unverified": 1, "unverified_names": ["b"]}
+    _rewrite_done(
+        receiver, lambda payload: {**(payload or {}), **unverified} if armed[0] and mode == "strict" else payload
+    )
+
+    def refit(version: int, fails: bool) -> tuple:
+        armed[0] = fails
+        errors: list[BaseException] = []
+        (t,) = _receive_in_threads([receiver], errors)
+        with pytest.raises(RefitError) if fails else contextlib.nullcontext():
+            sender.refit(version)
+        t.join()
+        assert bool(errors) == fails
+        w = engine.weights
+        return w.state, w.version, w.target
+
+    assert refit(1, fails=True) == (State.FAILED, None, 1)  # from an empty engine: nothing was ever committed
+    assert refit(1, fails=False) == (State.CURRENT, 1, None)
+    assert refit(2, fails=True) == (State.FAILED, 1, 2)
+    sender.close()
+    receiver.close()
 
 
 def _insider(address: tuple[str, int], token: str, capacity: int, *, read_welcome: bool) -> None:

@@ -57,6 +57,11 @@ class Versions:
             raise RefitError(f"commit of version {version} without a matching begin (state: {w})")
         self.weights = WeightsVersion(State.CURRENT, version)
 
+    def await_verdict(self, version: int, last: int | None) -> None:
+        """Two-phase: the engine committed `version` but not every worker has yet; until the verdict it is
+        'updating' and the last committed version is still `last` (so a failed verdict leaves it there)."""
+        self.weights = WeightsVersion(State.UPDATING, last, version)
+
     def fail(self, version: int, reason: str) -> None:
         self.weights = WeightsVersion(State.FAILED, self.weights.version, version, reason)
 

@@ -283,24 +283,32 @@ class StoreServer:
         return self._lobby.refused
 
     def _admit(self, num_clients: int, timeout_s: float) -> None:
-        arrivals: list[Arrival] = []
+        """Serve each rank as soon as it is admitted: one that came need not wait for the rest, so rank 0 sees
+        who reached the rendezvous while the group forms (an elastic sender drops a member that never does)."""
+        deadline, served = time.monotonic() + timeout_s, 0
         try:
-            arrivals = self._lobby.admit(num_clients, timeout_s)
+            while served < num_clients and self._serve_arrival(
+                *self._lobby.admit(1, max(0.0, deadline - time.monotonic()))
+            ):
+                served += 1
         except (PeerError, OSError, ValueError) as e:  # closed meanwhile, or a rank never came
             if not self._closed:
-                log.warning("the group store admitted too few ranks: %s", e)
+                log.warning("the group store admitted %d of %d ranks: %s", served, num_clients, e)
+        with self._lock:
+            if not self._closed:
+                self._lobby.refuse_late(num_clients)
+
+    def _serve_arrival(self, arrival: Arrival) -> bool:
         with self._lock:
             if self._closed:
-                for a in arrivals:
-                    a.sock.close()
-                return
-            self._lobby.refuse_late(num_clients)
-            for a in arrivals:
-                link = _Link(a.sock, a.key, sends=REPLY, peer=f"group store client {a.addr}")
-                thread = threading.Thread(target=self._serve, args=(link,), name="refit-store-client", daemon=True)
-                self._links.append(link)
-                self._threads.append(thread)
-                thread.start()
+                arrival.sock.close()
+                return False
+            link = _Link(arrival.sock, arrival.key, sends=REPLY, peer=f"group store client {arrival.addr}")
+            thread = threading.Thread(target=self._serve, args=(link,), name="refit-store-client", daemon=True)
+            self._links.append(link)
+            self._threads.append(thread)
+            thread.start()
+        return True
 
     def _serve(self, link: _Link) -> None:
         link.sock.settimeout(None)  # a rank may stay quiet for the whole session; close() wakes this thread

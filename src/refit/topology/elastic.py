@@ -7,20 +7,24 @@ receiver lost mid-refit, and whether a round that reached fewer receivers than a
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
+import threading
+import time
 
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.log import get_logger
 from refit.protocol.store import AuthenticatedStores
 from refit.protocol.wire import Channel, Header, Kind
-from refit.topology.membership import Membership, readable
+from refit.topology.membership import Membership, hung_up, readable
 from refit.topology.policies import Vet
 from refit.topology.seat import Session
 from refit.topology.send_path import Lost
 from refit.topology.stats import RefitStats
-from refit.transports.base import Transport
+from refit.transports.base import INTERRUPT_EVERY_S, Transport
 
 log = get_logger("sender")
+DETECT_BEATS = 3
+"""Heartbeat intervals a new group waits for a member before dropping it (a receiver calls a sender that has
+been silent for as many dead)."""
 
 
 class Fixed:
@@ -66,6 +70,10 @@ class Fixed:
     def too_few(self, version: int, did: str, count: int, departed: list[dict]) -> str:
         raise AssertionError("a fixed membership never falls short: every receiver takes every refit")
 
+    def failed(self, message: str, stats: RefitStats) -> str:
+        """The error of a round that failed after `record` (nobody departs a fixed membership)."""
+        return message
+
 
 class Elastic(Fixed):
     """Receivers beyond the first may join at any time (they take part from the next refit); one that leaves
@@ -77,6 +85,8 @@ class Elastic(Fixed):
         self.vet = vet
         self.group: list[Channel] = []
         """Group transports: the receivers the group was formed with (a change means a new group)."""
+        self.detect_s = 0.0
+        """How long a new group waits for a member to join: the heartbeat detection window (set at start)."""
 
     @property
     def lost(self) -> Lost | None:
@@ -100,6 +110,7 @@ class Elastic(Fixed):
             timeout_s=s.settings.timeout_s,
         )
         members.start(first_rank=s.num_receivers)
+        self.detect_s = DETECT_BEATS * interval
         s._session.members = members
         self.group = list(s.channels)
         s._session.lobby.serve_late(members.arrive)
@@ -124,7 +135,7 @@ class Elastic(Fixed):
         if not s.uses_store:  # a group's joiners say READY (and are vetted) in regroup
             joiners = self._vetted(joiners)
         elif joiners or s.channels != self.group:
-            self.regroup(joiners, after_break=retry)
+            self.regroup(joiners)
             joiners = []
         if s.channels or joiners:
             return joiners
@@ -168,42 +179,93 @@ class Elastic(Fixed):
             except (PeerError, IntegrityError) as e:
                 self.drop(ch, e)
 
-    def regroup(self, joiners: list[Channel], *, after_break: bool = False) -> None:
+    def regroup(self, joiners: list[Channel]) -> None:
         """Group transports, between refits: a new group of the receivers still here and the joiners (a fixed-size
         group cannot shrink or grow), then a new epoch's handshake for all (their receive paths were on the old one).
-        `after_break`: a receiver waiting on the broken group's bytes stops when this REGROUP reaches it, but one
-        busy in its engine (loading a bucket) reads it only after that, so the new group waits twice REFIT_TIMEOUT."""
-        s, members = self.s, self.members
+        A member that has not joined within the heartbeat detection window is dropped and the group formed again
+        without it, so no member's slowness holds the session longer than that."""
+        s = self.s
         everyone = [*s.channels, *joiners]
         old = s._session.transport
         if old is not None:  # abort: a member still blocked in the old group (a broken refit) fails at once
             getattr(old, "abort", old.close)()
             s._session.transport = None
         s._path, s.manifest, self.group = None, None, []
+        welcomed = False
+        while everyone:
+            late = self._form(everyone, [] if welcomed else joiners)
+            if not late:
+                break
+            welcomed = True  # the joiners had their WELCOME: they wait for the next REGROUP like the rest
+            everyone = [ch for ch in everyone if ch not in late]
         if not everyone:  # the next joiner forms the next group
             return
-        settings = replace(s.settings, timeout_s=2 * s.settings.timeout_s) if after_break else s.settings
+        joiners = [ch for ch in joiners if ch in everyone]
+        for ch in everyone:
+            statement = _expect_ready(ch)
+            if ch in joiners:
+                self.members.stated[ch.rank] = statement
+        s.channels[:] = everyone
+        self.group = list(everyone)
+        log.info("formed a new %s group of %d receiver(s)", s.transport_name, len(everyone))
+        if len(self._vetted(joiners)) < len(joiners):  # a refused joiner is in the group: form it again without
+            self.regroup([])
+
+    def _form(self, everyone: list[Channel], welcome: list[Channel]) -> list[Channel]:
+        """One attempt at a group of `everyone` (`welcome`: joiners told WELCOME, the rest REGROUP): [] once it is
+        formed, else the members dropped for not joining (the attempt is given up; the rest wait for the next)."""
+        s = self.s
         transport, info = s._transport_cls.offer(
             capacity=s.capacity,
             num_slots=s.num_slots,
             num_receivers=max(1, len(everyone)),
             device=s.device,
-            settings=settings,
-            store=AuthenticatedStores(s.settings.token, settings),
+            settings=s.settings,
+            store=AuthenticatedStores(s.settings.token, s.settings),
         )
         s._session.transport = transport
+        late: list[Channel] = []
         for g, ch in enumerate(everyone, start=1):
-            members.welcome(ch, Kind.WELCOME if ch in joiners else Kind.REGROUP, {**info, "group_rank": g})
-        transport.establish()  # every member joins the new group, or this raises (the session is over)
-        for ch in everyone:
-            statement = _expect_ready(ch)
-            if ch in joiners:
-                members.stated[ch.rank] = statement
-        s.channels[:] = everyone
-        self.group = list(everyone)
-        log.info("formed a new %s group of %d receiver(s)", s.transport_name, len(everyone))
-        if len(self._vetted(joiners)) < len(joiners):  # a refused joiner is in the group: form it again without
-            self.regroup([], after_break=after_break)
+            try:
+                self.members.welcome(ch, Kind.WELCOME if ch in welcome else Kind.REGROUP, {**info, "group_rank": g})
+            except PeerError as e:
+                late.append(ch)
+                self.drop(ch, e)
+        late = late or self._establish(transport, everyone)
+        if late:  # closes the attempt's store: every member still joining it fails at once and awaits a REGROUP
+            getattr(transport, "abort", transport.close)()
+            s._session.transport = None
+        return late
+
+    def _establish(self, transport: Transport, everyone: list[Channel]) -> list[Channel]:
+        """Form the group while watching its members: [] once formed, else who did not join (dropped): each member
+        whose connection ended, or (after the heartbeat detection window) each not yet in the group's rendezvous."""
+        failed: list[BaseException] = []
+
+        def establish() -> None:
+            try:
+                transport.establish()
+            except BaseException as e:  # noqa: BLE001 - reported by the caller's thread
+                failed.append(e)
+
+        thread = threading.Thread(target=establish, name="refit-group-form", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.detect_s
+        dead: list[Channel] = []
+        while thread.is_alive() and not dead and time.monotonic() < deadline:
+            thread.join(INTERRUPT_EVERY_S)
+            dead = [ch for ch in everyone if hung_up(ch)]
+        arrived = getattr(transport, "arrived", lambda: None)()
+        late = dead or [ch for g, ch in enumerate(everyone, start=1) if arrived is None or g not in arrived]
+        if not late:  # all at the rendezvous, or the group formed: its setup ends on its own (gloo's own timeout)
+            thread.join()
+            if failed:
+                raise PeerError(f"the new {self.s.transport_name} group failed to form: {failed[0]}")
+            return []
+        for ch in late:
+            why = "closed the connection" if ch in dead else f"did not join within {self.detect_s:g}s"
+            self.drop(ch, PeerError(f"{ch.peer} {why} while a new {self.s.transport_name} group formed"))
+        return late
 
     def _vetted(self, joiners: list[Channel]) -> list[Channel]:
         """The joiners whose READY statement `vet` accepts; each other one is told why and dropped."""
@@ -262,6 +324,15 @@ class Elastic(Fixed):
             f"departed since the last refit's stats: {_named(departed)}; start or reconnect an engine (await_receivers "
             "waits for one), or pass min_receivers=0 to let a refit reach none"
         )
+
+    def failed(self, message: str, stats: RefitStats) -> str:
+        """A failed round's error names who departed since the last refit's stats; they stay listed for the
+        next refit's stats (a failed round returns none)."""
+        if not stats.departed:
+            return message
+        members = self.members
+        members.departed[:0] = [d for d in stats.departed if d not in members.departed]  # too_few may have
+        return f"{message}; departed since the last refit's stats: {_named(stats.departed)}"
 
 
 def _named(departed: list[dict]) -> str:

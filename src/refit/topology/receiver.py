@@ -134,7 +134,26 @@ class Receiver:
         )
         if header.kind != Kind.WELCOME:
             raise PeerError(f"{ch.peer} sent {header.kind.name} during rendezvous, expected WELCOME")
-        self._setup(ch, header, raw, limit)
+        self._join_group(ch, header, raw, limit)
+
+    def _join_group(self, ch: Channel, header: Header, raw: bytes, limit: int) -> None:
+        """`_setup`; elastic gloo/nccl: a group the sender gave up forming (a member did not join in time: it
+        closed the group's store under this side) is joined again from the sender's next REGROUP."""
+        while True:
+            try:
+                self._setup(ch, header, raw, limit)
+                return
+            except PeerError as e:
+                if not self._regroups:
+                    raise
+                log.warning("could not join the sender's new group (%s); waiting for it to form one again", e)
+            header, raw = ch.recv(
+                "the sender's new group (formed again without a member)",
+                timeout_s=self._idle_timeout_s,
+                max_payload=MAX_WELCOME_BYTES,
+            )
+            if header.kind != Kind.REGROUP:
+                raise PeerError(f"{ch.peer} sent {header.kind.name} while forming its new group, expected REGROUP")
 
     def _setup(self, ch: Channel, header: Header, raw: bytes, limit: int) -> None:
         """Join the transport WELCOME (or, elastic gloo/nccl, REGROUP) describes, once its MAC checks out."""
@@ -301,7 +320,8 @@ class Receiver:
         if old is not None:
             # Closing a group that a dead member broke waits until its pending receives time out (gloo joins its
             # worker threads): closed aside, so that this receiver joins the new group within the sender's window.
-            threading.Thread(target=old.close, name="refit-old-group", daemon=True).start()
+            leave = getattr(old, "abort", old.close)
+            threading.Thread(target=leave, name="refit-old-group", daemon=True).start()
         release = getattr(self.engine, "release_buffers", None)
         if callable(release):
             release()
@@ -309,7 +329,7 @@ class Receiver:
         limit = bucket_capacity(
             bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio, free=free_bytes(self.device)
         )
-        self._setup(self.channel, header, payload, limit)
+        self._join_group(self.channel, header, payload, limit)
         self.channel.send(Header(Kind.READY), self.statement)
         log.info("joined the sender's new group")
 
@@ -513,10 +533,11 @@ class Receiver:
     def _finalize(self, version: int, two_phase: bool) -> RefitError | None:
         """Commit the engine; one that fails here still answers the sender. In a two-phase refit the
         engine goes back to 'updating' (the state only, none of its own begin work) until the verdict."""
+        last = self.engine.versions.weights.version  # updating since BEGIN: the last committed version
         try:
             self.engine.commit(version)
             if two_phase:
-                self.engine.versions.begin(version)
+                self.engine.versions.await_verdict(version, last)
         except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
         return None

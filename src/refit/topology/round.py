@@ -107,7 +107,7 @@ class Round:
         if s.commit.two_phase:
             own = self._decide(m, own, committed)
         if own:
-            raise RefitError(own)
+            raise RefitError(s.membership.failed(own, stats))
         if few:  # committed where it reached: those receivers hold the version
             raise RefitError(s.membership.too_few(version, "committed on", len(stats.receivers), stats.departed))
 

@@ -36,6 +36,8 @@ class Members(Protocol):
 
     def too_few(self, version: int, did: str, count: int, departed: list[dict]) -> str: ...
 
+    def failed(self, message: str, stats: RefitStats) -> str: ...
+
 
 class Session(Protocol):
     source: Source

@@ -63,3 +63,11 @@ class GlooTransport(BroadcastTransport):
 
     def _pending(self, work: dist.Work, what: str) -> Pending:
         return _Work(work, what)
+
+    def arrived(self) -> set[int] | None:
+        store = self._store
+        if store is None:
+            return None
+        # gloo's rendezvous: each rank sets its address under "<device index>/<rank>" (one device here)
+        ranks = {r for r in range(self._size) if store.check([f"{self._prefix}/0/{r}"])}
+        return ranks if 0 in ranks else None  # not even rank 0's own: another torch's key scheme, unknown
