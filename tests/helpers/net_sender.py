@@ -1,7 +1,9 @@
 """A sender process for the two-host test: gloo from one network namespace, reporting what it sent.
 
-One JSON argument: {"specs", "transport", "bucket_bytes", "steps"}. Prints '@@sender' + its
-rendezvous, then one '@@sender' line per refit with the fingerprints of what it sent.
+One JSON argument: {"specs", "transport", "bucket_bytes", "steps"} and optionally "delta" (delta refits)
+and "sparse" (each step changes one value in 64, as a small optimizer step does; else every value). Prints
+'@@sender' + its rendezvous, then one '@@sender' line per refit with the fingerprints of what it sent and
+the bytes it moved on the data plane.
 """
 
 from __future__ import annotations
@@ -20,14 +22,20 @@ def main() -> int:
     args = json.loads(sys.argv[1])
     tensors = make_tensors(args["specs"], seed=1)
     source = ModuleSource(tensors, wire_dtype=torch.bfloat16)
-    with Sender(source, transport=args["transport"], settings=Settings(bucket_bytes=args["bucket_bytes"])) as sender:
+    settings = Settings(bucket_bytes=args["bucket_bytes"])
+    delta, sparse = bool(args.get("delta")), bool(args.get("sparse"))
+    with Sender(source, transport=args["transport"], settings=settings, delta=delta) as sender:
         print("@@sender " + json.dumps(sender.rendezvous()), flush=True)
         for version in range(1, args["steps"] + 1):
             for t in tensors.values():
-                t.mul_(1.01)
-            sender.refit(version)
+                if sparse:
+                    t.view(-1)[version % 64 :: 64].mul_(1.5)
+                else:
+                    t.mul_(1.01)
+            stats = sender.refit(version)
             wire = {s.name: s.dtype for s in source.specs()}
-            print("@@sender " + json.dumps({"fingerprints": fingerprints(tensors.items(), wire)}), flush=True)
+            report = {"fingerprints": fingerprints(tensors.items(), wire), "wire_bytes": stats.wire_bytes}
+            print("@@sender " + json.dumps({**report, "delta": stats.delta}), flush=True)
     return 0
 
 

@@ -162,9 +162,7 @@ class _RowsEngine(_Engine):
 class _Peer:
     """One Receiver served by its own thread, which runs the commands it is given and reports each outcome."""
 
-    def __init__(
-        self, index: int, rendezvous: dict, *, staging: str, region: int | None, settings: Settings
-    ) -> None:
+    def __init__(self, index: int, rendezvous: dict, *, staging: str, region: int | None, settings: Settings) -> None:
         self.index, self.staged, self.region = index, staging != "unstaged", region
         self.staging = staging
         g = torch.Generator().manual_seed(1000 + index)

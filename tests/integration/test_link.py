@@ -1,0 +1,76 @@
+"""Across a real link: the trainer and the engine in two network namespaces joined by a rate-limited veth
+(tests/helpers/link.py), so every byte between them crosses the veth; its counters are checked against the
+bytes refit reports, and the engine's tensors against the trainer's, bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+from link import A_ADDR, Link, can_make_links
+from locations import helper, pythonpath
+from peer import MARK
+
+SPECS = [[f"layer.{i}.weight", [256, 256], "float32"] for i in range(8)]
+"""1 MiB in bf16 on the wire: 8 buckets of 128 KiB."""
+BUCKET = 128 << 10
+STEPS = 4
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def link() -> Iterator[Link]:
+    why = can_make_links()
+    if why:
+        pytest.skip(why)
+    with Link(rate="1gbit") as made:
+        yield made
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": pythonpath(), **extra}
+
+
+def _json(proc: subprocess.Popen, mark: str) -> dict:
+    assert proc.stdout is not None
+    for text in proc.stdout:
+        if text.startswith(mark):
+            return json.loads(text[len(mark) :])
+    raise AssertionError(f"process exited with {proc.wait()} before a {mark.strip()} line")
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
+def test_gloo_across_a_rate_limited_link_moves_what_it_reports_and_lands_bitwise(link: Link, delta: bool) -> None:
+    """Every data-plane byte refit reports crosses the veth (its counter grows by at least that much per
+    refit, and by little more: headers and the control channel), and a delta refit after a sparse step moves
+    far fewer bytes than a full one."""
+    args = {"specs": SPECS, "transport": "gloo", "bucket_bytes": BUCKET, "steps": STEPS, "delta": delta,
+            "sparse": True}  # fmt: skip
+    sender = link.popen("a", [helper("net_sender.py"), json.dumps(args)], _env(REFIT_HOST=A_ADDR))
+    try:
+        info = _json(sender, "@@sender ")
+        assert info["host"] == A_ADDR
+        before = link.bytes_a_to_b()
+        engine = {"rendezvous": info, "specs": SPECS, "bucket_bytes": BUCKET}
+        worker = link.popen("b", [helper("peer.py"), json.dumps(engine)], _env(REFIT_HOST="10.232.0.2"))
+        moved = []
+        for version in range(1, STEPS + 1):
+            sent, got = _json(sender, "@@sender "), _json(worker, MARK)
+            assert got["event"] == "refit" and got["version"] == version, got
+            assert got["fingerprints"] == sent["fingerprints"], f"refit {version} did not land bitwise"
+            moved.append(sent["wire_bytes"])
+            assert sent["delta"] == (delta and version > 1)
+        crossed = link.bytes_a_to_b() - before
+        assert worker.wait(timeout=120) == 0
+    finally:
+        assert sender.wait(timeout=120) == 0
+    full = 256 * 256 * 2 * len(SPECS)
+    assert moved[0] == full
+    assert crossed >= sum(moved), f"the veth carried {crossed} bytes, fewer than the {sum(moved)} refit reports"
+    assert crossed <= 1.2 * sum(moved) + (1 << 20), f"the veth carried {crossed} bytes for {sum(moved)} reported"
+    if delta:
+        assert all(m < full / 4 for m in moved[1:]), moved
