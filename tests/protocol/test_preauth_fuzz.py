@@ -33,7 +33,7 @@ FAST = settings(
     derandomize=True, max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 SLOW = settings(
-    derandomize=True, max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    derandomize=True, max_examples=1000, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 PROFILES = [pytest.param(FAST, id="fast"), pytest.param(SLOW, id="slow", marks=pytest.mark.slow)]
 
