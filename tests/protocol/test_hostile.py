@@ -5,6 +5,7 @@ names (a path, an address, a manifest) is used; shm maps only the segments it cr
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -15,7 +16,9 @@ import warm
 from peer import make_tensors
 
 from refit import IntegrityError, ModuleEngine, ModuleSource, PeerError, Receiver, Sender, Settings
+from refit.log import LOGGER_NAME
 from refit.protocol import auth
+from refit.protocol.lobby import WARNINGS_PER_MINUTE, Lobby, _Throttle
 from refit.protocol.wire import HEADER, Channel, Header, Kind
 from refit.transports.shm import ShmTransport
 
@@ -331,3 +334,49 @@ def test_no_port_a_gloo_session_opens_serves_a_stranger_and_the_session_still_re
     finally:
         proc.stdin.close()
         assert proc.wait(timeout=120) == 0
+
+
+def _wrong_proof(address: tuple[str, int]) -> str:
+    """Connect and answer the lobby's AUTH with a made-up proof; returns this end's address as the lobby sees it."""
+    with socket.create_connection(address, timeout=30) as sock:
+        host, port = sock.getsockname()[:2]
+        _raw(sock, Kind.HELLO, _hello().encode())
+        header, _ = Channel(sock, peer="sender", timeout_s=30).recv("auth")
+        assert header.kind == Kind.AUTH
+        _raw(sock, Kind.AUTH, json.dumps({"proof": "00" * 32}).encode())
+        assert b"wrong token" in _all_bytes(sock)  # closed once refused, after its warning
+    return f"{host}:{port}"
+
+
+def test_a_refused_connection_is_warned_at_once_naming_its_address_and_why_and_a_flood_is_rate_limited(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    lobby = Lobby("127.0.0.1", 0, "the-real-token")
+    lobby._throttle = _Throttle(window_s=3600)  # the whole flood falls in one window, however slow the machine
+    caplog.set_level(logging.WARNING, logger=LOGGER_NAME)
+    errors: list[BaseException] = []
+    admitting = threading.Thread(target=lambda: _catch(lambda: lobby.admit(1, 600), errors))
+    admitting.start()
+    try:
+        peer = _wrong_proof(lobby.address())
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(said) == 1 and f"refused a connection from {peer}: its proof of the token is wrong" in said[0]
+        assert "check REFIT_TOKEN on both sides" in said[0]
+        for _ in range(3 * WARNINGS_PER_MINUTE):
+            _wrong_proof(lobby.address())
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(said) == WARNINGS_PER_MINUTE and lobby.refused == 1 + 3 * WARNINGS_PER_MINUTE
+    finally:
+        lobby.cancel("the test is over")
+        admitting.join()
+        lobby.close()
+    assert [str(e) for e in errors] == ["the test is over"]
+
+
+def test_a_held_back_warning_is_counted_in_the_next_one_said() -> None:
+    throttle = _Throttle(burst=1, window_s=0.0)  # a new window at every call: each is let through
+    assert throttle.allow() == 0
+    throttle = _Throttle(burst=1, window_s=3600)
+    assert [throttle.allow() for _ in range(3)] == [0, None, None]
+    throttle._start -= 3600  # the window passed
+    assert throttle.allow() == 2

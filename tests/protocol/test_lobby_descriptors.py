@@ -1,14 +1,18 @@
 """A sender whose process runs out of file descriptors while a receiver waits in its lobby's queue: the lobby
 warns once, naming what ran out and the fix, rests instead of spinning a core on its readable listener, and
-admits the queued receiver once descriptors are free again; the session then refits bitwise."""
+admits the queued receiver once descriptors are free again; the session then refits bitwise. An elastic
+Sender's lobby thread waits out the same shortage; one that stops for any other cause makes the next
+`await_receivers` and refit raise, naming it, rather than go on with no joiner ever admitted."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import resource
+import selectors
 import socket
 import threading
 import time
@@ -19,7 +23,7 @@ import pytest
 import torch
 from peer import make_tensors
 
-from refit import ModuleEngine, ModuleSource, Receiver, Sender, Settings
+from refit import ModuleEngine, ModuleSource, Receiver, RefitError, Sender, Settings
 from refit.log import LOGGER_NAME
 from refit.protocol.wire import Header, Kind
 from refit.topology import receiver as receiver_module
@@ -127,3 +131,107 @@ def test_a_lobby_out_of_descriptors_warns_once_stays_idle_and_admits_the_queued_
         logging.getLogger(LOGGER_NAME).removeHandler(records)
         sender.close()
         receiver.close()
+
+
+# An elastic Sender's lobby thread (named "refit-lobby") is where admission goes on after connect.
+WAIT_S = 30.0
+"""Bound on a joiner's connect and on await_receivers (no process starts here: only a dead lobby reaches it)."""
+
+
+def _in_lobby_thread() -> bool:
+    return threading.current_thread().name == "refit-lobby"
+
+
+def _failing_once(real: Callable, error: Exception) -> Callable:  # type: ignore[type-arg]
+    """`real`, except that its first call from the lobby thread raises `error`."""
+    left = [1]
+
+    def call(*args: object, **kwargs: object) -> object:
+        if _in_lobby_thread() and left:
+            left.pop()
+            raise error
+        return real(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def _elastic_session() -> Iterator[tuple[Sender, dict[str, torch.Tensor], list[Receiver]]]:
+    """An elastic Sender over shm with its first receiver joined; more join through the lobby thread."""
+    tensors = make_tensors(SPECS, seed=1)
+    sender = Sender(ModuleSource(tensors), transport="shm", settings=Settings(timeout_s=WAIT_S), elastic=True)
+    receivers = [Receiver(ModuleEngine(make_tensors(SPECS, seed=2)), sender.rendezvous())]
+    errors: list[BaseException] = []
+    joined = threading.Thread(target=lambda: _catch(receivers[0].connect, errors))
+    joined.start()
+    try:
+        sender.connect()
+        joined.join()
+        assert not errors
+        yield sender, tensors, receivers
+    finally:
+        sender.close()
+        for r in receivers:
+            r.close()
+
+
+def _join_and_refit(sender: Sender, tensors: dict[str, torch.Tensor], receivers: list[Receiver]) -> None:
+    """A second engine joins through the lobby thread, and a refit reaches both bitwise."""
+    joiner = Receiver(
+        ModuleEngine(make_tensors(SPECS, seed=3)), sender.rendezvous(), settings=Settings(connect_timeout_s=WAIT_S)
+    )
+    receivers.append(joiner)
+    joiner.connect()
+    assert sender.await_receivers(2, timeout_s=WAIT_S)
+    errors: list[BaseException] = []
+    threads = [threading.Thread(target=lambda r=r: _catch(r.receive, errors)) for r in receivers]
+    for t in threads:
+        t.start()
+    sender.refit(1)
+    for t in threads:
+        t.join()
+    assert not errors
+    for r in receivers:
+        assert r.engine.weights.version == 1  # type: ignore[attr-defined]
+        assert all(_same_bits(r.engine.module[n], t) for n, t in tensors.items())  # type: ignore[attr-defined]
+
+
+def test_an_elastic_lobby_thread_that_finds_no_descriptor_for_its_selector_waits_and_admits_joiners(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr(selectors, "DefaultSelector", _failing_once(selectors.DefaultSelector, emfile))
+    caplog.set_level(logging.WARNING, logger=LOGGER_NAME)
+    with _elastic_session() as (sender, tensors, receivers):
+        _join_and_refit(sender, tensors, receivers)
+        assert not sender._session.lobby.failure
+    assert any("file descriptors" in r.getMessage() for r in caplog.records)
+
+
+def test_an_elastic_lobby_thread_whose_accept_finds_no_descriptor_keeps_serving(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr(socket.socket, "accept", _failing_once(socket.socket.accept, emfile))
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    with _elastic_session() as (sender, tensors, receivers):
+        _join_and_refit(sender, tensors, receivers)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("file descriptors" in m for m in said) and any("accepting connections again" in m for m in said)
+
+
+def test_an_elastic_lobby_thread_that_dies_makes_await_receivers_and_refit_raise_naming_the_cause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken() -> selectors.BaseSelector:
+        if _in_lobby_thread():
+            raise RuntimeError("the selector exploded")
+        return real()
+
+    real = selectors.DefaultSelector
+    monkeypatch.setattr(selectors, "DefaultSelector", broken)
+    with _elastic_session() as (sender, _, _receivers):
+        with pytest.raises(RefitError, match="lobby stopped admitting engines .*the selector exploded"):
+            sender.await_receivers(2, timeout_s=WAIT_S)
+        with pytest.raises(RefitError, match="the selector exploded"):
+            sender.refit(1)

@@ -36,8 +36,9 @@ def proof(token: str, role: bytes, receiver_nonce: bytes, sender_nonce: bytes) -
 
 
 def verify(token: str, role: bytes, receiver_nonce: bytes, sender_nonce: bytes, claimed: object) -> bool:
-    """Whether `claimed` is `role`'s proof for these nonces (constant time)."""
-    if not isinstance(claimed, str) or len(claimed) != 64:
+    """Whether `claimed` is `role`'s proof for these nonces (constant time); False for any other value, never raises."""
+    # compare_digest raises TypeError on non-ASCII text, which any stranger can send before it is authenticated.
+    if not isinstance(claimed, str) or len(claimed) != 64 or not claimed.isascii():
         return False
     return hmac.compare_digest(proof(token, role, receiver_nonce, sender_nonce), claimed)
 

@@ -4,14 +4,17 @@ Every connection is read at once, side by side, without blocking the others: HEL
 and nonce) is answered with AUTH (the sender's nonce and proof, refit.protocol.auth), and AUTH's answer
 must carry the receiver's proof. At most a 64-byte header plus `MAX_HELLO_BYTES` is read per step
 before the proof is checked, and both steps must arrive within a short deadline. A slow, silent or
-hostile connection is dropped on its own and never delays, or is blamed on, the real receivers. Wrong
-proofs, other protocol versions and late arrivals are answered with ERROR. The token never crosses the wire.
+hostile connection is dropped on its own and never delays, or is blamed on, the real receivers: whatever
+a stranger sends ends its own connection and nothing else. Wrong proofs, other protocol versions and late
+arrivals are answered with ERROR, and said at WARNING (a few a minute, the rest counted). The token never
+crosses the wire.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import math
 import resource
 import selectors
 import socket
@@ -31,10 +34,41 @@ STARVED_PAUSE_S = 0.1
 """How long the listener rests after accept() found no descriptor or memory for a new socket. The connection
 stays queued and the listener stays readable, so without a rest the accept loop would spin a core."""
 WRONG_TOKEN = "wrong token: this sender expects another REFIT_TOKEN; pass the token from Sender.rendezvous()"  # noqa: S105 - a message
+WRONG_PROOF = "its proof of the token is wrong; check REFIT_TOKEN on both sides (or a stranger is dialing this port)"
+WARNINGS_PER_MINUTE = 5
+"""Refused or dropped connections said at WARNING per minute; the rest are counted in the next line said."""
 
 
 class _Refused(Exception):
-    """A well-formed step this lobby says no to (another protocol version, a wrong proof): answered with ERROR."""
+    """A well-formed step this lobby says no to (another protocol version, a wrong proof): answered with ERROR.
+    `reason` is what the trainer's log says, when it differs from the answer."""
+
+    def __init__(self, answer: str, reason: str = "") -> None:
+        super().__init__(answer)
+        self.reason = reason or answer
+
+
+@dataclass(slots=True)
+class _Throttle:
+    """Lets `burst` records through per `window_s`; counts the rest, for the next record let through to say."""
+
+    burst: int = WARNINGS_PER_MINUTE
+    window_s: float = 60.0
+    _start: float = -math.inf
+    _let: int = 0
+    _held: int = 0
+
+    def allow(self) -> int | None:
+        """None while this window's burst is spent; else how many were held back since the last one let through."""
+        now = time.monotonic()
+        if now - self._start >= self.window_s:
+            self._start, self._let = now, 0
+        if self._let >= self.burst:
+            self._held += 1
+            return None
+        self._let += 1
+        held, self._held = self._held, 0
+        return held
 
 
 log = get_logger("sender")
@@ -85,6 +119,9 @@ class Lobby:
         self._thread: threading.Thread | None = None
         self._starved = False
         """accept() last failed for lack of descriptors or memory (warned once until an accept succeeds)."""
+        self._throttle = _Throttle()
+        self.failure = ""
+        """Why `serve_late`'s thread stopped serving on its own ('' while it serves, or was closed)."""
         self._cancelled = ""
         """Why `cancel` ended a waiting `admit` ('' while it was not)."""
         self._pending: dict[int, _Pending] = {}
@@ -125,16 +162,44 @@ class Lobby:
         message = f"this sender already has its {num_receivers} receiver(s); start another Sender"
         self.serve_late(lambda arrival: answer(arrival.sock, message))
 
-    def serve_late(self, on_arrival: Callable[[Arrival], None]) -> None:
+    def serve_late(
+        self, on_arrival: Callable[[Arrival], None], on_failure: Callable[[str], None] | None = None
+    ) -> None:
         """From now on hand every connection that proves the token to `on_arrival` (an elastic sender's
-        joiners), in a background thread, until `close`; the rest are refused as during `admit`."""
+        joiners), in a background thread, until `close`; the rest are refused as during `admit`. Should the
+        thread stop on its own, `failure` says why and `on_failure` is told."""
 
         def late(arrival: Arrival) -> bool:
-            on_arrival(arrival)
+            try:
+                on_arrival(arrival)
+            except Exception as e:  # noqa: BLE001 - one arrival's failure must not close the door on every later one
+                log.error("could not take in the receiver from %s: %s: %s", arrival.addr, type(e).__name__, e)
+                arrival.sock.close()
             return False
 
-        self._thread = threading.Thread(target=self._serve, args=(late, None), name="refit-lobby", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve_late, args=(late, on_failure), name="refit-lobby", daemon=True
+        )
         self._thread.start()
+
+    def _serve_late(self, on_arrival: Callable[[Arrival], bool], on_failure: Callable[[str], None] | None) -> None:
+        """`serve_late`'s thread: waits out a shortage of descriptors (or memory) for its selector; keeps any
+        other failure in `failure` rather than end in silence."""
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._serve(on_arrival, None)
+                    return
+                except OSError as e:
+                    if (shortage := _shortage(e)) is None:
+                        raise
+                    self._starve(shortage)
+                    self._stopping.wait(STARVED_PAUSE_S)
+        except Exception as e:  # noqa: BLE001 - kept for the Sender to raise: a thread's exception reaches no one
+            self.failure = f"{type(e).__name__}: {e}"
+            log.error("the lobby stopped admitting receivers: %s", self.failure)
+            if on_failure is not None:
+                on_failure(self.failure)
 
     def _serve(self, on_arrival, deadline: float | None) -> None:  # type: ignore[no-untyped-def]
         """Accept and read HELLOs until `on_arrival` returns True, the deadline passes or the lobby closes."""
@@ -177,13 +242,7 @@ class Lobby:
         except OSError as e:
             if (shortage := _shortage(e)) is None:
                 return True  # that connection is gone (reset before we took it); the queue moves on
-            if not self._starved:
-                log.warning(
-                    "cannot accept connections: %s; new receivers wait until one is free, retrying every %gs",
-                    shortage,
-                    STARVED_PAUSE_S,
-                )
-            self._starved = True
+            self._starve(shortage)
             return False
         if self._starved:
             log.info("accepting connections again")
@@ -192,6 +251,16 @@ class Lobby:
         pending[sock.fileno()] = _Pending(sock, f"{addr[0]}:{addr[1]}", time.monotonic() + self.hello_timeout_s)
         sel.register(sock, selectors.EVENT_READ)
         return True
+
+    def _starve(self, shortage: str) -> None:
+        """Say once, until the lobby accepts again, that it cannot accept for want of `shortage`."""
+        if not self._starved:
+            log.warning(
+                "cannot accept connections: %s; new receivers wait until one is free, retrying every %gs",
+                shortage,
+                STARVED_PAUSE_S,
+            )
+        self._starved = True
 
     def _read(self, sel: selectors.BaseSelector, pending: dict[int, _Pending], fd: int) -> Arrival | None:
         p = pending[fd]
@@ -212,12 +281,16 @@ class Lobby:
             del pending[fd]
             sel.unregister(p.sock)
             self.refused += 1
-            log.warning("refused a connection from %s: %s", p.addr, e)
+            self._warn("refused", p.addr, e.reason)
             answer(p.sock, str(e))
             return None
         except (OSError, IntegrityError) as e:
             del pending[fd]
             self._drop(sel, p, str(e))
+            return None
+        except Exception as e:  # noqa: BLE001 - nothing a stranger sends may end the lobby: it ends its connection
+            del pending[fd]
+            self._drop(sel, p, f"malformed input ({type(e).__name__}: {e})")
             return None
         del pending[fd]
         sel.unregister(p.sock)
@@ -255,14 +328,23 @@ class Lobby:
         reply = _parse_step(bytes(p.data), Kind.AUTH)
         receiver_nonce, sender_nonce = p.nonces
         if not auth.verify(self._token, auth.RECEIVER, receiver_nonce, sender_nonce, reply.get("proof")):
-            raise _Refused(WRONG_TOKEN)
+            raise _Refused(WRONG_TOKEN, WRONG_PROOF)
         return auth.session_key(self._token, receiver_nonce, sender_nonce)
 
     def _drop(self, sel: selectors.BaseSelector, p: _Pending, why: str) -> None:
         self.refused += 1
-        log.warning("dropped a connection from %s: %s", p.addr, why)
+        self._warn("dropped", p.addr, why)
         sel.unregister(p.sock)
         p.sock.close()
+
+    def _warn(self, did: str, addr: str, why: str) -> None:
+        """Say at WARNING that a connection was refused or dropped, and why, unless a flood spent this minute."""
+        held = self._throttle.allow()
+        if held is None:
+            log.debug("%s a connection from %s: %s", did, addr, why)
+            return
+        more = f" ({held} more refused or dropped before this were not logged)" if held else ""
+        log.warning("%s a connection from %s: %s%s", did, addr, why[:300], more)
 
     def close(self) -> None:
         """Stop answering and close the listening socket; safe to call twice."""
@@ -314,6 +396,20 @@ def _parse_step(data: bytes, kind: Kind) -> dict:
 
 def _parse_hello(data: bytes) -> dict:
     return _parse_step(data, Kind.HELLO)
+
+
+def read_auth(ch: Channel, stage: str) -> dict:
+    """A dialer's read of the listener's AUTH, before the listener proved the token: anything malformed is a
+    PeerError saying the peer does not speak refit's protocol (an ERROR from it is a PeerFailed, as ever)."""
+    try:
+        header, payload = ch.recv(stage, max_payload=MAX_HELLO_BYTES)
+        if header.kind != Kind.AUTH:
+            raise PeerError(f"{ch.peer} sent {header.kind.name} during authentication, expected AUTH")
+        return parse_json(payload, "AUTH", max_bytes=MAX_HELLO_BYTES)
+    except IntegrityError as e:
+        raise PeerError(
+            f"{ch.peer} does not speak refit's protocol: {e}; check that the address is a refit sender's"
+        ) from None
 
 
 def answer(sock: socket.socket, message: str) -> None:

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from refit.errors import IntegrityError, PeerError
 from refit.log import get_logger
 from refit.protocol import auth
-from refit.protocol.lobby import Arrival, Lobby
-from refit.protocol.wire import MAX_HELLO_BYTES, Channel, Header, Kind, parse_json
+from refit.protocol.lobby import Arrival, Lobby, read_auth
+from refit.protocol.wire import Channel, Header, Kind
 from refit.settings import Settings
 
 log = get_logger("store")
@@ -348,10 +348,7 @@ def _authenticate(sock: socket.socket, token: str, peer: str, timeout_s: float) 
     ch = Channel(sock, peer=peer, timeout_s=timeout_s)
     mine = auth.nonce()
     ch.send(Header(Kind.HELLO), {"protocol": auth.PROTOCOL_VERSION, "nonce": mine.hex()})
-    header, payload = ch.recv("group store authentication", max_payload=MAX_HELLO_BYTES)
-    if header.kind != Kind.AUTH:
-        raise PeerError(f"{peer} sent {header.kind.name} during authentication, expected AUTH")
-    msg = parse_json(payload, "AUTH", max_bytes=MAX_HELLO_BYTES)
+    msg = read_auth(ch, "group store authentication")
     theirs = auth.parse_nonce(msg.get("nonce"))
     if theirs is None or not auth.verify(token, auth.SENDER, mine, theirs, msg.get("proof")):
         raise PeerError(f"{peer} did not prove it knows the token; it is not this session's group store")

@@ -113,7 +113,7 @@ class Elastic(Fixed):
         self.detect_s = DETECT_BEATS * interval
         s._session.members = members
         self.group = list(s.channels)
-        s._session.lobby.serve_late(members.arrive)
+        s._session.lobby.serve_late(members.arrive, members.fail)
 
     def welcome_fields(self) -> dict:
         return {"elastic": True}
@@ -122,6 +122,7 @@ class Elastic(Fixed):
         s = self.s
         pulse = s._session.pulse
         assert pulse is not None
+        self.members.check()
         with pulse.lock:  # who left since the last refit does not count
             self.members.sweep(s.channels, self.drop)
         need = count - len(s.channels)
@@ -129,6 +130,7 @@ class Elastic(Fixed):
 
     def gather(self, version: int, retry: bool) -> list[Channel] | RefitStats:
         s, members = self.s, self.members
+        members.check()
         if not retry:  # (a retry's receivers may still be acknowledging the broken attempt: settle saw to them)
             members.sweep(s.channels, self.drop)
         joiners = members.take_ready()

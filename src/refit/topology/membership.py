@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from refit.errors import IntegrityError, PeerError
+from refit.errors import IntegrityError, PeerError, RefitError
 from refit.log import get_logger
 from refit.protocol import auth
 from refit.protocol.lobby import Arrival, answer
@@ -49,6 +49,8 @@ class Membership:
         """{"receiver": rank, "reason": why} for each receiver dropped since the last refit's stats took them."""
         self.stated: dict[int, bytes] = {}
         """What each joiner sent with READY (M:N shard statements), by its rank, until the Sender vets it."""
+        self.failure = ""
+        """Why the lobby stopped admitting joiners ('' while it admits them)."""
 
     def start(self, first_rank: int) -> None:
         self._next_rank = first_rank
@@ -85,6 +87,20 @@ class Membership:
             self._arrived.notify_all()
         log.info("receiver %d joined (%s); it takes part from the next refit", rank, arrival.addr)
 
+    def fail(self, reason: str) -> None:
+        """Lobby thread: it stopped admitting joiners, for `reason`; a wait for joiners ends at once."""
+        with self._lock:
+            self.failure = reason
+            self._arrived.notify_all()
+
+    def check(self) -> None:
+        """RefitError when no engine can join any more (the lobby stopped admitting), naming why."""
+        if self.failure:
+            raise RefitError(
+                f"this elastic Sender's lobby stopped admitting engines ({self.failure}); no engine can join "
+                "the session any more: close() this Sender and start a new one"
+            )
+
     def welcome(self, ch: Channel, kind: Kind, info: dict) -> None:
         """WELCOME (or REGROUP) with the transport setup `info`, bound to `ch`'s session by its MAC."""
         data = json.dumps({**self._welcome, "rank": ch.rank, "info": info}).encode()
@@ -97,12 +113,14 @@ class Membership:
 
     def await_ready(self, count: int, timeout_s: float) -> int:
         """Wait until `count` joiners are ready to take the next refit (their READY arrived), at most
-        `timeout_s`; returns how many are."""
+        `timeout_s`; returns how many are. RefitError once the lobby stopped admitting them (`check`)."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
-                self._arrived.wait_for(lambda: len(self._waiting) >= count, max(0.0, deadline - time.monotonic()))
+                left = max(0.0, deadline - time.monotonic())
+                self._arrived.wait_for(lambda: len(self._waiting) >= count or bool(self.failure), left)
                 waiting = list(self._waiting)
+            self.check()
             waiting = self._alive(waiting)
             unready = [ch for ch in waiting if not self._ready(ch)]
             ready = len(waiting) - len(unready)

@@ -21,9 +21,9 @@ from refit.layout.manifest import Manifest
 from refit.layout.spec import TensorSpec, changes
 from refit.log import get_logger
 from refit.protocol import auth
+from refit.protocol.lobby import read_auth
 from refit.protocol.store import AuthenticatedStores
 from refit.protocol.wire import (
-    MAX_HELLO_BYTES,
     MAX_REASON_CHARS,
     Begin,
     Channel,
@@ -191,7 +191,7 @@ class Receiver:
         mine = auth.nonce()
         ch.send(Header(Kind.HELLO), {"protocol": auth.PROTOCOL_VERSION, "nonce": mine.hex(), "capacity": limit})
         try:
-            header, payload = ch.recv("authentication", max_payload=MAX_HELLO_BYTES)
+            msg = read_auth(ch, "authentication")
         except PeerError as e:
             if "wrong token" not in str(e):
                 raise
@@ -199,9 +199,6 @@ class Receiver:
                 f"{e}; a sender that refuses before authenticating runs an older refit (protocol version before "
                 f"{auth.PROTOCOL_VERSION}): install the same refit version on the trainer and engine hosts"
             ) from None
-        if header.kind != Kind.AUTH:
-            raise PeerError(f"{ch.peer} sent {header.kind.name} during authentication, expected AUTH")
-        msg = parse_json(payload, "AUTH", max_bytes=MAX_HELLO_BYTES)
         if msg.get("protocol") != auth.PROTOCOL_VERSION:
             raise PeerError(
                 f"protocol version mismatch: the sender speaks {str(msg.get('protocol'))[:40]}, this receiver speaks "
