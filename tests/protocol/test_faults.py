@@ -19,7 +19,6 @@ from sessions import FailingSource, live_fingerprints, session
 
 from refit import (
     HandshakeError,
-    IntegrityError,
     ModuleEngine,
     PeerError,
     Receiver,
@@ -190,7 +189,7 @@ def test_garbage_and_oversized_headers_are_rejected_before_allocation() -> None:
 
     t = threading.Thread(target=hostile)
     t.start()
-    with pytest.raises(IntegrityError, match="WELCOME payload of 1099511627776 bytes exceeds the limit"):
+    with pytest.raises(PeerError, match="WELCOME payload of 1099511627776 bytes exceeds the limit"):
         receiver.connect()
     t.join()
     conn_holder[0].close()

@@ -100,7 +100,7 @@ def test_capacity_from_bytes_or_ratio_of_free_memory(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("REFIT_BUFFER_MEMORY_RATIO", "0.5")
     assert Settings().ratio == 0.5
     monkeypatch.setenv("REFIT_BUFFER_MEMORY_RATIO", "2")
-    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"REFIT_BUFFER_MEMORY_RATIO must be a number in \(0, 1\]"):
         Settings()
 
 
