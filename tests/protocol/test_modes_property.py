@@ -139,6 +139,12 @@ class _Engine(ModuleEngine):
         super().commit(version)
         self.commits.append(version)
 
+    def fail(self, version: int, reason: str) -> None:
+        # a vote runs after the engine's own commit: a vetoed version is failed, and never stood committed
+        super().fail(version, reason)
+        if self.commits and self.commits[-1] == version and self.weights.version != version:
+            self.commits.pop()
+
 
 class _RowsEngine(_Engine):
     """Holds rows [start, stop) of TP (stated through `held` and the global shape in `specs`), the rest whole."""

@@ -99,7 +99,9 @@ class Engine(ABC):
         self.versions.begin(version)
 
     def commit(self, version: int) -> None:
-        """Called after the last bucket arrived and was loaded."""
+        """Called after the last bucket arrived and was loaded. In a refit voted across trainer ranks (or
+        strict) this runs before the vote; a vetoed version then gets `fail`, and the version stays the last
+        committed one."""
         self.versions.commit(version)
 
     def fail(self, version: int, reason: str) -> None:

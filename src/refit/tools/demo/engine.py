@@ -66,11 +66,10 @@ def _session(args: dict, model: torch.nn.Module) -> int:
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 120.0))
     with Receiver(engine, args["rendezvous"], settings=settings) as receiver:
         while True:
-            joined = receiver.channel is not None
             try:
                 stats = receiver.receive()
             except RefitError as e:
-                if not joined:  # refused, or nothing listens there: no retry can help, so the trainer stops now
+                if receiver.channel is None:  # never joined (refused, nothing listens): no retry can help
                     emit({"event": "exit", "message": f"could not connect to the trainer: {e}"})
                     return NOT_JOINED
                 emit({"event": "error", "message": str(e), "state": engine.weights.state.value})
