@@ -13,7 +13,7 @@ import torch
 from threaded import Peer, RowsEngine
 
 from refit import ModuleEngine, ModuleSource, RefitError, Sender, Settings
-from refit.layout.delta import REPRIME, payload_nbytes
+from refit.stages.delta import REPRIME, DeltaStage, WireImage, payload_nbytes
 from refit.topology.receiver import Receiver
 from refit.topology.stats import RefitStats
 
@@ -213,13 +213,20 @@ def test_a_dtype_change_starts_a_full_epoch_and_a_replaced_tensor_is_followed() 
         _assert_holds_in(s.peers[0].engine, {"embed.weight": live["embed.weight"]}, BF16)
 
 
+def _image(receiver: Receiver) -> WireImage:
+    """The engine half's committed wire image (the delta stage of the receiver's epoch)."""
+    assert receiver.path is not None
+    stage = receiver.path.stages[0]
+    assert isinstance(stage, DeltaStage)
+    return stage.image
+
+
 def test_a_receiver_behind_refuses_the_delta_and_the_retry_is_full() -> None:
     live = _trainer()
     with session(live, transport="shm") as s:
         s.refit(1)
-        path = s.peers[0].receiver._path
-        assert path is not None and path.image is not None
-        path.image.version = 0  # as if it had missed version 1: the sender still thinks it holds 1
+        image = _image(s.peers[0].receiver)
+        image.version = 0  # as if it had missed version 1: the sender still thinks it holds 1
         live["norm.weight"][3] = 1.5
         s.peers[0].ask("receive")
         with pytest.raises(RefitError, match=r"refused a delta refit of version 2 against base version 1"):
@@ -233,9 +240,9 @@ def test_a_lost_chunk_fails_the_fingerprint_check_and_the_refit() -> None:
     live = _trainer()
     with session(live, transport="shm") as s:
         s.refit(1)
-        path = s.peers[0].receiver._path
-        assert path is not None and path.image is not None
-        path.image.images[0][100] ^= 0xFF  # a chunk that will not move: the image no longer holds version 1
+        _image(s.peers[0].receiver).images[0][100] ^= (
+            0xFF  # a chunk that will not move: the image no longer holds version 1
+        )
         live["norm.weight"][3] = 1.5
         s.peers[0].ask("receive")
         with pytest.raises(RefitError, match="fingerprint check failed"):

@@ -183,7 +183,7 @@ def test_garbage_and_oversized_headers_are_rejected_before_allocation() -> None:
     def hostile() -> None:
         conn, _ = listener.accept()
         conn_holder.append(conn)
-        conn.sendall(HEADER.pack(b"RFT1", Kind.WELCOME, 0, 0, 0, 0, 0, bytes(16), 1 << 40, 0))
+        conn.sendall(HEADER.pack(b"RFT1", Kind.WELCOME, 0, 0, 0, 0, 0, bytes(16), 1 << 40, 0, 0))
 
     import threading
 

@@ -39,7 +39,7 @@ PROFILES = [pytest.param(FAST, id="fast"), pytest.param(SLOW, id="slow", marks=p
 
 
 def _frame(kind: int, payload: bytes) -> bytes:
-    return HEADER.pack(MAGIC, kind, 0, 0, 0, 0, 0, bytes(16), len(payload), 0) + payload
+    return HEADER.pack(MAGIC, kind, 0, 0, 0, 0, 0, bytes(16), len(payload), 0, 0) + payload
 
 
 def _json(obj: object) -> bytes:
@@ -75,6 +75,7 @@ headers = st.builds(
     st.integers(0, 2**64 - 1),
     st.binary(min_size=16, max_size=16),
     st.one_of(st.integers(0, 5000), st.integers(0, 2**64 - 1)),
+    st.integers(0, 2**64 - 1),
     st.integers(0, 2**64 - 1),
 )
 

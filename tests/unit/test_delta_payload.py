@@ -1,4 +1,4 @@
-"""The delta payload (refit.layout.delta, docs/PROTOCOL.md "Delta refits"): exact bytes, a round trip through
+"""The delta payload (refit.stages.delta, docs/PROTOCOL.md "Delta refits"): exact bytes, a round trip through
 the sender's and a receiver's images for odd sizes and several blocks, and hostile payloads refused before a
 byte of the image is written."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from refit.errors import IntegrityError
-from refit.layout.delta import BLOCK, REPRIME, WireImage, payload_nbytes, table_nbytes
 from refit.layout.planner import plan
 from refit.layout.spec import TensorSpec
+from refit.stages.delta import BLOCK, REPRIME, WireImage, payload_nbytes, table_nbytes
 
 
 def _images(nbytes: int) -> tuple[WireImage, WireImage]:

@@ -25,8 +25,8 @@ def test_header_has_the_documented_bytes() -> None:
     ("data", "needle"),
     [
         (b"XXXX" + bytes(60), "does not start with"),
-        (HEADER.pack(b"RFT1", 99, 0, 0, 0, 0, 0, bytes(16), 0, 0), "unknown kind 99"),
-        (HEADER.pack(b"RFT1", Kind.MANIFEST, 0, 0, 0, 0, 0, bytes(16), MAX_JSON_BYTES + 1, 0), "exceeds the limit"),
+        (HEADER.pack(b"RFT1", 99, 0, 0, 0, 0, 0, bytes(16), 0, 0, 0), "unknown kind 99"),
+        (HEADER.pack(b"RFT1", Kind.MANIFEST, 0, 0, 0, 0, 0, bytes(16), MAX_JSON_BYTES + 1, 0, 0), "exceeds the limit"),
     ],
 )
 def test_bad_headers_are_rejected(data: bytes, needle: str) -> None:
@@ -37,7 +37,7 @@ def test_bad_headers_are_rejected(data: bytes, needle: str) -> None:
 def test_channel_rejects_oversized_payload_and_truncated_header() -> None:
     a, b = socket.socketpair()
     rx = Channel(b, peer="peer", timeout_s=2)
-    a.sendall(HEADER.pack(b"RFT1", Kind.MANIFEST, 0, 0, 0, 0, 0, bytes(16), 1 << 40, 0))
+    a.sendall(HEADER.pack(b"RFT1", Kind.MANIFEST, 0, 0, 0, 0, 0, bytes(16), 1 << 40, 0, 0))
     with pytest.raises(IntegrityError, match="exceeds the limit"):
         rx.recv("handshake")
     a.sendall(b"RFT1" + bytes(10))

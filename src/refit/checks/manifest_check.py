@@ -33,10 +33,12 @@ class Report:
     exactly, or the engine ties names into one storage that the sender sends as separate tensors."""
     waived: tuple[str, ...] = ()
     """Names the user waived (`ignore=`): never loaded, never checked; reported, not failing."""
+    stages: tuple[str, ...] = ()
+    """Stages (refit.stages) the trainer's refits pass through that this engine's process has not registered."""
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.unexpected or self.mismatched)
+        return not (self.missing or self.unexpected or self.mismatched or self.stages)
 
     def to_json(self) -> dict:
         return {
@@ -44,7 +46,7 @@ class Report:
             "unexpected": list(self.unexpected),
             "mismatched": [list(m) for m in self.mismatched],
             "waived": list(self.waived),
-        }
+        } | ({"stages": list(self.stages)} if self.stages else {})
 
     @classmethod
     def from_json(cls, obj: dict) -> Report:
@@ -56,9 +58,15 @@ class Report:
         rows = (
             tuple(tuple(str(x) for x in m)[:3] for m in mism if isinstance(m, list)) if isinstance(mism, list) else ()
         )
-        return cls(names("missing"), names("unexpected"), rows, names("waived"))  # type: ignore[arg-type]
+        return cls(names("missing"), names("unexpected"), rows, names("waived"), names("stages"))  # type: ignore[arg-type]
 
     def message(self) -> str:
+        if self.stages and not (self.missing or self.unexpected or self.mismatched):
+            return (
+                f"the trainer's refits pass through stage(s) {', '.join(self.stages)}, which the engine's process has "
+                "not registered; nothing was loaded. Fix: call refit.stages.register(name, cls) for each in the "
+                "engine's process before its Receiver connects, as the trainer's process does"
+            )
         parts = []
         if self.missing:
             parts.append(f"{len(self.missing)} missing (engine expects, sender lacks): {_list(self.missing)}")
@@ -122,6 +130,7 @@ def validate(
     *,
     exact_shapes: bool = True,
     optional: frozenset[str] = frozenset(),
+    stages: Iterable[str] = (),
 ) -> Report:
     """What differs between the specs a sender sends and the specs an engine holds (column by column: a
     manifest may list 100k tensors).
@@ -129,7 +138,8 @@ def validate(
     `optional`: names or fnmatch patterns the user waived (`ignore=`): left out of every check and
     reported as waived (logged at WARNING). An expected spec with aliases is a tie in the engine (one
     storage under several names): sending any of its names is enough, sending two of them as
-    separate tensors (different sources, so the last write would win) is refused."""
+    separate tensors (different sources, so the last write would win) is refused. `stages`: the manifest's
+    stages this engine's process has not registered (each fails the report)."""
     sent, expected = list(sent), list(expected)
     ties = [spec.names for spec in expected if spec.aliases]
     groups = _sent_groups(sent) if ties else {}
@@ -153,7 +163,8 @@ def validate(
     tied = {n for names in ties for n in names}
     covered = {n for names in ties if got.keys() & set(names) for n in names}
     missing = tuple(sorted(want.keys() - got.keys() - covered - (tied - covered - {t[0] for t in ties})))
-    return Report(missing, tuple(sorted(got.keys() - want.keys())), tuple(mismatched), tuple(sorted(skip)))
+    unexpected = tuple(sorted(got.keys() - want.keys()))
+    return Report(missing, unexpected, tuple(mismatched), tuple(sorted(skip)), tuple(stages))
 
 
 def _expanded(specs: list[TensorSpec]) -> list[TensorSpec]:

@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import operator
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -24,6 +25,9 @@ MAX_DIMS = 16
 MAX_BUCKETS = 1 << 24
 MAX_ALIASES = 64
 MAX_BYTES = 1 << 56
+MAX_STAGES = 16
+_STAGE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+"""A stage name, as refit.stages.register accepts it."""
 """Largest capacity, tensor or offset accepted from a peer (64 PiB): keeps every sum far from overflow."""
 
 
@@ -90,6 +94,8 @@ class Manifest:
     """Bytes used in each bucket, rounded up to the alignment: what is moved per bucket."""
     epoch: int = 0
     """Bumped by the sender whenever a dtype or shape changes; not part of the digest."""
+    stages: tuple[str, ...] = ()
+    """The stages (refit.stages) every refit of this epoch passes through, in the trainer's order."""
     _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -163,7 +169,7 @@ class Manifest:
             "alignment": self.alignment,
             "bucket_nbytes": list(self.bucket_nbytes),
             "tensors": _rows(self.entries),
-        }
+        } | ({"stages": list(self.stages)} if self.stages else {})
 
     @cached_property
     def _canonical_json(self) -> bytes:
@@ -232,6 +238,18 @@ def _int(obj: dict, key: str, lo: int = 0) -> int:
     return v
 
 
+def _stages(obj: dict) -> tuple[str, ...]:
+    stages = obj.get("stages", [])
+    if not (
+        isinstance(stages, list)
+        and len(stages) <= MAX_STAGES
+        and all(isinstance(n, str) and _STAGE.fullmatch(n) for n in stages)
+        and len(set(stages)) == len(stages)
+    ):
+        raise ValueError(f"manifest 'stages' must be a list of at most {MAX_STAGES} distinct stage names")
+    return tuple(stages)
+
+
 def _parse(obj: object) -> Manifest:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError(f"not a refit manifest: expected format {FORMAT!r}")
@@ -252,7 +270,7 @@ def _parse(obj: object) -> Manifest:
     if not all(map(operator.lt, names, islice(names, 1, None))):
         a, b = next((a, b) for a, b in zip(names, names[1:]) if a >= b)
         raise ValueError(f"manifest tensors must be sorted by name without repeats ({a!r} before {b!r})")
-    m = Manifest(capacity, alignment, entries, tuple(sizes), epoch=_int(obj, "epoch"))
+    m = Manifest(capacity, alignment, entries, tuple(sizes), epoch=_int(obj, "epoch"), stages=_stages(obj))
     if _packed_in_order(m):
         return m
     spans = 0

@@ -257,6 +257,11 @@ class Unpacker:
             self._staging = torch.empty(manifest.max_split_nbytes, dtype=torch.uint8, device=device)
         self._plans: dict[tuple[int, int], _BucketPlan] = {}
 
+    @property
+    def staging(self) -> torch.Tensor:
+        """Where tensors that span buckets are gathered (empty when none does)."""
+        return self._staging
+
     def unpack(self, bucket: int, slot: int) -> list[tuple[str, torch.Tensor]]:
         """The tensors complete after bucket `bucket`, which sits in `slot`'s buffer."""
         key = (bucket, slot)

@@ -17,22 +17,31 @@ def align_up(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
-def plan(specs: Iterable[TensorSpec], *, capacity: int, alignment: int = DEFAULT_ALIGNMENT, epoch: int = 0) -> Manifest:
+def plan(
+    specs: Iterable[TensorSpec],
+    *,
+    capacity: int,
+    alignment: int = DEFAULT_ALIGNMENT,
+    epoch: int = 0,
+    stages: tuple[str, ...] = (),
+) -> Manifest:
     """Place `specs` in name order into buckets of `capacity` bytes.
 
     Each tensor starts at a multiple of `alignment`. A tensor that does not fit in the rest of the
     current bucket starts the next one; a tensor larger than a whole bucket starts a fresh bucket and
-    runs on through as many following buckets as it needs.
+    runs on through as many following buckets as it needs. `stages`: what every refit of it passes through.
     """
     if alignment < 8 or alignment & (alignment - 1):
         raise ValueError(f"alignment ({alignment}) must be a power of two >= 8")
     if capacity < alignment or capacity % alignment:
         raise ValueError(f"bucket capacity ({capacity}) must be a positive multiple of the alignment ({alignment})")
     with gc_paused():
-        return _place(sorted(specs, key=lambda s: s.name), capacity, alignment, epoch)
+        return _place(sorted(specs, key=lambda s: s.name), capacity, alignment, epoch, stages)
 
 
-def _place(ordered: list[TensorSpec], capacity: int, alignment: int, epoch: int) -> Manifest:
+def _place(
+    ordered: list[TensorSpec], capacity: int, alignment: int, epoch: int, stages: tuple[str, ...] = ()
+) -> Manifest:
     """`plan` for specs already sorted by name."""
     for a, b in zip(ordered, ordered[1:]):
         if a.name == b.name:
@@ -53,7 +62,7 @@ def _place(ordered: list[TensorSpec], capacity: int, alignment: int, epoch: int)
             at = 0
         used[-1] = at + n
     sizes = tuple(align_up(u, alignment) for u in used) if entries else ()
-    return Manifest(capacity, alignment, tuple(entries), sizes, epoch=epoch)
+    return Manifest(capacity, alignment, tuple(entries), sizes, epoch=epoch, stages=stages)
 
 
 def specs_digest(specs: Iterable[TensorSpec]) -> str:

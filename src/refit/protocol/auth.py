@@ -14,9 +14,10 @@ import hashlib
 import hmac
 import secrets
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """The control protocol's version, in HELLO and AUTH: both sides must speak the same one (1: the token
-in HELLO, no version field; 2: mutual challenge-response, MACed WELCOME and manifest)."""
+in HELLO, no version field; 2: mutual challenge-response, MACed WELCOME and manifest; 3: stages listed in
+the manifest, the delta base in its own header field)."""
 NONCE_BYTES = 32
 SENDER, RECEIVER, SESSION = b"refit-sender", b"refit-receiver", b"refit-session"
 

@@ -17,7 +17,7 @@ from typing import Any
 from refit.errors import IntegrityError, PeerError
 
 MAGIC = b"RFT1"
-HEADER = struct.Struct("<4sBBHIIQ16sQQ8x")
+HEADER = struct.Struct("<4sBBHIIQ16sQQQ")
 assert HEADER.size == 64
 MAX_JSON_BYTES = 64 << 20
 """Largest JSON payload accepted; checked before anything is allocated."""
@@ -57,7 +57,7 @@ class Begin(IntFlag):
     """Bit 1: after DONE, the receiver holds its commit open until a second COMMIT carries the verdict (a vote
     across trainer ranks, or `verify="strict"`)."""
     DELTA = 4
-    """Bit 2: a delta refit; the header's `checksum` field carries its base version (docs/PROTOCOL.md, Delta
+    """Bit 2: a delta refit, sent against the version in the header's `base` field (docs/PROTOCOL.md, Delta
     refits): buckets may come as deltas against the wire image committed at that version."""
 
 
@@ -67,7 +67,7 @@ class Bucket(IntFlag):
     CHECKSUM = 1
     """Bit 0: `checksum` is set (over the bytes moved)."""
     DELTA = 2
-    """Bit 1: the bytes moved are a delta payload (refit.layout.delta), not the bucket's wire bytes."""
+    """Bit 1: the bytes moved are a delta payload (refit.stages.delta), not the bucket's wire bytes."""
     KEPT = 4
     """Bit 2, delta sessions: receivers keep the bucket in their wire image (a delta always is; a full bucket
     without it is not kept: no delta of it may follow until one with it)."""
@@ -78,8 +78,6 @@ class Offer(IntFlag):
 
     FINGERPRINT = 1
     """The fingerprint check is on: VERIFY follows the last bucket of every refit."""
-    DELTA = 2
-    """Bit 1: the sender may send delta refits this epoch: the receiver keeps the committed wire image."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +148,8 @@ class Header:
     digest: bytes = bytes(16)
     nbytes: int = 0
     checksum: int = 0
+    base: int = 0
+    """BEGIN of a delta refit: the committed version it is sent against."""
 
     def pack(self) -> bytes:
         return HEADER.pack(
@@ -163,11 +163,12 @@ class Header:
             self.digest,
             self.nbytes,
             self.checksum,
+            self.base,
         )
 
     @classmethod
     def unpack(cls, data: bytes) -> Header:
-        magic, kind, status, slot, epoch, index, version, digest, nbytes, checksum = HEADER.unpack(data)
+        magic, kind, status, slot, epoch, index, version, digest, nbytes, checksum, base = HEADER.unpack(data)
         if magic != MAGIC:
             raise IntegrityError(f"control message does not start with {MAGIC!r} (got {magic!r}); peer is not refit")
         try:
@@ -176,7 +177,7 @@ class Header:
             raise IntegrityError(f"control message has unknown kind {kind}") from None
         if k in WITH_PAYLOAD and nbytes > MAX_JSON_BYTES:
             raise IntegrityError(f"{k.name} payload of {nbytes} bytes exceeds the limit of {MAX_JSON_BYTES}")
-        return cls(k, status, slot, epoch, index, version, digest, nbytes, checksum)
+        return cls(k, status, slot, epoch, index, version, digest, nbytes, checksum, base)
 
 
 class Channel:

@@ -122,8 +122,8 @@ def plan_report(args: argparse.Namespace) -> dict:
 
 
 def _delta_image(args: argparse.Namespace, m: Manifest) -> dict:
-    """`--delta`: the committed wire image each side keeps (refit.layout.delta), one more copy of the wire bytes."""
-    from refit.layout.delta import UNIT, num_units
+    """`--delta`: the committed wire image each side keeps (refit.stages.delta), one more copy of the wire bytes."""
+    from refit.stages.delta import UNIT, num_units
 
     if not getattr(args, "delta", False):
         return {}

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from refit.layout.budget import NUM_SLOTS
+from refit.stages import names, registered
 
 Verify = Literal["fingerprint", "strict"] | None
 VERIFY_MODES: tuple[Verify, ...] = (None, "fingerprint", "strict")
@@ -31,7 +32,9 @@ class SenderOptions:
     transport's device). A new epoch, a joiner, a receiver that did not commit the image's version, or a refit
     after any failure is sent full; so is each bucket whose delta payload would exceed `delta_threshold` of its
     bytes (default 0.25: about an eighth of its values changed).
-    Verification is unchanged: whole tensors against the trainer's live ones."""
+    Verification is unchanged: whole tensors against the trainer's live ones.
+    `stages`: names of more stages (refit.stages.register) every refit's buckets pass through, after delta's;
+    each engine process must have registered them too, or its handshake refuses the manifest naming them."""
 
     transport: str = "shm"
     num_receivers: int = 1
@@ -44,6 +47,7 @@ class SenderOptions:
     min_receivers: int = 1
     delta: bool = False
     delta_threshold: float = 0.25
+    stages: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_receivers < 1:
@@ -65,8 +69,26 @@ class SenderOptions:
             raise ValueError("delta=True cannot be combined with zero_copy (zero-copy moves no bucket to shrink)")
         if not 0.0 <= self.delta_threshold <= 1.0:
             raise ValueError(f"delta_threshold ({self.delta_threshold}) must be within 0..1 (a fraction of a bucket)")
+        self._check_stages()
         if self.zero_copy and self.transport != "cuda-ipc":
             raise ValueError(f"zero_copy needs the cuda-ipc transport ({self.transport!r} given)")
+
+    def _check_stages(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))  # a list given is kept as the tuple it means
+        unknown = [n for n in self.stages if not registered(n)]
+        if unknown:
+            raise ValueError(
+                f"stages {unknown} are not registered (registered: {names()}); call refit.stages.register first"
+            )
+        if "delta" in self.stages:
+            raise ValueError("the delta stage is delta=True, not a name in stages")
+        if self.stages and self.zero_copy:
+            raise ValueError("stages cannot be combined with zero_copy (zero-copy moves no bucket to transform)")
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        """Every stage of the session's refits, in the trainer's order."""
+        return (("delta",) if self.delta else ()) + self.stages
 
     @classmethod
     def of(cls, options: SenderOptions | None, overrides: dict[str, Any]) -> SenderOptions:

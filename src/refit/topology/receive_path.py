@@ -16,12 +16,12 @@ import torch
 from refit.checks.bucket_checksum import checksum
 from refit.engines.base import Engine
 from refit.errors import IntegrityError, PeerError, RefitError
-from refit.layout.delta import WireImage
 from refit.layout.manifest import Manifest
 from refit.layout.packing import Unpacker, copy_share
 from refit.log import get_logger
 from refit.protocol.wire import Begin, Bucket, Channel, Header, Kind, parse_json
 from refit.settings import Settings
+from refit.stages import Stage
 from refit.topology.digest_plan import compare
 from refit.topology.membership import readable
 from refit.topology.stats import RefitStats
@@ -44,11 +44,10 @@ class ReceivePath:
         device: torch.device,
         rank: int,
         fingerprint: bool = False,
-        delta: bool = False,
+        stages: list[Stage] | None = None,
     ) -> None:
         """`fingerprint`: the sender will check digests (MANIFEST status 1), so loads digest what they write.
-        `delta`: the sender may send deltas (MANIFEST status 2): keep the committed wire image, and load every
-        bucket from it."""
+        `stages`: the engine's half of each stage the manifest lists (refit.stages), undone in reverse order."""
         self.engine = engine
         self.manifest = manifest
         self.transport = transport
@@ -65,11 +64,15 @@ class ReceivePath:
         self._positions: dict[int, tuple[list[str], torch.Tensor]] = {}
         """Per names list an engine returned (its plans return the same list every refit): their positions."""
         self._where: dict[str, int] | None = None
-        self.image = WireImage(manifest, device) if delta else None
-        images = self.image.images if self.image is not None else None
-        self._from_image = Unpacker(manifest, images, device=device, share=self.unpacker) if images else None
-        """Unpacks a bucket the image keeps; a spanning tensor is gathered in `unpacker`'s staging whichever way
-        each of its buckets came."""
+        self.stages = stages or []
+        self._flags = Bucket.CHECKSUM
+        for stage in self.stages:
+            self._flags |= stage.flags
+        held = next((b for b in (stage.buffers() for stage in self.stages) if b is not None), None)
+        self._held = held
+        self._from_held = Unpacker(manifest, held, device=device, share=self.unpacker) if held else None
+        """Unpacks a bucket a stage holds in its own buffers (delta: its image); a spanning tensor is gathered in
+        `unpacker`'s staging whichever way each of its buckets came."""
         self.sources: list[tuple[str, torch.Tensor]] = []
         """Zero-copy mode: the sender's tensors, mapped once per epoch (`open_sources`)."""
 
@@ -121,7 +124,7 @@ class ReceivePath:
         for b in range(m.num_buckets):
             t = time.perf_counter()
             header, _ = self.channel.expect(Kind.BUCKET, f"refit {begin.version}, bucket {b}")
-            failure = failure or _check_header(header, m, begin, b)
+            failure = failure or _check_header(header, m, begin, b, resized=bool(self.stages))
             nbytes = self._wire_nbytes(header, b)
             stats.wire_bytes += nbytes
             handle = transport.recv(b % len(transport.buffers), nbytes)
@@ -138,15 +141,17 @@ class ReceivePath:
         return failure
 
     def _wire_nbytes(self, header: Header, b: int) -> int:
-        """The bytes bucket `b` moves: the manifest's, or a delta payload's (at most one buffer)."""
-        if not Bucket.DELTA & header.status:
-            return self.manifest.bucket_nbytes[b]
-        if self.image is None or not 0 < header.nbytes <= len(self.transport.buffers[0]):
+        """The bytes bucket `b` moves: the manifest's, or (an epoch with stages) what the stages made of them,
+        at most one buffer."""
+        stray = header.status & ~int(self._flags)
+        capacity = len(self.transport.buffers[0])
+        if stray or (self.stages and not 0 < header.nbytes <= capacity):
             raise IntegrityError(
-                f"bucket {b} is a delta of {header.nbytes} bytes, but this epoch has no delta image or buffers "
-                f"that small ({len(self.transport.buffers[0])} bytes); the sender is not speaking this protocol"
+                f"bucket {b} moves {header.nbytes} bytes with status bits {header.status:#x}, but this epoch's "
+                f"stages ({', '.join(s.name for s in self.stages) or 'none'}) set only {int(self._flags):#x} and its "
+                f"buffers hold {capacity} bytes; the sender is not speaking this protocol"
             )
-        return header.nbytes
+        return header.nbytes if self.stages else self.manifest.bucket_nbytes[b]
 
     def _finish(
         self, b: int, handle: Pending, header: Header, stats: RefitStats, failure: RefitError | None
@@ -188,18 +193,18 @@ class ReceivePath:
         return None
 
     def _unpack(self, b: int, slot: int, buf: torch.Tensor, header: Header) -> list[tuple[str, torch.Tensor]]:
-        """Bucket `b`'s tensors: views of its slot, or (delta sessions, a bucket the image keeps) of the image,
-        once the delta payload is scattered into it or the full bucket copied there."""
-        image, keep = self.image, Bucket.DELTA | Bucket.KEPT
-        if image is None or self._from_image is None or not keep & header.status:
-            if image is not None:
-                image.kept[b] = False
+        """Bucket `b`'s tensors, once every stage undid its step (in reverse order): views of its slot, or of
+        the buffer a stage holds it in (delta: its image)."""
+        held = buf
+        for stage in reversed(self.stages):
+            got = stage.incoming(b, held, header.nbytes, Bucket(header.status))
+            if got is not None:
+                assert self._held is not None and got is self._held[b], f"stage {stage.name} moved bucket {b} away"
+                held = got
+        if held is buf:
             return self.unpacker.unpack(b, slot)
-        if Bucket.DELTA & header.status:
-            image.decode(b, buf, header.nbytes)
-        else:
-            image.absorb(b, buf)
-        return self._from_image.unpack(b, b)
+        assert self._from_held is not None
+        return self._from_held.unpack(b, b)
 
     def _engine_load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load into the engine; in fingerprint mode keep the digests its copy took of what it wrote."""
@@ -259,10 +264,11 @@ def _engine_error(message: str, cause: BaseException) -> RefitError:
     return err
 
 
-def _check_header(h: Header, m: Manifest, begin: Header, b: int) -> IntegrityError | None:
+def _check_header(h: Header, m: Manifest, begin: Header, b: int, *, resized: bool) -> IntegrityError | None:
+    """`resized`: the epoch's stages may change the bytes a bucket moves (checked against the buffer already)."""
     if h.epoch != m.epoch or h.digest != m.digest:
         return IntegrityError(f"bucket {b} header is for another manifest (epoch {h.epoch}, expected {m.epoch})")
-    moved = m.bucket_nbytes[b] if not Bucket.DELTA & h.status else h.nbytes
+    moved = h.nbytes if resized else m.bucket_nbytes[b]
     if h.version != begin.version or h.index != b or h.nbytes != moved:
         return IntegrityError(
             f"bucket {b} header disagrees with the manifest (version {h.version}, index {h.index}, "

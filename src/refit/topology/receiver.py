@@ -6,42 +6,37 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Callable
 
 import torch
 
-from refit import transports
+from refit import stages, transports
 from refit.checks.manifest_check import validate
 from refit.engines.base import Engine
 from refit.engines.staging import Split, Staging
-from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
+from refit.errors import HandshakeError, PeerError
 from refit.layout.budget import bucket_capacity, free_bytes
 from refit.layout.manifest import Manifest
-from refit.layout.spec import TensorSpec, changes
+from refit.layout.spec import TensorSpec
 from refit.log import get_logger
-from refit.protocol import auth
-from refit.protocol.lobby import read_auth
 from refit.protocol.store import AuthenticatedStores
 from refit.protocol.wire import (
     MAX_REASON_CHARS,
-    Begin,
     Channel,
     Header,
     Kind,
     Offer,
-    PeerFailed,
-    parse_json,
 )
 from refit.settings import Settings, check_bucket_bytes
 from refit.topology.digest_plan import engine_regions
+from refit.topology.joining import MAX_WELCOME_BYTES, authenticate, read_welcome
+from refit.topology.receive_handshake import read_manifest
 from refit.topology.receive_path import ReceivePath
+from refit.topology.receive_round import ReceiveRound
 from refit.topology.stats import RefitStats
 from refit.transports.base import Transport
 
 log = get_logger("receiver")
-MAX_WELCOME_BYTES = 1 << 20
-"""Largest WELCOME read (transport setup: a few paths or an address)."""
 
 
 class Receiver:
@@ -78,8 +73,8 @@ class Receiver:
         self.transport: Transport | None = None
         self.rank = 0
         self.manifest: Manifest | None = None
-        self._path: ReceivePath | None = None
-        self._layout: list[TensorSpec] | None = None
+        self.path: ReceivePath | None = None
+        self.layout: list[TensorSpec] | None = None
         """The engine's specs this epoch's manifest was validated against (`_relayout` checks them per refit)."""
         self._broken = ""
         self._ended = False
@@ -87,7 +82,7 @@ class Receiver:
         self._idle_timeout_s = self.settings.timeout_s
         self.warn_unverified = True
         """Log the tensors the fingerprint cannot read back (once per epoch); M:N logs it for one pair only."""
-        self._regroups = False
+        self.regroups = False
         """Elastic gloo/nccl (WELCOME says elastic): a broken group is re-formed by the sender, not the end."""
         self.statement: dict | None = None
         """M:N: what this worker keeps (refit.topology.mesh), sent with READY for the trainer's plan."""
@@ -122,12 +117,16 @@ class Receiver:
         ch.send(Header(Kind.READY), self.statement)
         log.info("joined as receiver %d over %s", self.rank, self._transport_cls.name)
 
+    @property
+    def _token(self) -> str:
+        return str(self.rendezvous.get("token") or "")
+
     def _join(self, ch: Channel) -> None:
         limit = bucket_capacity(
             bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio, free=free_bytes(self.device)
         )
         ch.set_timeout(self.settings.connect_timeout_s)  # the sender admits every receiver first; they start slowly
-        self._authenticate(ch, limit)
+        authenticate(ch, self._token, limit)
         # idle: an elastic gloo/nccl sender welcomes a joiner when it forms its next group, beating meanwhile
         header, raw = ch.recv(
             "rendezvous (waiting for every receiver to connect)", idle=True, max_payload=MAX_WELCOME_BYTES
@@ -144,7 +143,7 @@ class Receiver:
                 self._setup(ch, header, raw, limit)
                 return
             except PeerError as e:
-                if not self._regroups:
+                if not self.regroups:
                     raise
                 log.warning("could not join the sender's new group (%s); waiting for it to form one again", e)
             header, raw = ch.recv(
@@ -157,61 +156,18 @@ class Receiver:
 
     def _setup(self, ch: Channel, header: Header, raw: bytes, limit: int) -> None:
         """Join the transport WELCOME (or, elastic gloo/nccl, REGROUP) describes, once its MAC checks out."""
-        what = header.kind.name
-        if not auth.check_tag(ch.key, what.encode(), raw, header.digest):
-            raise IntegrityError(f"{ch.peer}'s {what} is not bound to this session (its MAC is wrong); not trusted")
-        welcome = parse_json(raw, what)
+        welcome = read_welcome(ch, header, raw, limit)
         ch.set_timeout(self.settings.timeout_s)
-        rank, capacity, info = welcome.get("rank"), welcome.get("capacity"), welcome.get("info")
-        beat = welcome.get("heartbeat_s")
-        if isinstance(beat, (int, float)) and not isinstance(beat, bool) and 0 < beat < 3600:
-            # Never call a live sender dead for beating slower than this side's own timeout allows.
-            self._idle_timeout_s = max(self.settings.timeout_s, 3 * float(beat))
-        name = welcome.get("transport")
-        if isinstance(name, str) and name != self.rendezvous.get("transport"):  # the sender fell back
-            self._transport_cls = transports.get(name)
-            self.device = transports.default_device(name)
-        if not (
-            isinstance(rank, int) and isinstance(capacity, int) and 0 < capacity <= limit and isinstance(info, dict)
-        ):
-            raise IntegrityError(f"WELCOME is malformed or asks for more than this side's limit ({limit} bytes)")
-        if info.get("capacity", capacity) != capacity:
-            raise IntegrityError(
-                f"WELCOME's transport setup sizes buffers of {info.get('capacity')!r:.40}, not {capacity}"
-            )
-        self._regroups = welcome.get("elastic") is True and self._transport_cls.uses_store
-        token = str(self.rendezvous.get("token") or "")
-        store = {"store": AuthenticatedStores(token, self.settings)} if self._transport_cls.uses_store else {}
-        self.transport = self._transport_cls.join(info, rank=rank, device=self.device, settings=self.settings, **store)
-        self.rank = rank
-
-    def _authenticate(self, ch: Channel, limit: int) -> None:
-        """Both sides prove the token (refit.protocol.auth); nothing else is read from the sender before its proof."""
-        token = str(self.rendezvous.get("token") or "")
-        mine = auth.nonce()
-        ch.send(Header(Kind.HELLO), {"protocol": auth.PROTOCOL_VERSION, "nonce": mine.hex(), "capacity": limit})
-        try:
-            msg = read_auth(ch, "authentication")
-        except PeerError as e:
-            if "wrong token" not in str(e):
-                raise
-            raise PeerError(
-                f"{e}; a sender that refuses before authenticating runs an older refit (protocol version before "
-                f"{auth.PROTOCOL_VERSION}): install the same refit version on the trainer and engine hosts"
-            ) from None
-        if msg.get("protocol") != auth.PROTOCOL_VERSION:
-            raise PeerError(
-                f"protocol version mismatch: the sender speaks {str(msg.get('protocol'))[:40]}, this receiver speaks "
-                f"{auth.PROTOCOL_VERSION}; install the same refit version on the trainer and engine hosts"
-            )
-        theirs = auth.parse_nonce(msg.get("nonce"))
-        if theirs is None or not auth.verify(token, auth.SENDER, mine, theirs, msg.get("proof")):
-            raise PeerError(
-                f"{ch.peer} did not prove it knows the token: wrong token on this side (pass the token from "
-                "Sender.rendezvous()), or it is not this session's sender; nothing it names was used"
-            )
-        ch.send(Header(Kind.AUTH), {"proof": auth.proof(token, auth.RECEIVER, mine, theirs)})
-        ch.key = auth.session_key(token, mine, theirs)
+        if welcome.heartbeat_s is not None:  # never call a live sender dead for beating slower than its own timeout
+            self._idle_timeout_s = max(self.settings.timeout_s, 3 * welcome.heartbeat_s)
+        if welcome.transport is not None and welcome.transport != self.rendezvous.get("transport"):  # it fell back
+            self._transport_cls = transports.get(welcome.transport)
+            self.device = transports.default_device(welcome.transport)
+        cls = self._transport_cls
+        self.regroups = welcome.elastic and cls.uses_store
+        store = {"store": AuthenticatedStores(self._token, self.settings)} if cls.uses_store else {}
+        self.transport = cls.join(welcome.info, rank=welcome.rank, device=self.device, settings=self.settings, **store)
+        self.rank = welcome.rank
 
     def receive(self) -> RefitStats | None:
         """Handle messages until one refit is committed (returns its stats) or the sender closes (None).
@@ -275,10 +231,10 @@ class Receiver:
             if header.kind == Kind.MANIFEST:
                 self._handshake(header, payload)
             elif header.kind == Kind.SOURCES:
-                assert self._path is not None
-                self._path.open_sources(payload)
+                assert self.path is not None
+                self.path.open_sources(payload)
             elif header.kind == Kind.BEGIN:
-                return self._refit(header)
+                return ReceiveRound(self, header).run()
             elif header.kind == Kind.REGROUP:
                 self._regroup(header, payload)
             elif header.kind == Kind.CLOSE:
@@ -286,7 +242,7 @@ class Receiver:
             else:
                 raise PeerError(f"sender sent {header.kind.name} between refits")
 
-    def _after_broken_group(self, version: int, error: PeerError) -> RefitStats | None:
+    def after_broken_group(self, version: int, error: PeerError) -> RefitStats | None:
         """Elastic gloo/nccl: the group broke mid-refit (a member died). The sender forms a new group and retries
         the version: wait for its REGROUP (skipping what is left of the broken refit), join it and go on."""
         ch = self.channel
@@ -322,7 +278,7 @@ class Receiver:
         release = getattr(self.engine, "release_buffers", None)
         if callable(release):
             release()
-        self.manifest, self._path = None, None
+        self.manifest, self.path = None, None
         limit = bucket_capacity(
             bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio, free=free_bytes(self.device)
         )
@@ -339,34 +295,16 @@ class Receiver:
 
     def _handshake(self, header: Header, payload: bytes) -> None:
         assert self.channel is not None and self.transport is not None
-        self.manifest, self._path = None, None
-        try:
-            manifest = Manifest.from_json(payload)
-        except (ValueError, RecursionError) as e:
-            self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank} rejected the manifest: {e}"})
-            raise IntegrityError(f"sender's manifest is malformed: {e}") from None
-        binding = auth.manifest_binding(manifest.epoch, manifest.digest)
-        if not auth.check_tag(self.channel.key, b"MANIFEST", binding, header.digest):
-            msg = "manifest is not bound to this session (its MAC under the session key is wrong)"
-            self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank} rejected the manifest: {msg}"})
-            raise IntegrityError(msg)
-        if manifest.capacity != len(self.transport.buffers[0]):
-            msg = f"manifest capacity {manifest.capacity} differs from the agreed {len(self.transport.buffers[0])}"
-            self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {msg}"})
-            raise IntegrityError(msg)
-        prepare = getattr(self.engine, "prepare", None)  # M:N (refit.engines.pieces): check the pair's pieces
-        if callable(prepare):
-            try:
-                prepare(manifest)
-            except ValueError as e:
-                self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank} rejected the manifest: {e}"})
-                raise IntegrityError(f"sender's M:N pieces do not fit this worker: {e}") from None
+        self.manifest, self.path = None, None
+        capacity = len(self.transport.buffers[0])
+        manifest = read_manifest(self.channel, header, payload, capacity=capacity, rank=self.rank, engine=self.engine)
         layout = self.engine.specs()
         report = validate(
             [p.spec for p in manifest.entries],  # with aliases: which names share one source
             layout,
             exact_shapes=self.engine.exact_shapes,
             optional=self.engine.optional_names,
+            stages=[n for n in manifest.stages if not stages.registered(n)],
         )
         self.staging_split = self.staging.split(manifest) if report.ok and self.staging is not None else None
         regions = engine_regions(manifest, self.engine) if Offer.FINGERPRINT & header.status and report.ok else {}
@@ -374,16 +312,12 @@ class Receiver:
         if not report.ok:
             raise HandshakeError(report.message())
         log.info(
-            "handshake: epoch %d, digest %s, %d tensors, %d bucket(s)",
-            manifest.epoch,
-            manifest.digest.hex()[:12],
-            len(manifest.entries),
-            manifest.num_buckets,
+            "handshake: epoch %d, %d tensors, %d bucket(s)", manifest.epoch, len(manifest.entries), manifest.num_buckets
         )
         if self.staging_split is not None and self.staging_split.num_direct:
             log.info("staged refit, epoch %d: %s", manifest.epoch, self.staging_split.describe())
-        self.manifest, self._layout = manifest, layout
-        self._path = ReceivePath(
+        self.manifest, self.layout = manifest, layout
+        self.path = ReceivePath(
             self.engine,
             manifest,
             self.transport,
@@ -392,152 +326,9 @@ class Receiver:
             device=self.device,
             rank=self.rank,
             fingerprint=bool(Offer.FINGERPRINT & header.status),
-            delta=bool(Offer.DELTA & header.status),
+            stages=stages.make(manifest.stages, manifest, self.device, trainer=False),
         )
-        self._path._warned_unverified = not self.warn_unverified
-
-    def _refit(self, begin: Header) -> RefitStats:
-        m, ch = self.manifest, self.channel
-        assert ch is not None
-        if m is None or begin.epoch != m.epoch or begin.digest != m.digest:
-            msg = "refit started for a manifest this receiver has not validated (epoch or digest differs)"
-            ch.send(Header(Kind.ERROR), {"message": msg})
-            raise IntegrityError(msg)
-        t0, version = time.perf_counter(), begin.version
-        stats = RefitStats(version=version, epoch=m.epoch, num_buckets=m.num_buckets, nbytes=m.nbytes)
-        stats.full_bytes, stats.delta = sum(m.bucket_nbytes), bool(Begin.DELTA & begin.status)
-        ctrl0 = ch.bytes_sent + ch.bytes_received
-        self.engine.begin(version)
-        done: dict = {}
-        try:
-            assert self._path is not None
-            refused = self._relayout(m, version) or self._delta_base(begin)
-            if self.staging_split is not None:  # as split for this refit (a followed relayout splits again)
-                stats.staged_bytes = self.staging_split.staged_nbytes
-                stats.direct_bytes = self.staging_split.direct_wire_nbytes
-            failure = self._path.take(begin, stats, refused)
-            header, payload = ch.recv(f"commit of version {version}")
-            if header.kind == Kind.VERIFY:
-                failure = failure or self._path.check_fingerprints(payload, stats, done)
-                header, payload = ch.recv(f"commit of version {version}")
-            if header.kind != Kind.COMMIT:
-                raise PeerError(
-                    f"{ch.peer} sent {header.kind.name} during commit of version {version}, expected COMMIT"
-                )
-        except RefitError as e:
-            self.engine.fail(version, str(e))
-            # a broken group is formed again; the sender's ERROR (PeerFailed) says it gave up: no REGROUP follows
-            if isinstance(e, PeerError) and not isinstance(e, PeerFailed) and self._regroups:
-                return self._after_broken_group(version, e)
-            raise
-        t = time.perf_counter()
-        self._flush(version)
-        two_phase = bool(Begin.TWO_PHASE & begin.status)  # a vote across ranks, or strict: committed once told
-        failure = failure or self._finalize(version, two_phase)
-        if failure is not None:
-            self.engine.fail(version, str(failure))
-            log.error("refit of version %d failed: %s", version, failure)
-            ch.send(Header(Kind.DONE, status=1, version=version), {"message": f"receiver {self.rank}: {failure}"})
-            raise failure
-        ch.send(Header(Kind.DONE, version=version), done or None)
-        if two_phase:
-            self._await_verdict(version)
-        if self._path is not None and self._path.image is not None:
-            self._path.image.version = version  # the base a later delta may name
-        log.info("committed version %d (%d bytes, %d bucket(s))", version, m.nbytes, m.num_buckets)
-        stats.add("commit", time.perf_counter() - t)
-        stats.control_bytes = ch.bytes_sent + ch.bytes_received - ctrl0
-        stats.seconds["total"] = time.perf_counter() - t0
-        return stats
-
-    def _delta_base(self, begin: Header) -> RefitError | None:
-        """A delta refit must name the version this receiver's wire image holds; from here until this refit
-        commits the image is being rewritten, so it stands for no version."""
-        image = self._path.image if self._path is not None else None
-        held = image.version if image is not None else None
-        if image is not None:
-            image.version = None
-        if not Begin.DELTA & begin.status or (held is not None and held == begin.checksum):
-            return None
-        holds = "no delta image this epoch" if image is None else f"an image of version {held}"
-        return IntegrityError(
-            f"refused a delta refit of version {begin.version} against base version {begin.checksum}: this receiver "
-            f"holds {holds} (it joined, failed or missed a version); nothing of it was loaded. The sender's next "
-            "refit goes full"
-        )
-
-    def _relayout(self, m: Manifest, version: int) -> RefitError | None:
-        """The engine's tensors changed since this epoch's manifest was validated (recast, reshaped): validate
-        it again here. A layout it still fits goes on (staging follows it); one it no longer fits refuses the
-        refit before any byte is loaded, naming the tensor."""
-        try:
-            now = self.engine.layout()
-            if now is self._layout or now == self._layout:
-                return None
-            now = self.engine.specs()  # staging re-reads the live engine's dtypes here
-            report = validate(
-                [p.spec for p in m.entries],
-                now,
-                exact_shapes=self.engine.exact_shapes,
-                optional=self.engine.optional_names,
-            )
-        except Exception as e:  # noqa: BLE001 - any engine error fails the refit, reported to the sender
-            return RefitError(f"engine failed to state its tensors for refit {version}: {type(e).__name__}: {e}")
-        changed = changes(self._layout, now)
-        if not report.ok:
-            self._layout = None  # validated again at every refit, until a layout fits
-            return HandshakeError(
-                f"the engine's tensors changed since the handshake of epoch {m.epoch} ({changed}) and no longer fit "
-                f"the trainer's manifest: {report.message()}; nothing of refit {version} was loaded. Put them back, "
-                "or change the trainer's tensors (wire dtype or shape) so that the next refit starts a new epoch"
-            )
-        log.info(
-            "refit %d: the engine's tensors changed since the handshake (%s); the manifest still fits", version, changed
-        )
-        self._layout = now
-        if self.staging is not None:
-            self.staging_split = self.staging.split(m)
-            self.staging.follow()
-        return None
-
-    def _await_verdict(self, version: int) -> None:
-        """The engine stays 'updating' until every worker committed; any error or silence here fails it."""
-        assert self.channel is not None
-        try:
-            header, payload = self.channel.expect(Kind.COMMIT, f"every worker's commit of version {version}")
-            if header.status:
-                reason = str(parse_json(payload, "COMMIT").get("message", "")) or "another worker failed"
-                raise RefitError(
-                    f"version {version} loaded here but failed on another worker or the sender's check: {reason}"
-                )
-        except BaseException as e:
-            self.engine.fail(version, f"not every worker committed version {version}: {e}")
-            raise
-        self.engine.versions.commit(version)  # the state only: the engine's own commit ran
-
-    def _flush(self, version: int) -> None:
-        """Wait for every transfer; a transport failure is the peer's (PeerError), never the engine's."""
-        assert self.transport is not None and self.channel is not None
-        try:
-            self.transport.flush()
-        except Exception as e:  # noqa: BLE001 - CUDA/NCCL raise RuntimeError subclasses; all end the session
-            msg = f"receiver {self.rank}: {self.transport.name} transfer failed before commit of version {version}: {e}"
-            self.engine.fail(version, msg)
-            with contextlib.suppress(PeerError):
-                self.channel.send(Header(Kind.ERROR), {"message": msg})
-            raise PeerError(msg) from None
-
-    def _finalize(self, version: int, two_phase: bool) -> RefitError | None:
-        """Commit the engine; one that fails here still answers the sender. In a two-phase refit the
-        engine goes back to 'updating' (the state only, none of its own begin work) until the verdict."""
-        last = self.engine.versions.weights.version  # updating since BEGIN: the last committed version
-        try:
-            self.engine.commit(version)
-            if two_phase:
-                self.engine.versions.await_verdict(version, last)
-        except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
-            return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
-        return None
+        self.path._warned_unverified = not self.warn_unverified
 
     def leave(self, reason: str = "the engine is shutting down") -> None:
         """Leave the session on purpose, between refits: the sender is told LEAVE with `reason` (an elastic
@@ -565,7 +356,7 @@ class Receiver:
         release = getattr(self.engine, "release_buffers", None)
         if callable(release):
             release()
-        self._path = None
+        self.path = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None

@@ -15,6 +15,7 @@ from refit.errors import IntegrityError, RefitError
 from refit.layout.manifest import Manifest
 from refit.log import get_logger
 from refit.protocol.wire import Begin, Channel, Done, Header, Kind, parse_json
+from refit.stages import Stage
 from refit.topology.seat import Session
 from refit.topology.send_path import each
 from refit.topology.stats import RefitStats
@@ -45,9 +46,10 @@ class Round:
         stats.add("handshake", time.perf_counter() - t0)
         ctrl0 = _control_bytes(s.channels)
         flags = (Begin.ZERO_COPY if s.zero_copy else Begin(0)) | (Begin.TWO_PHASE if s.commit.two_phase else Begin(0))
-        image = s._path.image
-        base = image.base_for([ch.rank for ch in s.channels]) if image is not None else None
+        stages = s._path.stages
+        base = _base(stages, version, [ch.rank for ch in s.channels])
         flags |= Begin.DELTA if base is not None else Begin(0)
+        stats.delta = base is not None
         begin = Header(
             Kind.BEGIN,
             epoch=m.epoch,
@@ -55,25 +57,24 @@ class Round:
             digest=m.digest,
             index=m.num_buckets,
             status=flags,
-            checksum=base or 0,
+            base=base or 0,
         )
         if s.zero_copy:  # the optimizer's writes must be done before receivers read the tensors
             torch.cuda.current_stream(s.device).synchronize()
         lost = s.membership.lost
-        each(s.channels, lambda ch: ch.send(begin), lost)
-        s._begun = True
-        errors = s._path.send(
-            s.source,
-            version,
-            stats,
-            s._generation,
-            verify_checksum=s.verify_checksum,
-            on_lost=lost,
-            delta=base is not None,
-        )
-        self._commit(m, stats, errors)
-        if image is not None:
-            image.committed(version, stats.receivers)
+        try:
+            each(s.channels, lambda ch: ch.send(begin), lost)
+            s._begun = True
+            errors = s._path.send(
+                s.source, version, stats, s._generation, verify_checksum=s.verify_checksum, on_lost=lost
+            )
+            self._commit(m, stats, errors)
+        except BaseException:
+            for stage in stages:
+                stage.failed()
+            raise
+        for stage in stages:
+            stage.committed(version, stats.receivers)
         stats.control_bytes = max(0, _control_bytes(s.channels) - ctrl0)  # a receiver dropped mid-refit takes its count
         stats.seconds["total"] = time.perf_counter() - t0
         log.info(
@@ -147,6 +148,13 @@ class Round:
             if verdict
             else ""
         )
+
+
+def _base(stages: list[Stage], version: int, ranks: list[int]) -> int | None:
+    """The committed version this refit is sent against: the one stage's that names one (delta), else None."""
+    bases = [b for b in (stage.base(version, ranks) for stage in stages) if b is not None]
+    assert len(bases) <= 1, "at most one stage of a session names a base version"
+    return bases[0] if bases else None
 
 
 def _set_unverified_names(stats: RefitStats, names: list[str]) -> None:

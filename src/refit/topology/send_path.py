@@ -18,13 +18,13 @@ import torch
 from refit.checks.bucket_checksum import checksum
 from refit.checks.copy_digest import FusedCopy
 from refit.errors import IntegrityError, PeerError
-from refit.layout.delta import WireImage
 from refit.layout.manifest import Manifest
 from refit.layout.packing import Packer, copy_share
 from refit.log import get_logger
 from refit.protocol.wire import Bucket, Channel, Header, Kind
 from refit.settings import Settings
 from refit.sources.base import Source
+from refit.stages import Stage
 from refit.topology.digest_plan import DigestPlan
 from refit.topology.stats import RefitStats
 from refit.transports.base import Pending, Transport
@@ -59,10 +59,9 @@ class SendPath:
         num_slots: int,
         zero_copy: bool,
         digests: DigestPlan | None,
-        image: WireImage | None = None,
-        delta_threshold: float = 0.25,
+        stages: list[Stage] | None = None,
     ) -> None:
-        """`image`: a delta session's committed wire image (refit.layout.delta), kept up to date by every refit."""
+        """`stages`: what each bucket passes through after its pack (refit.stages), in order."""
         self.manifest = manifest
         self.transport = transport
         self.channels = channels
@@ -73,9 +72,7 @@ class SendPath:
         self.packer = Packer(manifest, transport.buffers, digesting=FusedCopy if digests is not None else None)
         self.bucket_names = [[manifest.entries[s.entry].name for s in segs] for segs in manifest.segments]
         self.on_lost: Lost | None = None
-        self.image = image
-        self.delta = False
-        self.delta_threshold = delta_threshold
+        self.stages = stages or []
 
     def buffer(self, b: int) -> torch.Tensor:
         """The slot buffer bucket `b` is packed into."""
@@ -90,20 +87,16 @@ class SendPath:
         *,
         verify_checksum: bool,
         on_lost: Lost | None = None,
-        delta: bool = False,
     ) -> list[str]:
         """`source`'s tensors as `version`: every bucket (none in zero-copy mode; each with its checksum when
         `verify_checksum`), then the digests; returns receivers' per-bucket errors. A receiver lost on the
-        way goes to `on_lost` (elastic: dropped, the rest go on), or its error is raised. `delta`: buckets may go as
-        deltas against the image (the BEGIN said so)."""
+        way goes to `on_lost` (elastic: dropped, the rest go on), or its error is raised."""
         self.on_lost = on_lost
-        self.delta = delta
         try:
             digests = self.digests
             if digests is not None:
                 digests.reset()
             with copy_share(self.transport.name):
-                stats.delta = delta
                 stats.full_bytes = 0 if self.zero_copy else sum(self.manifest.bucket_nbytes)
                 errors = [] if self.zero_copy else self._stream(source, version, stats, generation, verify_checksum)
             if digests is not None and not errors:
@@ -125,7 +118,7 @@ class SendPath:
                 self._retire(b - slots, inflight[slot], version, stats, errors)
             t = time.perf_counter()
             self._pack(source, b, slot, generation)
-            nbytes, flags = self._delta(b, slot)
+            nbytes, flags = self._outgoing(b, slot)
             crc = checksum(self.transport.buffers[slot][:nbytes]) if verify_checksum else 0
             flags |= Bucket.CHECKSUM if verify_checksum else Bucket(0)
             stats.wire_bytes += nbytes
@@ -151,19 +144,14 @@ class SendPath:
             self._retire(b, inflight[b % slots], version, stats, errors)
         return errors
 
-    def _delta(self, b: int, slot: int) -> tuple[int, Bucket]:
-        """A delta session: bucket `b` against the image (a delta payload when it pays), the image updated to it
-        unless it is not kept. Returns the bytes to move and the bucket's delta flags."""
-        full = self.manifest.bucket_nbytes[b]
-        if self.image is None:
-            return full, Bucket(0)
+    def _outgoing(self, b: int, slot: int) -> tuple[int, Bucket]:
+        """Bucket `b`, packed in `slot`, through every stage: the bytes to move and the stages' header flags."""
+        nbytes, flags = self.manifest.bucket_nbytes[b], Bucket(0)
         buf = self.transport.buffers[slot]
-        if not self.delta:  # a full refit primes every bucket
-            self.image.absorb(b, buf)
-            return full, Bucket.KEPT
-        size, kept = self.image.encode(b, buf, threshold=self.delta_threshold)
-        flags = Bucket.KEPT if kept else Bucket(0)
-        return (full, flags) if size is None else (size, flags | Bucket.DELTA)
+        for stage in self.stages:
+            nbytes, more = stage.outgoing(b, buf, nbytes)
+            flags |= more
+        return nbytes, flags
 
     def _pack(self, source: Source, b: int, slot: int, generation: int) -> None:
         """Fill `slot` with bucket `b`: replay its cached plan when `generation` vouches for it (without

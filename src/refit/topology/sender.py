@@ -13,11 +13,10 @@ from typing import Any
 
 import torch
 
-from refit import transports
+from refit import stages, transports
 from refit.checks.manifest_check import Report
 from refit.errors import HandshakeError, PeerError, RefitError
 from refit.layout.budget import bucket_capacity, free_bytes, needed_bytes
-from refit.layout.delta import WireImage
 from refit.layout.manifest import Manifest
 from refit.layout.planner import forecast, plan
 from refit.log import get_logger
@@ -28,6 +27,8 @@ from refit.protocol.store import AuthenticatedStores
 from refit.protocol.wire import Channel, Header, Kind, Offer, parse_json
 from refit.settings import Settings
 from refit.sources.base import Source
+from refit.stages import Stage
+from refit.stages.delta import DeltaStage
 from refit.topology.admission import admit, falls_back, welcome
 from refit.topology.digest_plan import DigestPlan, parse_regions
 from refit.topology.elastic import Elastic, Fixed
@@ -202,7 +203,8 @@ class Sender:
 
     def _handshake(self) -> None:
         self._epoch += 1
-        manifest = plan(self.source.specs(), capacity=self.capacity, epoch=self._epoch)
+        names = self.options.stage_names
+        manifest = plan(self.source.specs(), capacity=self.capacity, epoch=self._epoch, stages=names)
         failures = self._offer_manifest(manifest, self.channels)
         if failures:
             self.manifest, self._signature = None, None
@@ -220,8 +222,7 @@ class Sender:
             num_slots=self.num_slots,
             zero_copy=self.zero_copy,
             digests=self._digests,
-            image=WireImage(manifest, self.device) if self.options.delta else None,
-            delta_threshold=self.options.delta_threshold,
+            stages=self._stages(manifest),
         )
         log.info(
             "handshake: epoch %d, digest %s, %d tensors, %d bucket(s) of %d bytes",
@@ -232,10 +233,18 @@ class Sender:
             manifest.capacity,
         )
 
+    def _stages(self, manifest: Manifest) -> list[Stage]:
+        """The trainer's half of each stage the manifest lists, for this epoch."""
+        made = stages.make(manifest.stages, manifest, self.device, trainer=True)
+        for stage in made:
+            if isinstance(stage, DeltaStage):
+                stage.threshold = self.options.delta_threshold
+        return made
+
     def _offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]:
         """Send `manifest` to `channels` and read each REPORT (keeping its regions); returns their refusals."""
         payload, fingerprint = manifest.to_json(), bool(self.verify)
-        flags = (Offer.FINGERPRINT if fingerprint else Offer(0)) | (Offer.DELTA if self.options.delta else Offer(0))
+        flags = Offer.FINGERPRINT if fingerprint else Offer(0)
 
         def offer(ch: Channel) -> None:  # each receiver's copy is bound to its session: digest is a MAC under its key
             binding = auth.tag(ch.key, b"MANIFEST", manifest_binding(manifest.epoch, manifest.digest))

@@ -88,8 +88,7 @@ def _mesh_job(job: dict, specs: list[list], device: torch.device, settings: Sett
 def held(r: Receiver) -> list[torch.Tensor]:
     """The receiver's refit tensors now: its bucket buffers and the receive path's staging tensor."""
     tensors = list(r.transport.buffers) if r.transport is not None else []
-    staging = getattr(getattr(getattr(r, "_path", None), "unpacker", None), "_staging", None)
-    return tensors + ([staging] if isinstance(staging, torch.Tensor) else [])
+    return tensors + ([r.path.unpacker.staging] if r.path is not None else [])
 
 
 def run_job(job: dict, engine: ModuleEngine, specs: list[list], device: torch.device) -> dict:

@@ -1,4 +1,4 @@
-"""Delta buckets: the committed wire image of one epoch, and the chunked payload a delta refit sends.
+"""The delta stage: only the wire units changed since the version every receiver committed move.
 
 A delta session keeps, on each side, one copy of every bucket's wire bytes as last committed (the "image",
 padded to whole units). The sender packs a bucket as for a full refit, compares it unit by unit (2 bytes: one
@@ -6,14 +6,19 @@ bf16 or fp16 value, half of a wider one) with its image, and, when few enough un
 as a delta payload (docs/PROTOCOL.md, Delta refits): the count, per block of 65536 units how many changed, each
 changed unit's 16-bit offset in its block, then the changed units. The receiver scatters them into its image
 and loads the whole bucket from there, so its engine is written as by a full refit.
+
+`DeltaStage` holds both halves: the trainer's names the base version at BEGIN and encodes each bucket; the
+engine's checks the base and decodes. Each side's image version is written here alone.
 """
 
 from __future__ import annotations
 
 import torch
 
-from refit.errors import IntegrityError
+from refit.errors import IntegrityError, RefitError
 from refit.layout.manifest import Manifest
+from refit.protocol.wire import Bucket
+from refit.stages.base import Stage
 
 UNIT = 2
 """Bytes per compared unit: one bf16/fp16 value. Measured (BENCHMARKS.md, Delta refits): after one AdamW step at
@@ -188,3 +193,65 @@ class WireImage:
         head = table_nbytes(nb, count)
         self.images[b].view(torch.int16).index_copy_(0, idx, buf[head:nbytes].view(torch.int16))
         return count
+
+
+class DeltaStage(Stage):
+    """Delta refits (`Sender(delta=True)`): each side keeps the epoch's committed wire image."""
+
+    name = "delta"
+    flags = Bucket.DELTA | Bucket.KEPT
+
+    def __init__(self, manifest: Manifest, device: torch.device, *, trainer: bool) -> None:
+        super().__init__(manifest, device, trainer=trainer)
+        self.image = WireImage(manifest, device)
+        self.threshold = DELTA_THRESHOLD
+        """The trainer's: a bucket goes as a delta only when its payload is at most this fraction of it."""
+        self._delta = False
+        """The trainer's: this refit goes as a delta (its BEGIN named a base)."""
+
+    def base(self, version: int, ranks: list[int]) -> int | None:
+        base = self.image.base_for(ranks)
+        self._delta = base is not None
+        return base
+
+    def outgoing(self, b: int, buf: torch.Tensor, nbytes: int) -> tuple[int, Bucket]:
+        if not self._delta:  # a full refit primes every bucket
+            self.image.absorb(b, buf)
+            return nbytes, Bucket.KEPT
+        size, kept = self.image.encode(b, buf, threshold=self.threshold)
+        flags = Bucket.KEPT if kept else Bucket(0)
+        return (nbytes, flags) if size is None else (size, flags | Bucket.DELTA)
+
+    def accept(self, version: int, base: int | None) -> RefitError | None:
+        """From here until this refit commits the image is being rewritten, so it stands for no version."""
+        held, self.image.version = self.image.version, None
+        if base is None or held == base:
+            return None
+        holds = "no committed image" if held is None else f"an image of version {held}"
+        return IntegrityError(
+            f"refused a delta refit of version {version} against base version {base}: this receiver holds {holds} "
+            "(it joined, failed or missed a version); nothing of it was loaded. The sender's next refit goes full"
+        )
+
+    def incoming(self, b: int, buf: torch.Tensor, nbytes: int, flags: Bucket) -> torch.Tensor | None:
+        if not self.flags & flags:  # sent full and not kept: no delta of it may follow until it is again
+            self.image.kept[b] = False
+            return None
+        if Bucket.DELTA & flags:
+            self.image.decode(b, buf, nbytes)
+        else:
+            self.image.absorb(b, buf)
+        return self.image.images[b]
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self.image.images
+
+    def committed(self, version: int, ranks: list[int]) -> None:
+        if self.trainer:
+            self.image.committed(version, ranks)
+        else:
+            self.image.version = version  # the base a later delta may name
+
+    @property
+    def nbytes(self) -> int:
+        return self.image.nbytes

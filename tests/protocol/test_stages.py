@@ -1,0 +1,138 @@
+"""Stages registered from outside the package (refit.stages.register) run in real refits, both halves, bitwise;
+an engine that has not registered one refuses the handshake naming it; a stage that does not undo its step
+is caught by the fingerprint."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from threaded import Peer
+
+from refit import HandshakeError, ModuleEngine, ModuleSource, RefitError, Sender, Settings, stages
+from refit.protocol.wire import Bucket
+from refit.topology.receiver import Receiver
+from refit.topology.stats import RefitStats
+
+BF16 = torch.bfloat16
+SETTINGS = Settings(bucket_bytes=64 << 10, timeout_s=60.0)
+
+
+class Mask(stages.Stage):
+    """XOR every wire byte with a key that changes per bucket: the bytes on the wire are not the tensors'."""
+
+    name = "mask"
+    calls: dict[str, int] = {"out": 0, "in": 0}
+
+    def _key(self, b: int) -> int:
+        return (0x5A + 37 * b) & 0xFF or 1
+
+    def outgoing(self, b: int, buf: torch.Tensor, nbytes: int) -> tuple[int, Bucket]:
+        Mask.calls["out"] += 1
+        buf[:nbytes].bitwise_xor_(self._key(b))
+        return nbytes, Bucket(0)
+
+    def incoming(self, b: int, buf: torch.Tensor, nbytes: int, flags: Bucket) -> torch.Tensor | None:
+        Mask.calls["in"] += 1
+        buf[:nbytes].bitwise_xor_(self._key(b))
+        return None
+
+
+class Forgetful(Mask):
+    """Masks on the way out, forgets to unmask on the way in."""
+
+    name = "forgetful"
+
+    def incoming(self, b: int, buf: torch.Tensor, nbytes: int, flags: Bucket) -> torch.Tensor | None:
+        return None
+
+
+@pytest.fixture(autouse=True)
+def _registered() -> Iterator[None]:
+    stages.register("mask", Mask)
+    stages.register("forgetful", Forgetful)
+    Mask.calls.update({"out": 0, "in": 0})
+    yield
+
+
+def _trainer() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "embed.weight": torch.randn(256, 300, generator=g),  # 150 KiB in bf16: spans three buckets
+        "mlp.weight": torch.randn(64, 96, generator=g),
+        "norm.weight": torch.randn(500, generator=g),
+    }
+
+
+def _holds(engine: ModuleEngine, live: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(engine.tensor(n), t.to(BF16).to(engine.tensor(n).dtype)) for n, t in live.items())
+
+
+@contextlib.contextmanager
+def _session(live: dict[str, torch.Tensor], **options: object) -> Iterator[tuple[Sender, Peer, ModuleEngine]]:
+    sender = Sender(ModuleSource(live, wire_dtype=BF16), transport="shm", settings=SETTINGS, **options)
+    engine = ModuleEngine({n: torch.zeros_like(t) for n, t in live.items()})
+    peer = Peer(Receiver(engine, sender.rendezvous(), settings=SETTINGS))
+    peer.ask("connect")
+    try:
+        yield sender, peer, engine
+    finally:
+        sender.close()
+        peer.stop()
+
+
+def _refit(sender: Sender, peer: Peer, version: int) -> tuple[RefitStats | RefitError, object]:
+    peer.ask("receive")
+    try:
+        out: RefitStats | RefitError = sender.refit(version)
+    except RefitError as e:
+        out = e
+    return out, peer.outcome()
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_stage_registered_from_outside_runs_both_halves_in_a_real_refit_bitwise(delta: bool) -> None:
+    live = _trainer()
+    with _session(live, stages=["mask"], delta=delta) as (sender, peer, engine):
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                live["embed.weight"][version, :7] += 1.0  # a sparse change: delta buckets go masked too
+            stats, got = _refit(sender, peer, version)
+            assert isinstance(stats, RefitStats) and isinstance(got, RefitStats), (stats, got)
+            assert _holds(engine, live), f"version {version}"
+            assert engine.weights.version == version
+        assert sender.manifest is not None
+        assert sender.manifest.stages == (("delta", "mask") if delta else ("mask",))
+        assert stats.delta == delta
+        assert Mask.calls["out"] == Mask.calls["in"] == 3 * sender.manifest.num_buckets
+
+
+def test_an_engine_without_the_stage_refuses_the_handshake_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from refit.topology import receiver
+
+    live = _trainer()
+    with _session(live, stages=["mask"]) as (sender, peer, engine):
+        monkeypatch.setattr(receiver.stages, "registered", lambda name: name != "mask")  # the engine's process
+        stats, got = _refit(sender, peer, 1)
+        assert isinstance(stats, HandshakeError) and isinstance(got, HandshakeError)
+        assert "stage(s) mask" in str(stats) and "refit.stages.register" in str(stats)
+        assert engine.weights.version is None
+
+
+def test_a_stage_that_does_not_undo_its_step_fails_the_fingerprint() -> None:
+    live = _trainer()
+    with _session(live, stages=["forgetful"]) as (sender, peer, engine):
+        stats, got = _refit(sender, peer, 1)
+        assert isinstance(stats, RefitError) and "fingerprint check failed" in str(stats)
+        assert isinstance(got, RefitError) and engine.weights.state.value == "failed"
+
+
+def test_register_refuses_a_bad_name_or_class() -> None:
+    with pytest.raises(ValueError, match="stage name"):
+        stages.register("Bad Name", Mask)
+    with pytest.raises(ValueError, match="subclass of refit.stages.Stage"):
+        stages.register("plain", object)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not registered"):
+        Sender(ModuleSource(_trainer()), transport="shm", stages=["nobody"])
