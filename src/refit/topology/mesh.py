@@ -54,6 +54,7 @@ from refit.settings import Settings
 from refit.sources.base import Source
 from refit.sources.pieces import PieceSource
 from refit.topology.collective import Collective
+from refit.topology.landing import Live, Staged
 from refit.topology.options import SenderOptions
 from refit.topology.policies import Commit
 from refit.topology.ranked import departed
@@ -425,11 +426,11 @@ class MeshReceiver:
         pairs, workers = mesh["pairs"], mesh.get("workers")
         if not (isinstance(workers, int) and 0 <= worker < workers):
             raise ValueError(f"worker {worker} is out of range for {workers} engine workers")
-        self.engine, self.worker = engine, worker
-        self.staging = Staging(engine, device=device or _cpu()) if staged else None
-        self.on_commit = on_commit
-        if self.staging is not None:
-            self.engine = self.staging  # what the pairs drive; the live engine is self.staging.live
+        self.worker = worker
+        self.landing = (
+            Staged(Staging(engine, device=device or _cpu()), on_commit) if staged else Live(engine, on_commit)
+        )
+        self.engine = self.landing.engine  # what the pairs drive; staged, the live engine is self.staging.live
         self.rank = worker
         self._warned = False
         self.settings = settings or Settings()
@@ -468,10 +469,7 @@ class MeshReceiver:
             raise PeerError("some trainer ranks closed the session while others refit")
         assert version is not None
         self.engine.versions.commit(version)  # state only: the engine's own commit ran before the pairs' DONE
-        if self.staging is not None:
-            self.staging.publish(version)
-        elif self.on_commit is not None:
-            self.on_commit(version)
+        self.landing.committed(version)
         stats = RefitStats(version=version, epoch=results[0].epoch, handshake=any(r.handshake for r in results))
         stats.nbytes = sum(r.nbytes for r in results)
         stats.wire_bytes, stats.full_bytes = sum(r.wire_bytes for r in results), sum(r.full_bytes for r in results)
@@ -492,12 +490,11 @@ class MeshReceiver:
 
     def apply_staged(self) -> bool:
         """As `Receiver.apply_staged`: load the version every pair staged and the ranks agreed on, if any."""
-        version = None if self.staging is None else self.staging.apply()
-        if version is None:
-            return False
-        if self.on_commit is not None:
-            self.on_commit(version)
-        return True
+        return self.landing.apply()
+
+    @property
+    def staging(self) -> Staging | None:
+        return self.landing.staging
 
     def _one(self, rx: Receiver) -> RefitStats | None:
         peer = f"{rx.rendezvous.get('host')}:{rx.rendezvous.get('port')}"

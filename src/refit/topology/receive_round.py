@@ -13,12 +13,13 @@ from typing import Protocol
 
 from refit.checks.manifest_check import validate
 from refit.engines.base import Engine
-from refit.engines.staging import Split, Staging
+from refit.engines.staging import Split
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.spec import TensorSpec, changes
 from refit.log import get_logger
 from refit.protocol.wire import Begin, Channel, Header, Kind, PeerFailed, parse_json
+from refit.topology.landing import Live
 from refit.topology.receive_path import ReceivePath
 from refit.topology.stats import RefitStats
 from refit.transports.base import Transport
@@ -35,7 +36,7 @@ class Session(Protocol):
     transport: Transport | None
     manifest: Manifest | None
     path: ReceivePath | None
-    staging: Staging | None
+    landing: Live
     staging_split: Split | None
     layout: list[TensorSpec] | None
     rank: int
@@ -161,9 +162,7 @@ class ReceiveRound:
             "refit %d: the engine's tensors changed since the handshake (%s); the manifest still fits", version, changed
         )
         s.layout = now
-        if s.staging is not None:
-            s.staging_split = s.staging.split(m)
-            s.staging.follow()
+        s.landing.relaid(m)
         return None
 
     def _await_verdict(self) -> None:

@@ -30,6 +30,7 @@ from refit.protocol.wire import (
 from refit.settings import Settings, check_bucket_bytes
 from refit.topology.digest_plan import engine_regions
 from refit.topology.joining import MAX_WELCOME_BYTES, authenticate, read_welcome
+from refit.topology.landing import landing
 from refit.topology.receive_handshake import read_manifest
 from refit.topology.receive_path import ReceivePath
 from refit.topology.receive_round import ReceiveRound
@@ -86,13 +87,20 @@ class Receiver:
         """Elastic gloo/nccl (WELCOME says elastic): a broken group is re-formed by the sender, not the end."""
         self.statement: dict | None = None
         """M:N: what this worker keeps (refit.topology.mesh), sent with READY for the trainer's plan."""
-        self.on_commit = on_commit
-        self.staging = _staging(engine, self.device, staged=staged, limit=staging_bytes, settings=self.settings)
+        self.landing = landing(engine, self.device, staged=staged, limit=staging_bytes, settings=self.settings)
+        self.landing.on_commit = on_commit
+        """Where refits land: the live engine, or staging memory in front of it (`engine` is what they drive)."""
+        self.engine = self.landing.engine
+
+    @property
+    def staging(self) -> Staging | None:
         """The staged refit's side (None: refits load the live engine directly); the protocol drives it."""
-        self.staging_split: Split | None = None
+        return self.landing.staging
+
+    @property
+    def staging_split(self) -> Split | None:
         """Staged: how this epoch's tensors divide between staging memory and the pause."""
-        if self.staging is not None:
-            self.engine = self.staging
+        return self.landing.split
 
     def connect(self) -> None:
         """Connect to the sender, present the token and join the transport. On failure the sender is
@@ -181,28 +189,16 @@ class Receiver:
             stats = self._receive()
         except PeerError as e:
             self._broken = str(e)
-            self._abort_staged(str(e))
+            self.landing.abort(str(e))
             raise
         except BaseException as e:
-            self._abort_staged(f"the receive side stopped: {type(e).__name__}: {e}")
+            self.landing.abort(f"the receive side stopped: {type(e).__name__}: {e}")
             raise
         if stats is None:
             self._ended = True
         else:
-            self._committed(stats.version)
+            self.landing.committed(stats.version)  # every worker's verdict is in
         return stats
-
-    def _committed(self, version: int) -> None:
-        """Every worker's verdict is in: a staged version becomes ready, an unstaged one is live."""
-        if self.staging is not None:
-            self.staging.publish(version)
-        elif self.on_commit is not None:
-            self.on_commit(version)
-
-    def _abort_staged(self, reason: str) -> None:
-        """A refit under way when the receive side stopped is failed, so a paused engine loop is let go."""
-        if self.staging is not None:
-            self.staging.abort(reason)
 
     def apply_staged(self) -> bool:
         """Between generation steps: load the staged version (if one is ready) into the live engine and commit
@@ -211,12 +207,7 @@ class Receiver:
         RefitError if it failed (after writing into the live engine, which then reads `failed`, or before, with
         the live weights untouched). Raises RefitError, applying nothing, when the live engine's tensors changed
         since the version was staged (it stays staged)."""
-        version = None if self.staging is None else self.staging.apply()
-        if version is None:
-            return False
-        if self.on_commit is not None:
-            self.on_commit(version)
-        return True
+        return self.landing.apply()
 
     def _receive(self) -> RefitStats | None:
         self.connect()
@@ -306,7 +297,8 @@ class Receiver:
             optional=self.engine.optional_names,
             stages=[n for n in manifest.stages if not stages.registered(n)],
         )
-        self.staging_split = self.staging.split(manifest) if report.ok and self.staging is not None else None
+        if report.ok:  # staged: what goes to staging memory decides which regions the engine names
+            self.landing.epoch(manifest)
         regions = engine_regions(manifest, self.engine) if Offer.FINGERPRINT & header.status and report.ok else {}
         self.channel.send(Header(Kind.REPORT), {**report.to_json(), "regions": regions})
         if not report.ok:
@@ -314,8 +306,6 @@ class Receiver:
         log.info(
             "handshake: epoch %d, %d tensors, %d bucket(s)", manifest.epoch, len(manifest.entries), manifest.num_buckets
         )
-        if self.staging_split is not None and self.staging_split.num_direct:
-            log.info("staged refit, epoch %d: %s", manifest.epoch, self.staging_split.describe())
         self.manifest, self.layout = manifest, layout
         self.path = ReceivePath(
             self.engine,
@@ -349,7 +339,7 @@ class Receiver:
         crash), close the channel and transport, and drop every view into the receive buffers (the engine's
         copy plans, the receive path), so no mapping of them outlives the session."""
         self._say_leave("the receiver closed")
-        self._abort_staged("the receiver closed")
+        self.landing.abort("the receiver closed")
         if self.channel is not None:
             self.channel.close()
             self.channel = None
@@ -368,14 +358,3 @@ class Receiver:
         if error is not None:  # the sender is told why this side closed, not only that it did
             self._say_leave(f"the receiver closed after {type(error).__name__}: {error}")
         self.close()
-
-
-def _staging(
-    engine: Engine, device: torch.device, *, staged: bool, limit: int | None, settings: Settings
-) -> Staging | None:
-    if limit is not None and limit < 0:
-        raise ValueError(f"staging_bytes ({limit}) must be at least 0, or None for no bound")
-    if not staged:
-        return None
-    # Half the timeout: the pause's error must reach the sender before its own wait for this bucket runs out.
-    return Staging(engine, device=device, limit=limit, timeout_s=settings.timeout_s / 2)
