@@ -6,10 +6,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from refit import transports
 from refit.errors import IntegrityError, PeerError
+from refit.layout.budget import bucket_capacity, free_bytes
+from refit.log import get_logger
 from refit.protocol import auth
 from refit.protocol.lobby import read_auth
+from refit.protocol.store import AuthenticatedStores
 from refit.protocol.wire import Channel, Header, Kind, parse_json
+from refit.settings import Settings
+from refit.transports.base import Transport
+
+log = get_logger("receiver")
 
 MAX_WELCOME_BYTES = 1 << 20
 """Largest WELCOME read (transport setup: a few paths or an address)."""
@@ -87,3 +97,76 @@ def read_welcome(ch: Channel, header: Header, raw: bytes, limit: int) -> Welcome
         heartbeat_s=float(beat) if beats else None,  # type: ignore[arg-type]
         elastic=welcome.get("elastic") is True,
     )
+
+
+class Joiner:
+    """How one receiver joins its sender's transport, and (elastic gloo/nccl) each group the sender forms
+    anew: the transport class and device (the sender may fall back), this side's rank, how long a live
+    sender may stay silent, and whether a broken group is formed again."""
+
+    def __init__(self, rendezvous: dict, settings: Settings, device: torch.device | None) -> None:
+        name = rendezvous.get("transport")
+        if not isinstance(name, str):
+            raise ValueError("rendezvous must name a transport")
+        self.asked = name
+        self.token = ""
+        """The token of the rendezvous last dialled (`first`); a regrouped store is authenticated with it."""
+        self.settings = settings
+        self.cls: type[Transport] = transports.get(name)
+        self.device = device or transports.default_device(name)
+        self.rank = 0
+        self.idle_timeout_s = settings.timeout_s
+        self.regroups = False
+        """Elastic gloo/nccl (WELCOME says elastic): a broken group is re-formed by the sender, not the end."""
+
+    def limit(self) -> int:
+        """The largest bucket this side can hold."""
+        s = self.settings
+        return bucket_capacity(bucket_bytes=s.bucket_bytes, ratio=s.ratio, free=free_bytes(self.device))
+
+    def first(self, ch: Channel, token: str) -> Transport:
+        """Prove `token` both ways, then join the transport the WELCOME describes."""
+        self.token = token
+        limit = self.limit()
+        ch.set_timeout(self.settings.connect_timeout_s)  # the sender admits every receiver first; they start slowly
+        authenticate(ch, self.token, limit)
+        # idle: an elastic gloo/nccl sender welcomes a joiner when it forms its next group, beating meanwhile
+        header, raw = ch.recv(
+            "rendezvous (waiting for every receiver to connect)", idle=True, max_payload=MAX_WELCOME_BYTES
+        )
+        if header.kind != Kind.WELCOME:
+            raise PeerError(f"{ch.peer} sent {header.kind.name} during rendezvous, expected WELCOME")
+        return self.group(ch, header, raw)
+
+    def group(self, ch: Channel, header: Header, raw: bytes) -> Transport:
+        """Join the transport WELCOME or REGROUP describes; elastic gloo/nccl: a group the sender gave up forming
+        (a member did not join in time: it closed the group's store under this side) is joined again from the
+        sender's next REGROUP."""
+        limit = self.limit()
+        while True:
+            try:
+                return self._join(ch, read_welcome(ch, header, raw, limit))
+            except PeerError as e:
+                if not self.regroups:
+                    raise
+                log.warning("could not join the sender's new group (%s); waiting for it to form one again", e)
+            header, raw = ch.recv(
+                "the sender's new group (formed again without a member)",
+                timeout_s=self.idle_timeout_s,
+                max_payload=MAX_WELCOME_BYTES,
+            )
+            if header.kind != Kind.REGROUP:
+                raise PeerError(f"{ch.peer} sent {header.kind.name} while forming its new group, expected REGROUP")
+
+    def _join(self, ch: Channel, welcome: Welcome) -> Transport:
+        ch.set_timeout(self.settings.timeout_s)
+        if welcome.heartbeat_s is not None:  # never call a live sender dead for beating slower than its own timeout
+            self.idle_timeout_s = max(self.settings.timeout_s, 3 * welcome.heartbeat_s)
+        if welcome.transport is not None and welcome.transport != self.asked:  # the sender fell back
+            self.cls = transports.get(welcome.transport)
+            self.device = transports.default_device(welcome.transport)
+        self.regroups = welcome.elastic and self.cls.uses_store
+        store = {"store": AuthenticatedStores(self.token, self.settings)} if self.cls.uses_store else {}
+        transport = self.cls.join(welcome.info, rank=welcome.rank, device=self.device, settings=self.settings, **store)
+        self.rank = welcome.rank
+        return transport

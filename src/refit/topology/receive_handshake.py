@@ -1,13 +1,19 @@
-"""The engine side of a handshake, before validation: the sender's manifest read, bound to this session
-and sized for the agreed buffers, or refused (ERROR to the sender, IntegrityError here)."""
+"""The engine side of a handshake: the sender's manifest read, bound to this session and sized for the agreed
+buffers, or refused (ERROR to the sender, IntegrityError here); then validated against what the engine holds
+and answered with one REPORT (HandshakeError here when it refuses)."""
 
 from __future__ import annotations
 
+from refit import stages
+from refit.checks.manifest_check import validate
 from refit.engines.base import Engine
-from refit.errors import IntegrityError
+from refit.errors import HandshakeError, IntegrityError
 from refit.layout.manifest import Manifest
+from refit.layout.spec import TensorSpec
 from refit.protocol import auth
 from refit.protocol.wire import Channel, Header, Kind
+from refit.topology.digest_plan import engine_regions
+from refit.topology.landing import Live
 
 
 def read_manifest(ch: Channel, header: Header, payload: bytes, *, capacity: int, rank: int, engine: Engine) -> Manifest:
@@ -36,3 +42,23 @@ def read_manifest(ch: Channel, header: Header, payload: bytes, *, capacity: int,
         except ValueError as e:
             raise refuse(str(e), f"sender's M:N pieces do not fit this worker: {e}") from None
     return manifest
+
+
+def answer(ch: Channel, manifest: Manifest, engine: Engine, landing: Live, *, fingerprint: bool) -> list[TensorSpec]:
+    """Validate `manifest` against the engine (and the stages this process registered) and send the REPORT;
+    returns the engine's specs it was validated against, or raises HandshakeError with the report."""
+    layout = engine.specs()
+    report = validate(
+        [p.spec for p in manifest.entries],  # with aliases: which names share one source
+        layout,
+        exact_shapes=engine.exact_shapes,
+        optional=engine.optional_names,
+        stages=[n for n in manifest.stages if not stages.registered(n)],
+    )
+    if report.ok:  # staged: what goes to staging memory decides which regions the engine names
+        landing.epoch(manifest)
+    regions = engine_regions(manifest, engine) if fingerprint and report.ok else {}
+    ch.send(Header(Kind.REPORT), {**report.to_json(), "regions": regions})
+    if not report.ok:
+        raise HandshakeError(report.message())
+    return layout

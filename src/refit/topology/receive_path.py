@@ -45,9 +45,11 @@ class ReceivePath:
         rank: int,
         fingerprint: bool = False,
         stages: list[Stage] | None = None,
+        warn_unverified: bool = True,
     ) -> None:
         """`fingerprint`: the sender will check digests (MANIFEST status 1), so loads digest what they write.
-        `stages`: the engine's half of each stage the manifest lists (refit.stages), undone in reverse order."""
+        `stages`: the engine's half of each stage the manifest lists (refit.stages), undone in reverse order.
+        `warn_unverified`: log once per epoch the tensors the fingerprint cannot read back (M:N: one pair does)."""
         self.engine = engine
         self.manifest = manifest
         self.transport = transport
@@ -56,7 +58,7 @@ class ReceivePath:
         self.rank = rank
         self.device = device
         self.unpacker = Unpacker(manifest, transport.buffers, device=device)
-        self._warned_unverified = False
+        self._warned_unverified = not warn_unverified
         self.fingerprint = fingerprint
         self._digested: list[tuple[torch.Tensor, torch.Tensor]] = []
         """This refit's digests taken by the engine's loads (`Engine.load_digested`): (positions in

@@ -10,16 +10,13 @@ from collections.abc import Callable
 
 import torch
 
-from refit import stages, transports
-from refit.checks.manifest_check import validate
+from refit import stages
 from refit.engines.base import Engine
 from refit.engines.staging import Split, Staging
-from refit.errors import HandshakeError, PeerError
-from refit.layout.budget import bucket_capacity, free_bytes
+from refit.errors import PeerError
 from refit.layout.manifest import Manifest
 from refit.layout.spec import TensorSpec
 from refit.log import get_logger
-from refit.protocol.store import AuthenticatedStores
 from refit.protocol.wire import (
     MAX_REASON_CHARS,
     Channel,
@@ -28,10 +25,9 @@ from refit.protocol.wire import (
     Offer,
 )
 from refit.settings import Settings, check_bucket_bytes
-from refit.topology.digest_plan import engine_regions
-from refit.topology.joining import MAX_WELCOME_BYTES, authenticate, read_welcome
+from refit.topology.joining import Joiner
 from refit.topology.landing import landing
-from refit.topology.receive_handshake import read_manifest
+from refit.topology.receive_handshake import answer, read_manifest
 from refit.topology.receive_path import ReceivePath
 from refit.topology.receive_round import ReceiveRound
 from refit.topology.stats import RefitStats
@@ -65,14 +61,10 @@ class Receiver:
         self.settings = settings or Settings()
         check_bucket_bytes(self.settings.bucket_bytes)  # Settings is mutable: checked again before any socket
         self.rendezvous = rendezvous
-        name = rendezvous.get("transport")
-        if not isinstance(name, str):
-            raise ValueError("rendezvous must name a transport")
-        self._transport_cls = transports.get(name)
-        self.device = device or transports.default_device(name)
+        self.joiner = Joiner(rendezvous, self.settings, device)
+        """How this side joins the sender's transport (and, elastic gloo/nccl, each group it forms anew)."""
         self.channel: Channel | None = None
         self.transport: Transport | None = None
-        self.rank = 0
         self.manifest: Manifest | None = None
         self.path: ReceivePath | None = None
         self.layout: list[TensorSpec] | None = None
@@ -80,17 +72,26 @@ class Receiver:
         self._broken = ""
         self._ended = False
         """The sender ended the session (CLOSE), or this side already said LEAVE: nothing more to tell it."""
-        self._idle_timeout_s = self.settings.timeout_s
         self.warn_unverified = True
         """Log the tensors the fingerprint cannot read back (once per epoch); M:N logs it for one pair only."""
-        self.regroups = False
-        """Elastic gloo/nccl (WELCOME says elastic): a broken group is re-formed by the sender, not the end."""
         self.statement: dict | None = None
         """M:N: what this worker keeps (refit.topology.mesh), sent with READY for the trainer's plan."""
         self.landing = landing(engine, self.device, staged=staged, limit=staging_bytes, settings=self.settings)
-        self.landing.on_commit = on_commit
         """Where refits land: the live engine, or staging memory in front of it (`engine` is what they drive)."""
+        self.landing.on_commit = on_commit
         self.engine = self.landing.engine
+
+    @property
+    def device(self) -> torch.device:
+        return self.joiner.device
+
+    @property
+    def rank(self) -> int:
+        return self.joiner.rank
+
+    @property
+    def regroups(self) -> bool:
+        return self.joiner.regroups
 
     @property
     def staging(self) -> Staging | None:
@@ -114,7 +115,7 @@ class Receiver:
             raise PeerError(f"cannot connect to the sender at {host}:{port}: {e}; is it running?") from None
         ch = Channel(sock, peer=f"sender ({host}:{port})", timeout_s=self.settings.timeout_s)
         try:
-            self._join(ch)
+            self.transport = self.joiner.first(ch, str(self.rendezvous.get("token") or ""))
         except BaseException as e:
             if not isinstance(e, PeerError) or "failed:" not in str(e):  # the sender already knows when it refused us
                 with contextlib.suppress(PeerError):
@@ -123,59 +124,7 @@ class Receiver:
             raise
         self.channel = ch
         ch.send(Header(Kind.READY), self.statement)
-        log.info("joined as receiver %d over %s", self.rank, self._transport_cls.name)
-
-    @property
-    def _token(self) -> str:
-        return str(self.rendezvous.get("token") or "")
-
-    def _join(self, ch: Channel) -> None:
-        limit = bucket_capacity(
-            bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio, free=free_bytes(self.device)
-        )
-        ch.set_timeout(self.settings.connect_timeout_s)  # the sender admits every receiver first; they start slowly
-        authenticate(ch, self._token, limit)
-        # idle: an elastic gloo/nccl sender welcomes a joiner when it forms its next group, beating meanwhile
-        header, raw = ch.recv(
-            "rendezvous (waiting for every receiver to connect)", idle=True, max_payload=MAX_WELCOME_BYTES
-        )
-        if header.kind != Kind.WELCOME:
-            raise PeerError(f"{ch.peer} sent {header.kind.name} during rendezvous, expected WELCOME")
-        self._join_group(ch, header, raw, limit)
-
-    def _join_group(self, ch: Channel, header: Header, raw: bytes, limit: int) -> None:
-        """`_setup`; elastic gloo/nccl: a group the sender gave up forming (a member did not join in time: it
-        closed the group's store under this side) is joined again from the sender's next REGROUP."""
-        while True:
-            try:
-                self._setup(ch, header, raw, limit)
-                return
-            except PeerError as e:
-                if not self.regroups:
-                    raise
-                log.warning("could not join the sender's new group (%s); waiting for it to form one again", e)
-            header, raw = ch.recv(
-                "the sender's new group (formed again without a member)",
-                timeout_s=self._idle_timeout_s,
-                max_payload=MAX_WELCOME_BYTES,
-            )
-            if header.kind != Kind.REGROUP:
-                raise PeerError(f"{ch.peer} sent {header.kind.name} while forming its new group, expected REGROUP")
-
-    def _setup(self, ch: Channel, header: Header, raw: bytes, limit: int) -> None:
-        """Join the transport WELCOME (or, elastic gloo/nccl, REGROUP) describes, once its MAC checks out."""
-        welcome = read_welcome(ch, header, raw, limit)
-        ch.set_timeout(self.settings.timeout_s)
-        if welcome.heartbeat_s is not None:  # never call a live sender dead for beating slower than its own timeout
-            self._idle_timeout_s = max(self.settings.timeout_s, 3 * welcome.heartbeat_s)
-        if welcome.transport is not None and welcome.transport != self.rendezvous.get("transport"):  # it fell back
-            self._transport_cls = transports.get(welcome.transport)
-            self.device = transports.default_device(welcome.transport)
-        cls = self._transport_cls
-        self.regroups = welcome.elastic and cls.uses_store
-        store = {"store": AuthenticatedStores(self._token, self.settings)} if cls.uses_store else {}
-        self.transport = cls.join(welcome.info, rank=welcome.rank, device=self.device, settings=self.settings, **store)
-        self.rank = welcome.rank
+        log.info("joined as receiver %d over %s", self.rank, self.joiner.cls.name)
 
     def receive(self) -> RefitStats | None:
         """Handle messages until one refit is committed (returns its stats) or the sender closes (None).
@@ -217,7 +166,7 @@ class Receiver:
                 "waiting for the next refit (no heartbeat from the sender: "
                 "is its process alive and its host reachable?)",
                 idle=True,
-                timeout_s=self._idle_timeout_s,
+                timeout_s=self.joiner.idle_timeout_s,
             )
             if header.kind == Kind.MANIFEST:
                 self._handshake(header, payload)
@@ -250,7 +199,7 @@ class Receiver:
         log.warning(
             "refit %d broke in the %s group (%s); joining the sender's new group",
             version,
-            self._transport_cls.name,
+            self.joiner.cls.name,
             error,
         )
         self._regroup(header, payload)
@@ -270,10 +219,7 @@ class Receiver:
         if callable(release):
             release()
         self.manifest, self.path = None, None
-        limit = bucket_capacity(
-            bucket_bytes=self.settings.bucket_bytes, ratio=self.settings.ratio, free=free_bytes(self.device)
-        )
-        self._join_group(self.channel, header, payload, limit)
+        self.transport = self.joiner.group(self.channel, header, payload)
         self.channel.send(Header(Kind.READY), self.statement)
         log.info("joined the sender's new group")
 
@@ -289,20 +235,8 @@ class Receiver:
         self.manifest, self.path = None, None
         capacity = len(self.transport.buffers[0])
         manifest = read_manifest(self.channel, header, payload, capacity=capacity, rank=self.rank, engine=self.engine)
-        layout = self.engine.specs()
-        report = validate(
-            [p.spec for p in manifest.entries],  # with aliases: which names share one source
-            layout,
-            exact_shapes=self.engine.exact_shapes,
-            optional=self.engine.optional_names,
-            stages=[n for n in manifest.stages if not stages.registered(n)],
-        )
-        if report.ok:  # staged: what goes to staging memory decides which regions the engine names
-            self.landing.epoch(manifest)
-        regions = engine_regions(manifest, self.engine) if Offer.FINGERPRINT & header.status and report.ok else {}
-        self.channel.send(Header(Kind.REPORT), {**report.to_json(), "regions": regions})
-        if not report.ok:
-            raise HandshakeError(report.message())
+        fingerprint = bool(Offer.FINGERPRINT & header.status)
+        layout = answer(self.channel, manifest, self.engine, self.landing, fingerprint=fingerprint)
         log.info(
             "handshake: epoch %d, %d tensors, %d bucket(s)", manifest.epoch, len(manifest.entries), manifest.num_buckets
         )
@@ -315,10 +249,10 @@ class Receiver:
             settings=self.settings,
             device=self.device,
             rank=self.rank,
-            fingerprint=bool(Offer.FINGERPRINT & header.status),
+            fingerprint=fingerprint,
             stages=stages.make(manifest.stages, manifest, self.device, trainer=False),
+            warn_unverified=self.warn_unverified,
         )
-        self.path._warned_unverified = not self.warn_unverified
 
     def leave(self, reason: str = "the engine is shutting down") -> None:
         """Leave the session on purpose, between refits: the sender is told LEAVE with `reason` (an elastic
