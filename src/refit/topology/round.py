@@ -15,7 +15,7 @@ from refit.errors import IntegrityError, RefitError
 from refit.layout.manifest import Manifest
 from refit.log import get_logger
 from refit.protocol.wire import Begin, Channel, Done, Header, Kind, parse_json
-from refit.topology.seat import Session
+from refit.topology.seat import SenderInterface
 from refit.topology.send_path import each
 from refit.topology.stats import RefitStats
 
@@ -23,7 +23,7 @@ log = get_logger("sender")
 
 
 class Round:
-    def __init__(self, sender: Session, version: int, t_connect: float, *, retry: bool = False) -> None:
+    def __init__(self, sender: SenderInterface, version: int, t_connect: float, *, retry: bool = False) -> None:
         self.s = sender
         self.version = version
         self.t_connect = t_connect
@@ -36,8 +36,8 @@ class Round:
         if isinstance(joiners, RefitStats):  # no receiver to reach, and that may pass
             return joiners
         handshake = s.prepare(joiners)
-        m = s.manifest
-        assert m is not None and s._path is not None
+        m, path = s.manifest, s.path
+        assert m is not None
         stats = RefitStats(
             version=version, epoch=m.epoch, handshake=handshake, num_buckets=m.num_buckets, nbytes=m.nbytes
         )
@@ -45,7 +45,7 @@ class Round:
         stats.add("handshake", time.perf_counter() - t0)
         ctrl0 = _control_bytes(s.channels)
         flags = (Begin.ZERO_COPY if s.zero_copy else Begin(0)) | (Begin.TWO_PHASE if s.commit.two_phase else Begin(0))
-        image = s._path.image
+        image = path.image
         base = image.base_for([ch.rank for ch in s.channels]) if image is not None else None
         flags |= Begin.DELTA if base is not None else Begin(0)
         begin = Header(
@@ -61,12 +61,12 @@ class Round:
             torch.cuda.current_stream(s.device).synchronize()
         lost = s.membership.lost
         each(s.channels, lambda ch: ch.send(begin), lost)
-        s._begun = True
-        errors = s._path.send(
+        s.mark_begun()
+        errors = path.send(
             s.source,
             version,
             stats,
-            s._generation,
+            s.generation,
             verify_checksum=s.verify_checksum,
             on_lost=lost,
             delta=base is not None,
