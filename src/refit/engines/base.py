@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from refit.engines.versions import State, Versions, WeightsVersion
+from refit.layout.manifest import Manifest
 from refit.layout.spec import Slice, TensorSpec
 
 __all__ = ["Engine", "Region", "State", "WeightsVersion"]
@@ -81,6 +82,11 @@ class Engine(ABC):
     def held_shard(self, name: str) -> torch.Tensor | None:
         """M:N: this worker's slice of `name` as the engine now holds it, for the fingerprint (None: unreadable)."""
         return None
+
+    def prepare(self, manifest: Manifest) -> None:
+        """Called by the Receiver with each epoch's manifest, before `specs` is read to validate it: an engine
+        whose expectations depend on what the sender offers (M:N pieces, refit.engines.pieces) sets them up
+        here, and raises ValueError, naming why, when the manifest cannot fit it. The default does nothing."""
 
     def release_buffers(self) -> None:
         """Drop every view this engine keeps into the receive buffers (cached copy plans and the like),

@@ -278,9 +278,9 @@ class PieceEngine(Engine):
         self._settled: int | None = None
         self._generation = -1
 
-    def prepare(self, m: Manifest) -> None:
+    def prepare(self, manifest: Manifest) -> None:
         """The Receiver's hook before validation: the pair's pieces, checked against this worker's parts."""
-        self._specs, self._plans = {s.name: s for s in self.target.expect(self.pair, m)}, {}
+        self._specs, self._plans = {s.name: s for s in self.target.expect(self.pair, manifest)}, {}
 
     def specs(self) -> list[TensorSpec]:
         return list(self._specs.values())

@@ -12,11 +12,10 @@ import time
 
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.log import get_logger
-from refit.protocol.store import AuthenticatedStores
 from refit.protocol.wire import Channel, Header, Kind
 from refit.topology.membership import Membership, hung_up, readable
 from refit.topology.policies import Vet
-from refit.topology.seat import Session
+from refit.topology.seat import SenderInterface
 from refit.topology.send_path import Lost
 from refit.topology.stats import RefitStats
 from refit.transports.base import INTERRUPT_EVERY_S, Transport
@@ -30,7 +29,7 @@ been silent for as many dead)."""
 class Fixed:
     """Every receiver admitted at connect takes every refit; a lost one fails the refit and the session."""
 
-    def __init__(self, sender: Session) -> None:
+    def __init__(self, sender: SenderInterface) -> None:
         self.s = sender
 
     @property
@@ -40,7 +39,7 @@ class Fixed:
 
     def start(self, transport: Transport, info: dict, interval: float) -> None:
         transport.joined()
-        self.s._session.lobby.refuse_late(self.s.num_receivers)
+        self.s.refuse_joiners()
 
     def welcome_fields(self) -> dict:
         """What WELCOME tells each receiver of the membership."""
@@ -79,7 +78,7 @@ class Elastic(Fixed):
     """Receivers beyond the first may join at any time (they take part from the next refit); one that leaves
     or dies is dropped while the refit goes on. A round that commits on fewer than `min_receivers` fails."""
 
-    def __init__(self, sender: Session, *, min_receivers: int, vet: Vet | None) -> None:
+    def __init__(self, sender: SenderInterface, *, min_receivers: int, vet: Vet | None) -> None:
         super().__init__(sender)
         self.min_receivers = min_receivers
         self.vet = vet
@@ -94,7 +93,7 @@ class Elastic(Fixed):
 
     @property
     def members(self) -> Membership:
-        members = self.s._session.members
+        members = self.s.members
         assert members is not None
         return members
 
@@ -111,19 +110,16 @@ class Elastic(Fixed):
         )
         members.start(first_rank=s.num_receivers)
         self.detect_s = DETECT_BEATS * interval
-        s._session.members = members
         self.group = list(s.channels)
-        s._session.lobby.serve_late(members.arrive, members.fail)
+        s.serve_joiners(members)
 
     def welcome_fields(self) -> dict:
         return {"elastic": True}
 
     def await_receivers(self, count: int, timeout_s: float) -> bool:
         s = self.s
-        pulse = s._session.pulse
-        assert pulse is not None
         self.members.check()
-        with pulse.lock:  # who left since the last refit does not count
+        with s.channel_lock:  # who left since the last refit does not count
             self.members.sweep(s.channels, self.drop)
         need = count - len(s.channels)
         return need <= 0 or self.members.await_ready(need, timeout_s) >= need
@@ -144,22 +140,22 @@ class Elastic(Fixed):
         if self.min_receivers:
             raise RefitError(self.too_few(version, "reached", 0, members.departed))
         log.warning("refit of version %d reached no receiver: none is connected", version)
-        return RefitStats(version=version, epoch=s._epoch, departed=members.take_departed())
+        return RefitStats(version=version, epoch=s.epoch, departed=members.take_departed())
 
     def admit(self, joiners: list[Channel]) -> None:
         """At refit start, outside a handshake: each joiner validates the current manifest alone (no other
         receiver sees it again); one that refuses it is told why and dropped, and the refit goes on without it."""
         s = self.s
-        assert s.manifest is not None and s._path is not None
+        assert s.manifest is not None
         for ch in joiners:
-            refused = s._offer_manifest(s.manifest, [ch])
+            refused = s.offer_manifest(s.manifest, [ch])
             if refused:
                 with contextlib.suppress(PeerError):
                     ch.send(Header(Kind.ERROR), {"message": f"this engine does not fit the session: {refused[0]}"})
                 self.drop(ch, HandshakeError(refused[0]))
-            elif ch.rank in s._regions:  # a joiner lost during its handshake has no regions
+            elif s.answered(ch):  # a joiner lost during its handshake did not
                 s.channels.append(ch)
-        s._digests = s._path.digests = s._digest_plan()
+        s.refresh_digests()
 
     def retries(self, error: PeerError) -> bool:
         """A member died mid-refit and broke the group for everyone: drop it, form a new group, retry once."""
@@ -188,11 +184,9 @@ class Elastic(Fixed):
         without it, so no member's slowness holds the session longer than that."""
         s = self.s
         everyone = [*s.channels, *joiners]
-        old = s._session.transport
-        if old is not None:  # abort: a member still blocked in the old group (a broken refit) fails at once
-            getattr(old, "abort", old.close)()
-            s._session.transport = None
-        s._path, s.manifest, self.group = None, None, []
+        s.drop_transport()  # abort: a member still blocked in the old group (a broken refit) fails at once
+        s.end_epoch()
+        self.group = []
         welcomed = False
         while everyone:
             late = self._form(everyone, [] if welcomed else joiners)
@@ -217,15 +211,7 @@ class Elastic(Fixed):
         """One attempt at a group of `everyone` (`welcome`: joiners told WELCOME, the rest REGROUP): [] once it is
         formed, else the members dropped for not joining (the attempt is given up; the rest wait for the next)."""
         s = self.s
-        transport, info = s._transport_cls.offer(
-            capacity=s.capacity,
-            num_slots=s.num_slots,
-            num_receivers=max(1, len(everyone)),
-            device=s.device,
-            settings=s.settings,
-            store=AuthenticatedStores(s.settings.token, s.settings),
-        )
-        s._session.transport = transport
+        transport, info = s.offer_transport(max(1, len(everyone)))
         late: list[Channel] = []
         for g, ch in enumerate(everyone, start=1):
             try:
@@ -235,8 +221,7 @@ class Elastic(Fixed):
                 self.drop(ch, e)
         late = late or self._establish(transport, everyone)
         if late:  # closes the attempt's store: every member still joining it fails at once and awaits a REGROUP
-            getattr(transport, "abort", transport.close)()
-            s._session.transport = None
+            s.drop_transport()
         return late
 
     def _establish(self, transport: Transport, everyone: list[Channel]) -> list[Channel]:
@@ -257,7 +242,7 @@ class Elastic(Fixed):
         while thread.is_alive() and not dead and time.monotonic() < deadline:
             thread.join(INTERRUPT_EVERY_S)
             dead = [ch for ch in everyone if hung_up(ch)]
-        arrived = getattr(transport, "arrived", lambda: None)()
+        arrived = transport.arrived()
         late = dead or [ch for g, ch in enumerate(everyone, start=1) if arrived is None or g not in arrived]
         if not late:  # all at the rendezvous, or the group formed: its setup ends on its own (gloo's own timeout)
             thread.join()
@@ -288,12 +273,7 @@ class Elastic(Fixed):
 
     def drop(self, ch: Channel, error: Exception) -> None:
         """`ch` left (LEAVE, closed, died or broke the protocol): the refit goes on without it."""
-        s = self.s
-        if ch in s.channels:
-            s.channels.remove(ch)
-        if s._digests is not None:
-            s._digests.forget(ch.rank)
-        s._regions.pop(ch.rank, None)
+        self.s.forget(ch)
         self.members.drop(ch, error)
 
     def record(self, stats: RefitStats, committed: list[Channel]) -> None:

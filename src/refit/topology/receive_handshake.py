@@ -35,12 +35,10 @@ def read_manifest(ch: Channel, header: Header, payload: bytes, *, capacity: int,
     if manifest.capacity != capacity:
         msg = f"manifest capacity {manifest.capacity} differs from the agreed {capacity}"
         raise refuse(msg, msg)
-    prepare = getattr(engine, "prepare", None)  # M:N (refit.engines.pieces): check the pair's pieces
-    if callable(prepare):
-        try:
-            prepare(manifest)
-        except ValueError as e:
-            raise refuse(str(e), f"sender's M:N pieces do not fit this worker: {e}") from None
+    try:
+        engine.prepare(manifest)  # M:N (refit.engines.pieces): the pair's pieces fit this worker
+    except ValueError as e:
+        raise refuse(str(e), f"sender's M:N pieces do not fit this worker: {e}") from None
     return manifest
 
 

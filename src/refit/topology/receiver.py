@@ -213,11 +213,8 @@ class Receiver:
         if old is not None:
             # Closing a group that a dead member broke waits until its pending receives time out (gloo joins its
             # worker threads): closed aside, so that this receiver joins the new group within the sender's window.
-            leave = getattr(old, "abort", old.close)
-            threading.Thread(target=leave, name="refit-old-group", daemon=True).start()
-        release = getattr(self.engine, "release_buffers", None)
-        if callable(release):
-            release()
+            threading.Thread(target=old.abort, name="refit-old-group", daemon=True).start()
+        self.engine.release_buffers()
         self.manifest, self.path = None, None
         self.transport = self.joiner.group(self.channel, header, payload)
         self.channel.send(Header(Kind.READY), self.statement)
@@ -277,9 +274,7 @@ class Receiver:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        release = getattr(self.engine, "release_buffers", None)
-        if callable(release):
-            release()
+        self.engine.release_buffers()
         self.path = None
         if self.transport is not None:
             self.transport.close()

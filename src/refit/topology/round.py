@@ -16,7 +16,7 @@ from refit.layout.manifest import Manifest
 from refit.log import get_logger
 from refit.protocol.wire import Begin, Channel, Done, Header, Kind, parse_json
 from refit.stages import Stage
-from refit.topology.seat import Session
+from refit.topology.seat import SenderInterface
 from refit.topology.send_path import each
 from refit.topology.stats import RefitStats
 
@@ -24,7 +24,7 @@ log = get_logger("sender")
 
 
 class Round:
-    def __init__(self, sender: Session, version: int, t_connect: float, *, retry: bool = False) -> None:
+    def __init__(self, sender: SenderInterface, version: int, t_connect: float, *, retry: bool = False) -> None:
         self.s = sender
         self.version = version
         self.t_connect = t_connect
@@ -37,8 +37,8 @@ class Round:
         if isinstance(joiners, RefitStats):  # no receiver to reach, and that may pass
             return joiners
         handshake = s.prepare(joiners)
-        m = s.manifest
-        assert m is not None and s._path is not None
+        m, path = s.manifest, s.path
+        assert m is not None
         stats = RefitStats(
             version=version, epoch=m.epoch, handshake=handshake, num_buckets=m.num_buckets, nbytes=m.nbytes
         )
@@ -46,7 +46,7 @@ class Round:
         stats.add("handshake", time.perf_counter() - t0)
         ctrl0 = _control_bytes(s.channels)
         flags = (Begin.ZERO_COPY if s.zero_copy else Begin(0)) | (Begin.TWO_PHASE if s.commit.two_phase else Begin(0))
-        stages = s._path.stages
+        stages = path.stages
         base = _base(stages, version, [ch.rank for ch in s.channels])
         flags |= Begin.DELTA if base is not None else Begin(0)
         stats.delta = base is not None
@@ -64,10 +64,8 @@ class Round:
         lost = s.membership.lost
         try:
             each(s.channels, lambda ch: ch.send(begin), lost)
-            s._begun = True
-            errors = s._path.send(
-                s.source, version, stats, s._generation, verify_checksum=s.verify_checksum, on_lost=lost
-            )
+            s.mark_begun()
+            errors = path.send(s.source, version, stats, s.generation, verify_checksum=s.verify_checksum, on_lost=lost)
             self._commit(m, stats, errors)
         except BaseException:
             for stage in stages:

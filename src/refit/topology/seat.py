@@ -1,9 +1,11 @@
-"""What a round and a membership policy read of the Sender's session (refit.topology.sender implements it):
-they are given the session, never import it."""
+"""The seams between a Sender's session and the parts it delegates to: `SenderInterface`, what a round and a
+membership policy may call on the session (refit.topology.sender implements it), and `Members`, what a round
+calls on the membership policy. They are given the session, never import it, and never touch its private state."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import threading
+from typing import Protocol
 
 import torch
 
@@ -11,11 +13,11 @@ from refit.layout.manifest import Manifest
 from refit.protocol.wire import Channel
 from refit.settings import Settings
 from refit.sources.base import Source
-from refit.topology.digest_plan import DigestPlan
-from refit.topology.held import Held
+from refit.topology.membership import Membership
 from refit.topology.policies import Commit
 from refit.topology.send_path import Lost, SendPath
 from refit.topology.stats import RefitStats
+from refit.transports.base import Transport
 
 
 class Members(Protocol):
@@ -39,26 +41,21 @@ class Members(Protocol):
     def failed(self, message: str, stats: RefitStats) -> str: ...
 
 
-class Session(Protocol):
+class SenderInterface(Protocol):
+    """The Sender's session as its round and membership policy see it (each method is documented on Sender)."""
+
     source: Source
     settings: Settings
     device: torch.device
     capacity: int
     num_receivers: int
-    num_slots: int
     transport_name: str
     zero_copy: bool
     verify_checksum: bool
     commit: Commit
-    manifest: Manifest | None
-    _session: Held
-    _transport_cls: Any
-    _path: SendPath | None
-    _digests: DigestPlan | None
-    _regions: dict[int, dict]
-    _epoch: int
-    _generation: int
-    _begun: bool
+
+    @property
+    def manifest(self) -> Manifest | None: ...
 
     @property
     def membership(self) -> Members: ...
@@ -69,8 +66,39 @@ class Session(Protocol):
     @property
     def uses_store(self) -> bool: ...
 
+    @property
+    def members(self) -> Membership | None: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def path(self) -> SendPath: ...
+
+    @property
+    def channel_lock(self) -> threading.Lock: ...
+
+    def refuse_joiners(self) -> None: ...
+
+    def serve_joiners(self, members: Membership) -> None: ...
+
     def prepare(self, joiners: list[Channel]) -> bool: ...
 
-    def _offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]: ...
+    def mark_begun(self) -> None: ...
 
-    def _digest_plan(self) -> DigestPlan | None: ...
+    def offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]: ...
+
+    def answered(self, ch: Channel) -> bool: ...
+
+    def refresh_digests(self) -> None: ...
+
+    def forget(self, ch: Channel) -> None: ...
+
+    def offer_transport(self, num_receivers: int) -> tuple[Transport, dict]: ...
+
+    def drop_transport(self) -> None: ...
+
+    def end_epoch(self) -> None: ...

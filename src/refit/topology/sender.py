@@ -6,6 +6,7 @@ commit (`Commit`, refit.topology.policies)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import weakref
 from collections.abc import Hashable
@@ -33,6 +34,7 @@ from refit.topology.admission import admit, falls_back, welcome
 from refit.topology.digest_plan import DigestPlan, parse_regions
 from refit.topology.elastic import Elastic, Fixed
 from refit.topology.held import Held
+from refit.topology.membership import Membership
 from refit.topology.options import VERIFY_MODES, SenderOptions
 from refit.topology.policies import Commit, Vet
 from refit.topology.pulse import HEARTBEAT_MAX_S, Pulse
@@ -179,16 +181,7 @@ class Sender:
         )
         # Fixed for the session: a model that grows later (a dtype switch) takes more buckets of this size.
         self.capacity = min([own, *limits])
-        store = {"store": AuthenticatedStores(self.settings.token, self.settings)} if self.uses_store else {}
-        transport, info = self._transport_cls.offer(
-            capacity=self.capacity,
-            num_slots=self.num_slots,
-            num_receivers=self.num_receivers,
-            device=self.device,
-            settings=self.settings,
-            **store,
-        )
-        self._session.transport = transport
+        transport, info = self.offer_transport(self.num_receivers)
         interval = min(HEARTBEAT_MAX_S, self.settings.timeout_s / 4)
         setup = {"capacity": self.capacity, "transport": self.transport_name, "info": info, "heartbeat_s": interval}
         welcome(self.channels, {**setup, **self.membership.welcome_fields()})
@@ -205,7 +198,7 @@ class Sender:
         self._epoch += 1
         names = self.options.stage_names
         manifest = plan(self.source.specs(), capacity=self.capacity, epoch=self._epoch, stages=names)
-        failures = self._offer_manifest(manifest, self.channels)
+        failures = self.offer_manifest(manifest, self.channels)
         if failures:
             self.manifest, self._signature = None, None
             raise HandshakeError(" | ".join(failures))
@@ -241,8 +234,9 @@ class Sender:
                 stage.threshold = self.options.delta_threshold
         return made
 
-    def _offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]:
-        """Send `manifest` to `channels` and read each REPORT (keeping its regions); returns their refusals."""
+    def offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]:
+        """Send `manifest` to `channels` and read each REPORT (keeping its regions); returns their refusals, each
+        as 'receiver R: why'. A channel lost meanwhile goes to the membership's `lost` (see `answered`)."""
         payload, fingerprint = manifest.to_json(), bool(self.verify)
         flags = Offer.FINGERPRINT if fingerprint else Offer(0)
 
@@ -337,6 +331,96 @@ class Sender:
         for ch in self.channels:
             with contextlib.suppress(PeerError):
                 ch.send(Header(Kind.ERROR), {"message": self._broken})
+
+    # What a round and the membership policy call (refit.topology.seat.SenderInterface); nothing else reaches in.
+
+    @property
+    def members(self) -> Membership | None:
+        """Elastic: who joins and leaves the session (None for a fixed membership, or before connect)."""
+        return self._session.members
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch: each handshake starts the next one (0 before the first)."""
+        return self._epoch
+
+    @property
+    def generation(self) -> int:
+        """Moves whenever the source's tensors may have moved in memory: copy plans cached under an older
+        generation check their tensors' layout again."""
+        return self._generation
+
+    @property
+    def path(self) -> SendPath:
+        """The current epoch's send path (a round reads it after `prepare`)."""
+        assert self._path is not None, "no send path before the epoch's handshake"
+        return self._path
+
+    @property
+    def channel_lock(self) -> threading.Lock:
+        """Held by whatever writes to the channels outside the heartbeats (a refit, a sweep of who left), so
+        that no heartbeat interleaves with it. Exists once connected."""
+        pulse = self._session.pulse
+        assert pulse is not None, "no heartbeats before connect"
+        return pulse.lock
+
+    def refuse_joiners(self) -> None:
+        """From now on the lobby answers every receiver that connects late with an error (a fixed membership)."""
+        self._session.lobby.refuse_late(self.num_receivers)
+
+    def serve_joiners(self, members: Membership) -> None:
+        """From now on the lobby hands every receiver that connects late to `members` (an elastic membership),
+        which the session holds and closes with itself."""
+        self._session.members = members
+        self._session.lobby.serve_late(members.arrive, members.fail)
+
+    def mark_begun(self) -> None:
+        """The round told its receivers BEGIN: a trainer-side failure from now on is told to every receiver, and a
+        group broken by a dead member may be retried (refit.topology.elastic)."""
+        self._begun = True
+
+    def answered(self, ch: Channel) -> bool:
+        """Whether `ch` answered the current epoch's manifest with a REPORT (one lost before it did has not)."""
+        return ch.rank in self._regions
+
+    def refresh_digests(self) -> None:
+        """The fingerprint plan follows the receivers now in the session (after joiners were admitted)."""
+        path = self.path
+        self._digests = path.digests = self._digest_plan()
+
+    def forget(self, ch: Channel) -> None:
+        """Receiver `ch` left: out of the session's channels, the fingerprint plan and the regions it named."""
+        if ch in self.channels:
+            self.channels.remove(ch)
+        if self._digests is not None:
+            self._digests.forget(ch.rank)
+        self._regions.pop(ch.rank, None)
+
+    def offer_transport(self, num_receivers: int) -> tuple[Transport, dict]:
+        """A new transport of the session's kind and capacity for `num_receivers`, held as the session's (the one
+        before must have been dropped): (transport, the setup info its receivers join with)."""
+        assert self._session.transport is None, "drop_transport() the session's transport before offering a new one"
+        store = {"store": AuthenticatedStores(self.settings.token, self.settings)} if self.uses_store else {}
+        transport, info = self._transport_cls.offer(
+            capacity=self.capacity,
+            num_slots=self.num_slots,
+            num_receivers=num_receivers,
+            device=self.device,
+            settings=self.settings,
+            **store,
+        )
+        self._session.transport = transport
+        return transport, info
+
+    def drop_transport(self) -> None:
+        """Abort the session's transport, so that every peer still blocked in it fails at once, and hold none."""
+        transport, self._session.transport = self._session.transport, None
+        if transport is not None:
+            transport.abort()
+
+    def end_epoch(self) -> None:
+        """Forget the epoch's manifest and send path (its receivers' paths are gone): the next round handshakes."""
+        self._path, self.manifest = None, None
 
     def predicted_memory(self) -> dict[str, int]:
         """Predicted bytes each side allocates or maps for the manifest (`bench.memory.MemoryProbe` measures it)."""

@@ -112,5 +112,17 @@ class Transport(ABC):
     def flush(self) -> None:
         """Receiver side, before commit: every load issued so far has completed."""
 
+    def arrived(self) -> set[int] | None:
+        """Sender side of a group transport, while `establish` waits: the group ranks (the sender is 0, receivers
+        1 and up) that reached the rendezvous so far. None (the default) when this transport cannot tell: the
+        caller then counts every member as not arrived."""
+        return None
+
+    def abort(self) -> None:
+        """Give the link up now, so that every peer still blocked in it fails at once instead of waiting out its
+        timeout (a group a dead member broke), then release it. The default is `close`, for a transport whose
+        close already wakes its peers."""
+        self.close()
+
     def close(self) -> None:
         """Release buffers and groups; safe to call twice."""

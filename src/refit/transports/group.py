@@ -98,11 +98,6 @@ class BroadcastTransport(Transport):
         assert self._store is not None
         self._pg = self._group(self._store)
 
-    def arrived(self) -> set[int] | None:
-        """Rank 0, while `establish` waits: the ranks that reached the group's rendezvous so far; None when this
-        transport cannot tell (the caller then counts every member as not arrived)."""
-        return None
-
     def _broadcast(self, slot: int, nbytes: int, what: str) -> Pending:
         if self._pg is None:
             raise PeerError(f"{self.name} transport is closed or was never set up")
