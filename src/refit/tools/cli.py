@@ -226,7 +226,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     _check_listen(args)
     reports = []
     layer_counts = _ints(args.layers, "--layers") if args.layers else [None]
-    methods = {t: _bench_methods(args.methods, default_transport(t)) for t in names}
+    methods = {t: _bench_methods(args.methods, default_transport(t), args.link_rate is not None) for t in names}
     runs = [(t, p, n, k) for p in presets for t in names for n in receivers for k in layer_counts]
     with progress(quiet=args.verbosity < 0) as bar:
         task = bar.add_task("bench", total=sum(len(methods[t]) for t, *_ in runs))
@@ -262,9 +262,29 @@ def _check_bench(args: argparse.Namespace) -> None:
         )
     if args.plot:
         _need("matplotlib", "--plot", PLOT_INSTALL)
+    if args.link_rate is not None:
+        _check_link(args)
     _resolve_quick(args)
     args.bucket_bytes = _bucket_bytes(args, BENCH_BUCKET_BYTES)
     args.timeout_s = args.settings.timeout_s if given("REFIT_TIMEOUT") else BENCH_TIMEOUT_S
+
+
+def _check_link(args: argparse.Namespace) -> None:
+    """--link-rate: a rate tc takes, a disaggregated transport (gloo unless told), and the right to make
+    network namespaces."""
+    from refit.tools.bench.link import can_make_links, rate_bits
+    from refit.tools.bench.runner import LINKED
+
+    rate_bits(args.link_rate)
+    if args.ranks or args.engine != "module":
+        raise ValueError("--link-rate runs with the module engine and without --ranks; drop one of them")
+    args.transport = args.transport or "gloo"
+    other = [t.strip() for t in args.transport.split(",") if t.strip() not in LINKED]
+    if other:
+        raise ValueError(f"--link-rate runs --transport {', '.join(LINKED)} for now, not {', '.join(other)}")
+    why = can_make_links()
+    if why:
+        raise ValueError(f"--link-rate {args.link_rate} {why}; run the bench as root, or drop --link-rate")
 
 
 def _resolve_quick(args: argparse.Namespace) -> None:
@@ -279,14 +299,14 @@ def _resolve_quick(args: argparse.Namespace) -> None:
     args.repeats = 3 if args.quick else BENCH_REPEATS if args.repeats is None else args.repeats
 
 
-def _bench_methods(text: str | None, transport: str) -> tuple[str, ...]:
-    """The methods asked for (default: every one that applies); one that measures nothing over `transport`
-    is refused rather than left out of the table."""
-    from refit.tools.bench.runner import METHODS, applicable
+def _bench_methods(text: str | None, transport: str, link: bool = False) -> tuple[str, ...]:
+    """The methods asked for (default: every one that applies; across a link, the floor and refits full and
+    delta); one that measures nothing over `transport` is refused rather than left out of the table."""
+    from refit.tools.bench.runner import LINK_METHODS, METHODS, STEPPED, applicable
 
     applies = applicable(transport)
     if not text:
-        return applies
+        return tuple(m for m in applies if m in LINK_METHODS) if link else tuple(m for m in applies if m not in STEPPED)
     asked = tuple(m.strip() for m in text.split(",") if m.strip())
     unknown = [m for m in asked if m not in METHODS]
     if unknown:
@@ -332,6 +352,7 @@ def _bench_config(  # type: ignore[no-untyped-def]
         bucket_bytes=args.bucket_bytes,
         timeout_s=args.timeout_s,
         methods=methods,
+        link_rate=args.link_rate,
     )
 
 
@@ -593,6 +614,12 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
         "vs the floor and the rank-0-led path",
     )
     bench.add_argument("--quick", action="store_true", help="tiny and moe-small presets, 3 repeats (under a minute)")
+    bench.add_argument(
+        "--link-rate",
+        help="run the receivers in their own network namespace, joined to the sender's by a veth limited to this "
+        "rate (e.g. 1gbit, 10gbit; none: the veth's own speed); the floor becomes a raw TCP send of the model's "
+        "bytes across it (needs root; gloo)",
+    )
     bench.add_argument(
         "--engine",
         choices=("module", "vllm"),

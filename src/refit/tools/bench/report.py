@@ -22,6 +22,8 @@ LABELS = {
     "serial": "serial buckets, no overlap",
     "per_tensor": "per-tensor, metadata once",
     "per_tensor_meta": "per-tensor, metadata every refit",
+    "step_full": "refit + fingerprint after an AdamW step (lr 1e-6)",
+    "step_delta": "delta refit + fingerprint after an AdamW step (lr 1e-6)",
 }
 
 
@@ -30,6 +32,9 @@ COLOCATED = {"shm", "cuda-ipc"}
 
 def floor_label(report: dict) -> str:
     """What the floor of this report is, in words."""
+    link = report.get("link")
+    if link:
+        return f"floor: raw TCP send of the model's bytes across the veth ({link['rate']})"
     if report["config"]["transport"] in COLOCATED:
         where = "device" if report["device"] != "cpu" else "host"
         return f"floor: one flat {where} copy of the model's bytes"
@@ -45,28 +50,41 @@ def _name(report: dict) -> str:
 
 
 def table(report: dict) -> Table:
-    c = report["config"]
+    c, link = report["config"], report.get("link")
     dtypes = "+".join(report.get("dtypes") or [c["dtype"]])
+    across = f" across a namespaced veth ({link['rate']})" if link else ""
     t = Table(
         title=f"{_name(report)}: {report['tensors']} tensors, {report['nbytes'] / 1e9:.3f} GB {dtypes}, "
-        f"{c['transport']} to {c['receivers']} receiver(s) on {report['device']}"
+        f"{c['transport']} to {c['receivers']} receiver(s) on {report['device']}{across}"
     )
-    for col in ("method", "median ms", "min-max ms", "GB/s", "x floor", "x unverified", "stages (median ms)"):
+    cols = ["method", "median ms", "min-max ms", "GB/s", "x floor", "x unverified"]
+    cols += ["% of link rate", "veth MB", "delta refits"] if link else []
+    for col in (*cols, "stages (median ms)"):
         t.add_column(col, justify="left" if col in ("method", "stages (median ms)") else "right", no_wrap=True)
     for key, r in report["results"].items():
         ratio, plain = r["ratio_to_floor"], r.get("ratio_to_unverified")
         stages = " ".join(f"{k} {v * 1e3:.1f}" for k, v in r["stages"].items()) or _floors(r)
         label = floor_label(report) if key == "floor" else LABELS.get(key, key)
-        t.add_row(
-            label,
+        cells = [
             f"{r['median_s'] * 1e3:.1f}",
             f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f}",
             f"{r['gbps']:.2f}",
             "-" if ratio is None else f"{ratio:.2f}",
             "-" if plain is None else f"{plain:.2f}",
-            stages,
-        )
+        ]
+        t.add_row(label, *cells, *(_link_cells(r, len(r["times"])) if link else []), stages)
     return t
+
+
+def _link_cells(r: dict, timed: int) -> list[str]:
+    """Across a link: the share of its rate the model's bytes reached, the bytes the sender's veth sent during
+    the method (warmup included), and how many timed refits went as deltas."""
+    share, crossed, deltas = r.get("link_fraction"), r.get("link_bytes"), r.get("delta_refits")
+    return [
+        "-" if share is None else f"{share * 100:.0f}%",
+        "-" if crossed is None else f"{crossed / 1e6:.1f}",
+        "-" if deltas is None else f"{deltas}/{timed}",
+    ]
 
 
 def _floors(result: dict) -> str:

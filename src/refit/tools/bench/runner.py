@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import statistics
 import subprocess
 import time
@@ -25,6 +26,7 @@ from refit.layout.spec import TensorSpec
 from refit.protocol.wire import Header, Kind
 from refit.settings import Settings
 from refit.sources.module import ModuleSource
+from refit.tools.bench.link import A_ADDR, B_ADDR, Link, rate_bits, send_floor
 from refit.tools.bench.memory import MemoryProbe
 from refit.tools.bench.presets import PRESETS, Shape, from_config, specs
 from refit.tools.bench.report import VERIFIED
@@ -46,6 +48,8 @@ METHODS = (
     "serial",
     "per_tensor",
     "per_tensor_meta",
+    "step_full",
+    "step_delta",
 )
 SENDER_STAGES = ("handshake", "pack", "send", "wait", "commit")
 """Sender stages in the report; `handshake` includes the per-refit signature check."""
@@ -58,6 +62,17 @@ PROBES = {"digest", "copy_digest"}
 model's bytes on the same device (copy_digest: with the fused CUDA kernel only). Not stages of a verified
 refit: it takes its digests inside the copies it makes anyway."""
 COLOCATED = {"shm", "cuda-ipc"}
+STEPPED = {"step_full", "step_delta"}
+"""Refits after a real optimizer step each (fp32 master weights, AdamW at STEP_LR, sent in the wire dtype):
+full, and delta (only the chunks changed since the last commit). Disaggregated transports only."""
+STEP_LR = 1e-6
+"""RL post-training's learning rates are 1e-6 to 1e-5: each step changes a small fraction of bf16 values."""
+LINKED = ("gloo",)
+"""Transports the bench runs across a namespaced link. Not nixl yet: this process enters the trainer's
+namespace per thread (setns) and keeps the host's /sys, where UCX lists network devices, so UCX's TCP
+transport finds no veth; the sender needs its own process under `ip netns exec` for that."""
+LINK_METHODS = ("floor", "refit", "fingerprint", "step_full", "step_delta")
+"""The default methods across a namespaced link (--link-rate): the floor, and refits full and delta."""
 
 
 def default_transport(name: str = "") -> str:
@@ -91,6 +106,8 @@ def applicable(transport: str, device: torch.device | None = None) -> tuple[str,
             return available(device) and device.type == "cuda"
         if m.startswith("zero_copy"):
             return transport == "cuda-ipc"
+        if m in STEPPED:
+            return transport not in COLOCATED
         return True
 
     return tuple(m for m in METHODS if applies(m))
@@ -115,6 +132,10 @@ class BenchConfig:
     methods: tuple[str, ...] = METHODS
     layers: int | None = None
     """Keep only the model's first `layers` layers (None: all)."""
+    link_rate: str | None = None
+    """Put the receivers in their own network namespace, joined to the sender's by a veth pair limited to this
+    tc rate ("1gbit", "10gbit"; "none": the veth's own speed), and measure the floor as a raw TCP transfer
+    across it (refit.tools.bench.link; needs root). None: no link, everything in this namespace."""
 
     def __post_init__(self) -> None:
         if not self.config and self.preset not in PRESETS:
@@ -129,6 +150,10 @@ class BenchConfig:
         dtype_from_name(self.dtype)
         if self.layers is not None:
             self.shape  # noqa: B018 - validates layers against the model
+        if self.link_rate is not None:
+            rate_bits(self.link_rate)
+            if self.transport not in LINKED:
+                raise ValueError(f"--link-rate runs {', '.join(LINKED)} for now, not {self.transport}")
 
     @property
     def shape(self) -> Shape:
@@ -145,6 +170,12 @@ class Result:
     memory: dict[str, int | None] = field(default_factory=dict)
     floors: dict[str, float] = field(default_factory=dict)
     """Probes only: median seconds of a flat copy and a flat read of the same bytes on the same device."""
+    wire_bytes: int | None = None
+    """Bytes the method put on the data plane over all its transfers, warmup included (where it knows)."""
+    link_bytes: int | None = None
+    """Across a namespaced link: bytes the sender's veth sent while the method ran (headers and control too)."""
+    delta_refits: int | None = None
+    """Stepped refits: how many of the timed ones went as a delta."""
 
     @property
     def median(self) -> float:
@@ -166,15 +197,19 @@ class Result:
 class Workers:
     """Receiver processes, one per engine rank, fed jobs as JSON lines."""
 
-    def __init__(self, spec_list: list[TensorSpec], devices: list[str]) -> None:
+    def __init__(self, spec_list: list[TensorSpec], devices: list[str], link: Link | None = None) -> None:
+        """With `link`: each in the link's namespace b, listening on its address there."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [os.path.dirname(os.path.dirname(refit.__file__)), env.get("PYTHONPATH")])
         )
+        command = module_command("refit.tools.bench.worker")
+        if link is not None:
+            env["REFIT_HOST"], command = B_ADDR, link.command("b", command)
         payload = [[s.name, list(s.shape), dtype_name(s.dtype)] for s in spec_list]
         self.procs = [
             subprocess.Popen(
-                module_command("refit.tools.bench.worker"),
+                command,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -196,14 +231,14 @@ class Workers:
                 return json.loads(line[len(MARK) :])
         raise RuntimeError(f"bench worker exited with {p.wait()}")
 
-    def submit(self, job: dict) -> None:
-        for p in self.procs:
+    def submit(self, job: dict, *, first_only: bool = False) -> None:
+        for p in self.procs[:1] if first_only else self.procs:
             assert p.stdin is not None
             p.stdin.write(json.dumps(job) + "\n")
             p.stdin.flush()
 
-    def replies(self) -> list[dict]:
-        return [self._read(p) for p in self.procs]
+    def replies(self, *, first_only: bool = False) -> list[dict]:
+        return [self._read(p) for p in (self.procs[:1] if first_only else self.procs)]
 
     def close(self) -> None:
         for p in self.procs:
@@ -230,7 +265,10 @@ def _timed(fn: Callable[[], object], device: torch.device, cfg: BenchConfig) -> 
 
 
 def session_settings(cfg: BenchConfig, bucket_bytes: int) -> Settings:
-    """The Settings of the bench's Senders: its bucket and timeout; the rest from the environment."""
+    """The Settings of the bench's Senders: its bucket and timeout, across a link its namespace's address; the
+    rest from the environment."""
+    if cfg.link_rate is not None:
+        return Settings(bucket_bytes=bucket_bytes, timeout_s=cfg.timeout_s, host=A_ADDR)
     return Settings(bucket_bytes=bucket_bytes, timeout_s=cfg.timeout_s)
 
 
@@ -247,6 +285,7 @@ def _session(
     zero_copy: bool = False,
     verify_checksum: bool = False,
     verify: str | None = None,
+    delta: bool = False,
     **job: object,
 ) -> Iterator[Sender]:
     settings = session_settings(cfg, bucket_bytes)
@@ -260,6 +299,7 @@ def _session(
         zero_copy=zero_copy,
         verify_checksum=verify_checksum,
         verify=verify,
+        delta=delta,
     )
     workers.submit(
         {
@@ -277,8 +317,25 @@ def _session(
         sender.close()
 
 
+def _link_floor(workers: Workers, cfg: BenchConfig, nbytes: int) -> Result:
+    """Across a namespaced link: a plain TCP send of the model's wire bytes from this namespace to a worker's,
+    each timed until the worker has them all."""
+    count = cfg.warmup + cfg.repeats
+    with socket.create_server((A_ADDR, 0)) as listener:
+        port = listener.getsockname()[1]
+        job = {"mode": "tcp_floor", "host": A_ADDR, "port": port, "nbytes": nbytes, "count": count,
+               "timeout_s": cfg.timeout_s}  # fmt: skip
+        workers.submit(job, first_only=True)  # one receiver: the floor of one link
+        times = send_floor(listener, nbytes, count, cfg.timeout_s)
+        workers.replies(first_only=True)
+    return Result("floor", nbytes, times[cfg.warmup :], wire_bytes=nbytes * count)
+
+
 def _floor(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: torch.device, nbytes: int) -> Result:
-    """Colocated: one contiguous copy of the model's bytes. Disaggregated: the raw broadcast of one buffer."""
+    """Colocated: one contiguous copy of the model's bytes. Disaggregated: the raw broadcast of one buffer.
+    Across a namespaced link: a raw TCP transfer of the model's bytes across it."""
+    if cfg.link_rate is not None:
+        return _link_floor(workers, cfg, nbytes)
     if cfg.transport in COLOCATED:
         src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
@@ -425,7 +482,52 @@ def _refit(
         "measured_sender": sender_peak,
         "measured_receiver": None if None in peaks else max(peaks),
     }
-    return Result(name, nbytes, times, stages, memory)
+    return Result(name, nbytes, times, stages, memory, wire_bytes=sum(s.wire_bytes for s in stats))
+
+
+def _stepped(
+    workers: Workers, spec_list: list[TensorSpec], cfg: BenchConfig, device: torch.device, *, delta: bool
+) -> Result:
+    """Refits with the fingerprint on, each after one AdamW step (lr STEP_LR, seeded gradients, untimed) on fp32
+    master weights drawn like a fresh LM's (std 0.02) and sent in each tensor's wire dtype; `delta`: as deltas
+    against the last commit, where the Sender finds they pay."""
+    g = torch.Generator(device=device).manual_seed(1)
+    masters = {
+        s.name: (torch.randn(s.shape, generator=g, device=device) * 0.02).to(
+            torch.float32 if s.dtype.is_floating_point and s.dtype.itemsize >= 2 else s.dtype
+        )
+        for s in spec_list
+    }
+    trained = [t for t in masters.values() if t.dtype == torch.float32]
+    opt = torch.optim.AdamW(trained, lr=STEP_LR)
+    source = ModuleSource(masters, overrides={s.name: s.dtype for s in spec_list})
+    bucket_bytes = min(cfg.bucket_bytes, align_up(sum(s.nbytes for s in spec_list), 256))
+    stats, times = [], []
+    with _session(workers, source, cfg, device, mode="refit", bucket_bytes=bucket_bytes, num_slots=2,
+                  verify="fingerprint", delta=delta, warmup=cfg.warmup + 1) as sender:  # fmt: skip
+        for version in range(1, cfg.warmup + cfg.repeats + 2):  # the first refit is full whatever `delta` says
+            if version > 1:
+                for t in trained:
+                    t.grad = torch.randn(t.shape, generator=g, device=device)
+                opt.step()
+            _sync(device)
+            start = time.perf_counter()
+            stats.append(sender.refit(version))
+            _sync(device)
+            times.append(time.perf_counter() - start)
+    replies = workers.replies()
+    received = replies[0].get("stages", {})
+    timed = stats[cfg.warmup + 1 :]
+    stages = {k: statistics.median(s.seconds.get(k, 0.0) for s in timed) for k in SENDER_STAGES}
+    stages |= {f"recv.{k}": received[k] for k in RECEIVER_STAGES if k in received}
+    return Result(
+        "step_delta" if delta else "step_full",
+        sum(s.nbytes for s in spec_list),
+        times[cfg.warmup + 1 :],
+        stages,
+        wire_bytes=sum(s.wire_bytes for s in stats),
+        delta_refits=sum(s.delta for s in timed),
+    )
 
 
 def _per_tensor(
@@ -510,6 +612,8 @@ def _method(
     if m.startswith("zero_copy"):
         verify = "fingerprint" if m == "zero_copy_fingerprint" else None
         return refit_(zero_copy=True, verify=verify)
+    if m in STEPPED:
+        return _stepped(workers, spec_list, cfg, device, delta=m == "step_delta")
     return _per_tensor(workers, source, spec_list, cfg, device, meta=m == "per_tensor_meta")
 
 
@@ -527,7 +631,8 @@ def _devices(cfg: BenchConfig) -> tuple[torch.device, list[str]]:
 
 def run_bench(cfg: BenchConfig, on_method: Callable[[str], None] | None = None) -> dict:
     """Measure every method in `cfg.methods` on one link; returns a JSON-able report. `on_method(name)` is
-    called as each method starts (the CLI's progress)."""
+    called as each method starts (the CLI's progress). With `cfg.link_rate`, across a namespaced link that
+    exists only while it runs."""
     dtype = dtype_from_name(cfg.dtype)
     spec_list = specs(cfg.shape, dtype)
     device, worker_devices = _devices(cfg)
@@ -535,19 +640,32 @@ def run_bench(cfg: BenchConfig, on_method: Callable[[str], None] | None = None) 
     tensors = {s.name: torch.randn(s.shape, generator=g, device=device).to(s.dtype) for s in spec_list}
     source = ModuleSource(tensors)
     nbytes = sum(s.nbytes for s in spec_list)
-    workers = Workers(spec_list, worker_devices)
     results: dict[str, Result] = {}
-    try:
-        for m in cfg.methods:
-            if on_method:
-                on_method(m)
-            result = _method(m, workers, source, tensors, spec_list, cfg, device, nbytes)
-            if result is not None:
-                results[m] = result
-    finally:
-        workers.close()
+
+    def measure(link: Link | None) -> None:
+        workers = Workers(spec_list, worker_devices, link)
+        try:
+            for m in cfg.methods:
+                if on_method:
+                    on_method(m)
+                before = link.bytes_a_to_b() if link else 0
+                result = _method(m, workers, source, tensors, spec_list, cfg, device, nbytes)
+                if result is not None:
+                    result.link_bytes = link.bytes_a_to_b() - before if link else None
+                    results[m] = result
+        finally:
+            workers.close()
+
+    if cfg.link_rate is None:
+        measure(None)
+    else:
+        with Link(rate=cfg.link_rate) as link, link.entered("a"):
+            measure(link)
     floor = results["floor"].median if "floor" in results else None
     summaries = {k: r.summary(floor) for k, r in results.items()}
+    bits = rate_bits(cfg.link_rate) if cfg.link_rate is not None else 0
+    for k, r in results.items() if bits else ():  # a delta moves less than the model's bytes: no share of the rate
+        summaries[k]["link_fraction"] = None if k == "step_delta" else r.nbytes * 8 / r.median / bits
     for verified, plain in VERIFIED.items():
         if verified in results and plain in results:
             summaries[verified]["ratio_to_unverified"] = results[verified].median / results[plain].median
@@ -560,4 +678,5 @@ def run_bench(cfg: BenchConfig, on_method: Callable[[str], None] | None = None) 
         "torch": torch.__version__,
         "cpu_kernel": device.type == "cpu" and kernel_built(),  # the notes under the table explain figures by it
         "results": summaries,
+        "link": None if cfg.link_rate is None else {"rate": cfg.link_rate, "rate_bits": rate_bits(cfg.link_rate)},
     }

@@ -17,6 +17,7 @@ from refit.engines.module import ModuleEngine
 from refit.layout.planner import align_up
 from refit.protocol.wire import Header, Kind, parse_json
 from refit.settings import Settings
+from refit.tools.bench.link import recv_floor
 from refit.tools.bench.memory import MemoryProbe
 from refit.topology.receiver import Receiver
 
@@ -95,6 +96,9 @@ def run_job(job: dict, engine: ModuleEngine, specs: list[list], device: torch.de
     settings = Settings(bucket_bytes=job.get("bucket_bytes"), timeout_s=job.get("timeout_s", 300.0))
     if job["mode"] == "mesh":
         return _mesh_job(job, specs, device, settings)
+    if job["mode"] == "tcp_floor":  # the link's floor: plain TCP, no refit
+        recv_floor(job["host"], job["port"], job["nbytes"], job["count"], job["timeout_s"])
+        return {"mode": "tcp_floor", "peak_extra_bytes": None, "stages": {}}
     probe = MemoryProbe(device)  # before the Receiver, its buffers and its staging tensor exist
     stages: dict[str, float] = {}
     measured = None

@@ -1,0 +1,164 @@
+"""Two hosts on one machine: two network namespaces joined by a veth pair, optionally rate-limited with tc.
+
+`Link` makes them, runs processes in either, lets this process's calling thread enter one, reads the veth's
+byte counters and removes everything on exit (also on an error or Ctrl-C). Every process that crosses it
+binds its own namespace's address, so bytes between the two travel only over the veth (the namespaces share
+no loopback), and the counters show how many did. `refit bench --link-rate` and the tests use it; it needs
+root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2.
+
+The link's floor: a raw TCP transfer of a byte count across it (`send_floor` in one namespace, `recv_floor`
+in the other), the most any transport can reach on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+A_ADDR, B_ADDR = "10.232.0.1", "10.232.0.2"
+"""The trainer's side (namespace a) and the engine's (namespace b)."""
+UNITS = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
+CLONE_NEWNET = 0x40000000
+
+
+def can_make_links() -> str:
+    """'' when this process may make network namespaces, else why not."""
+    if os.geteuid() != 0:
+        return "needs root (CAP_NET_ADMIN) to make network namespaces"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (ip and tc) to make network namespaces"
+    return ""
+
+
+def rate_bits(rate: str) -> int:
+    """Bits per second of a tc rate such as "1gbit", "500mbit" (0 for "none": the veth's own speed)."""
+    text = rate.strip().lower()
+    if text == "none":
+        return 0
+    for unit, scale in UNITS.items():
+        if text.endswith(unit):
+            try:
+                bits = int(float(text[: -len(unit)]) * scale)
+            except ValueError:
+                break
+            if bits >= 8000:
+                return bits
+            raise ValueError(f"link rate {rate!r} is below 8kbit, too slow to move a model")
+    raise ValueError(f"link rate {rate!r}: expected a number and gbit, mbit, kbit or bit (e.g. 10gbit), or none")
+
+
+def _sh(*cmd: str) -> str:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+
+def _setns(fd: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns into a network namespace failed: {os.strerror(err)}")
+
+
+@dataclass
+class Link:
+    """Namespaces `a` (the trainer's, A_ADDR on veth `dev_a`) and `b` (the engine's, B_ADDR on `dev_b`).
+    `rate`: a token-bucket (tc tbf) rate on both directions ("1gbit", "10gbit"), or None / "none" for the
+    veth's own speed."""
+
+    rate: str | None = None
+    tag: str = field(default_factory=lambda: str(os.getpid()))
+
+    def __post_init__(self) -> None:
+        if self.rate is not None and rate_bits(self.rate) == 0:
+            self.rate = None
+        self.a, self.b = f"refit-la-{self.tag}", f"refit-lb-{self.tag}"
+        self.dev_a, self.dev_b = f"rla{self.tag}"[:15], f"rlb{self.tag}"[:15]
+
+    def __enter__(self) -> Link:
+        try:
+            _sh("ip", "netns", "add", self.a)
+            _sh("ip", "netns", "add", self.b)
+            _sh("ip", "link", "add", self.dev_a, "netns", self.a, "type", "veth", "peer", "name", self.dev_b,
+                "netns", self.b)  # fmt: skip
+            for ns, dev, addr in ((self.a, self.dev_a, A_ADDR), (self.b, self.dev_b, B_ADDR)):
+                _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                _sh("ip", "-n", ns, "link", "set", dev, "up")
+                _sh("ip", "-n", ns, "link", "set", "lo", "up")
+                self._shape(ns, dev)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _shape(self, ns: str, dev: str) -> None:
+        if self.rate is None:
+            return
+        burst = max(rate_bits(self.rate) // 8 // 250, 1 << 16)  # a 4 ms bucket: the rate holds above 250 Hz timers
+        _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", str(burst),
+            "latency", "50ms")  # fmt: skip
+
+    def __exit__(self, *exc: object) -> None:
+        for ns in (self.a, self.b):
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+
+    def namespace(self, side: str) -> str:
+        if side not in ("a", "b"):
+            raise ValueError(f"side must be 'a' or 'b', got {side!r}")
+        return self.a if side == "a" else self.b
+
+    def bytes_a_to_b(self) -> int:
+        """Bytes the trainer's side has sent over the veth so far (its tx counter)."""
+        return int(_sh("ip", "netns", "exec", self.a, "cat", f"/sys/class/net/{self.dev_a}/statistics/tx_bytes"))
+
+    def command(self, side: str, argv: list[str]) -> list[str]:
+        """`argv` run inside namespace `side` ("a" or "b")."""
+        return ["ip", "netns", "exec", self.namespace(side), *argv]
+
+    @contextlib.contextmanager
+    def entered(self, side: str) -> Iterator[None]:
+        """The calling thread inside namespace `side` until the block ends: sockets it opens, and threads it
+        starts (which keep the namespace), belong there. Processes it starts too, unless they enter another."""
+        with open("/proc/thread-self/ns/net") as home, open(f"/run/netns/{self.namespace(side)}") as there:
+            _setns(there.fileno())
+            try:
+                yield
+            finally:
+                _setns(home.fileno())
+
+
+def send_floor(listener: socket.socket, nbytes: int, count: int, timeout_s: float) -> list[float]:
+    """The link's floor, sender side: accept one peer on `listener`, send it `nbytes` `count` times, each
+    timed until the peer's one-byte answer that it has them all. Seconds per send."""
+    listener.settimeout(timeout_s)
+    conn, _ = listener.accept()
+    payload = memoryview(bytearray(os.urandom(1 << 20)) * max(1, -(-nbytes // (1 << 20))))[:nbytes]
+    times = []
+    with conn:
+        conn.settimeout(timeout_s)
+        for _ in range(count):
+            t = time.perf_counter()
+            conn.sendall(payload)
+            if conn.recv(1) != b"k":
+                raise ConnectionError("the link floor's receiver closed before it had every byte")
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def recv_floor(host: str, port: int, nbytes: int, count: int, timeout_s: float) -> None:
+    """The link's floor, receiver side: connect to `host:port`, take `nbytes` `count` times, answering each."""
+    buf = memoryview(bytearray(1 << 22))
+    with socket.create_connection((host, port), timeout=timeout_s) as conn:
+        for _ in range(count):
+            left = nbytes
+            while left:
+                got = conn.recv_into(buf, min(left, len(buf)))
+                if not got:
+                    raise ConnectionError("the link floor's sender closed early")
+                left -= got
+            conn.sendall(b"k")
