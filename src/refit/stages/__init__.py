@@ -12,10 +12,11 @@ import re
 import torch
 
 from refit.layout.manifest import Manifest
+from refit.protocol.wire import Bucket
 from refit.stages.base import Stage
 from refit.stages.delta import DeltaStage
 
-__all__ = ["Stage", "make", "names", "register", "registered"]
+__all__ = ["Bucket", "Stage", "make", "names", "register", "registered"]
 
 _NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 _REGISTRY: dict[str, type[Stage]] = {}
