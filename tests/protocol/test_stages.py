@@ -110,11 +110,9 @@ def test_a_stage_registered_from_outside_runs_both_halves_in_a_real_refit_bitwis
 
 
 def test_an_engine_without_the_stage_refuses_the_handshake_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    from refit.topology import receiver
-
     live = _trainer()
     with _session(live, stages=["mask"]) as (sender, peer, engine):
-        monkeypatch.setattr(receiver.stages, "registered", lambda name: name != "mask")  # the engine's process
+        monkeypatch.setattr(stages, "registered", lambda name: name != "mask")  # as in an engine's own process
         stats, got = _refit(sender, peer, 1)
         assert isinstance(stats, HandshakeError) and isinstance(got, HandshakeError)
         assert "stage(s) mask" in str(stats) and "refit.stages.register" in str(stats)
@@ -136,3 +134,53 @@ def test_register_refuses_a_bad_name_or_class() -> None:
         stages.register("plain", object)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not registered"):
         Sender(ModuleSource(_trainer()), transport="shm", stages=["nobody"])
+
+
+def test_a_full_bucket_moving_fewer_bytes_than_the_manifest_fails_the_refit_without_the_fingerprint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sender whose bucket header claims fewer bytes without a resizing flag: the receiver refuses the bucket
+    (the checksum would only cover the short prefix, and the tail is whatever the slot held before)."""
+    from refit.topology.send_path import SendPath
+
+    outgoing = SendPath._outgoing
+
+    def short(self: SendPath, b: int, slot: int) -> tuple[int, Bucket]:
+        nbytes, flags = outgoing(self, b, slot)
+        return (nbytes - 4096, flags) if b == 0 and not Bucket.DELTA & flags else (nbytes, flags)
+
+    monkeypatch.setattr(SendPath, "_outgoing", short)
+    live = _trainer()
+    with _session(live, stages=["mask"], delta=True, verify=None) as (sender, peer, engine):
+        stats, got = _refit(sender, peer, 1)
+        assert isinstance(stats, RefitError) and "disagrees with the manifest" in str(stats)
+        assert isinstance(got, RefitError) and engine.weights.version is None
+
+
+def test_a_delta_payload_in_a_refit_that_named_no_base_is_refused() -> None:
+    from refit.errors import IntegrityError
+    from refit.layout.planner import plan
+    from refit.layout.spec import TensorSpec
+    from refit.stages.delta import DeltaStage
+
+    m = plan([TensorSpec("w", (1024,), torch.bfloat16)], capacity=4096)
+    engine_half = DeltaStage(m, torch.device("cpu"), trainer=False)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    assert engine_half.accept(2, None) is None  # a full refit
+    with pytest.raises(IntegrityError, match="named no base version"):
+        engine_half.incoming(0, buf, 16, Bucket.DELTA | Bucket.KEPT)
+
+
+def test_a_stage_that_resizes_without_its_flag_is_refused_on_the_trainer() -> None:
+    class Shrink(Mask):
+        name = "shrink"
+
+        def outgoing(self, b: int, buf: torch.Tensor, nbytes: int) -> tuple[int, Bucket]:
+            return nbytes - 256, Bucket(0)
+
+    stages.register("shrink", Shrink)
+    live = _trainer()
+    with _session(live, stages=["shrink"]) as (sender, peer, engine):
+        peer.ask("receive")
+        with pytest.raises(ValueError, match="stage shrink made bucket 0"):
+            sender.refit(1)

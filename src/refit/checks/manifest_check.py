@@ -61,12 +61,13 @@ class Report:
         return cls(names("missing"), names("unexpected"), rows, names("waived"), names("stages"))  # type: ignore[arg-type]
 
     def message(self) -> str:
+        stages = (
+            f"the trainer's refits pass through stage(s) {_list(self.stages)}, which the engine's process has not "
+            "registered; nothing was loaded. Fix: call refit.stages.register(name, cls) for each in the engine's "
+            "process before its Receiver connects, as the trainer's process does"
+        )
         if self.stages and not (self.missing or self.unexpected or self.mismatched):
-            return (
-                f"the trainer's refits pass through stage(s) {', '.join(self.stages)}, which the engine's process has "
-                "not registered; nothing was loaded. Fix: call refit.stages.register(name, cls) for each in the "
-                "engine's process before its Receiver connects, as the trainer's process does"
-            )
+            return stages
         parts = []
         if self.missing:
             parts.append(f"{len(self.missing)} missing (engine expects, sender lacks): {_list(self.missing)}")
@@ -80,6 +81,7 @@ class Report:
             "manifest does not match the engine; nothing was loaded. " + "; ".join(parts) + ". "
             "Fix: send the names the engine uses (or pass name_map), with its shapes and a dtype it can hold exactly"
             + (self._waiver() if self.unexpected else ".")
+            + (f" Also, {stages}." if self.stages else "")
         )
 
     def _waiver(self) -> str:

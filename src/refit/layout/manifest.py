@@ -25,10 +25,10 @@ MAX_DIMS = 16
 MAX_BUCKETS = 1 << 24
 MAX_ALIASES = 64
 MAX_BYTES = 1 << 56
+"""Largest capacity, tensor or offset accepted from a peer (64 PiB): keeps every sum far from overflow."""
 MAX_STAGES = 16
 _STAGE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 """A stage name, as refit.stages.register accepts it."""
-"""Largest capacity, tensor or offset accepted from a peer (64 PiB): keeps every sum far from overflow."""
 
 
 @contextlib.contextmanager

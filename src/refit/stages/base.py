@@ -26,6 +26,9 @@ class Stage:
     """The name it is registered under (`refit.stages.register`), which the manifest lists."""
     flags: ClassVar[Bucket] = Bucket(0)
     """The BUCKET status bits this stage sets and reads (only refit's own stages have any)."""
+    resizing: ClassVar[Bucket] = Bucket(0)
+    """Of `flags`, those that mark a bucket moving another number of bytes than the manifest's. A bucket
+    without one of them must move exactly the manifest's bytes (checked on both sides)."""
 
     def __init__(self, manifest: Manifest, device: torch.device, *, trainer: bool) -> None:
         """`device`: where the bucket buffers live. `trainer`: this is the trainer's half."""
@@ -42,7 +45,8 @@ class Stage:
 
     def outgoing(self, b: int, buf: torch.Tensor, nbytes: int) -> tuple[int, Bucket]:
         """Bucket `b`'s `nbytes` wire bytes in `buf` (the slot, whole bucket capacity): rewrite them in place;
-        returns the bytes now to move (at most the buffer) and this stage's flags for the BUCKET header."""
+        returns the bytes now to move (at most the buffer) and this stage's flags for the BUCKET header; a
+        different number of bytes only with one of its `resizing` flags."""
         return nbytes, Bucket(0)
 
     # -- the engine's half -----------------------------------------------------------------------

@@ -200,6 +200,7 @@ class DeltaStage(Stage):
 
     name = "delta"
     flags = Bucket.DELTA | Bucket.KEPT
+    resizing = Bucket.DELTA
 
     def __init__(self, manifest: Manifest, device: torch.device, *, trainer: bool) -> None:
         super().__init__(manifest, device, trainer=trainer)
@@ -225,6 +226,7 @@ class DeltaStage(Stage):
     def accept(self, version: int, base: int | None) -> RefitError | None:
         """From here until this refit commits the image is being rewritten, so it stands for no version."""
         held, self.image.version = self.image.version, None
+        self._delta = base is not None
         if base is None or held == base:
             return None
         holds = "no committed image" if held is None else f"an image of version {held}"
@@ -238,6 +240,8 @@ class DeltaStage(Stage):
             self.image.kept[b] = False
             return None
         if Bucket.DELTA & flags:
+            if not self._delta:
+                raise IntegrityError(f"bucket {b} is a delta payload in a refit whose BEGIN named no base version")
             self.image.decode(b, buf, nbytes)
         else:
             self.image.absorb(b, buf)

@@ -79,6 +79,7 @@ def read_welcome(ch: Channel, header: Header, raw: bytes, limit: int) -> Welcome
     if not (
         isinstance(rank, int)
         and not isinstance(rank, bool)
+        and rank >= 0
         and isinstance(capacity, int)
         and 0 < capacity <= limit
         and isinstance(info, dict)
@@ -113,7 +114,8 @@ class Joiner:
         """The token of the rendezvous last dialled (`first`); a regrouped store is authenticated with it."""
         self.settings = settings
         self.cls: type[Transport] = transports.get(name)
-        self.device = device or transports.default_device(name)
+        self._device = device or transports.default_device(name)
+        self.device = self._device
         self.rank = 0
         self.idle_timeout_s = settings.timeout_s
         self.regroups = False
@@ -127,6 +129,8 @@ class Joiner:
     def first(self, ch: Channel, token: str) -> Transport:
         """Prove `token` both ways, then join the transport the WELCOME describes."""
         self.token = token
+        self.cls, self.device = transports.get(self.asked), self._device  # a fallback of an earlier dial is undone
+        self.idle_timeout_s, self.regroups = self.settings.timeout_s, False
         limit = self.limit()
         ch.set_timeout(self.settings.connect_timeout_s)  # the sender admits every receiver first; they start slowly
         authenticate(ch, self.token, limit)
@@ -162,8 +166,11 @@ class Joiner:
         ch.set_timeout(self.settings.timeout_s)
         if welcome.heartbeat_s is not None:  # never call a live sender dead for beating slower than its own timeout
             self.idle_timeout_s = max(self.settings.timeout_s, 3 * welcome.heartbeat_s)
-        if welcome.transport is not None and welcome.transport != self.asked:  # the sender fell back
-            self.cls = transports.get(welcome.transport)
+        if welcome.transport is not None and welcome.transport != self.cls.name:  # the sender fell back
+            try:
+                self.cls = transports.get(welcome.transport)
+            except ValueError as e:
+                raise IntegrityError(f"{ch.peer}'s WELCOME names a transport this side lacks: {e}") from None
             self.device = transports.default_device(welcome.transport)
         self.regroups = welcome.elastic and self.cls.uses_store
         store = {"store": AuthenticatedStores(self.token, self.settings)} if self.cls.uses_store else {}

@@ -4,6 +4,8 @@ and answered with one REPORT (HandshakeError here when it refuses)."""
 
 from __future__ import annotations
 
+import torch
+
 from refit import stages
 from refit.checks.manifest_check import validate
 from refit.engines.base import Engine
@@ -12,6 +14,7 @@ from refit.layout.manifest import Manifest
 from refit.layout.spec import TensorSpec
 from refit.protocol import auth
 from refit.protocol.wire import Channel, Header, Kind
+from refit.stages import Stage
 from refit.topology.digest_plan import engine_regions
 from refit.topology.landing import Live
 
@@ -60,3 +63,17 @@ def answer(ch: Channel, manifest: Manifest, engine: Engine, landing: Live, *, fi
     if not report.ok:
         raise HandshakeError(report.message())
     return layout
+
+
+def prepare_stages(ch: Channel, manifest: Manifest, device: torch.device, *, rank: int) -> list[Stage]:
+    """The engine's half of each stage the manifest lists (none while one is unregistered: the REPORT refuses
+    it). One that cannot be made (out of memory for the delta image, say) ends the session with ERROR naming
+    it, before the REPORT could promise that this side takes the refits."""
+    if not all(stages.registered(n) for n in manifest.stages):
+        return []
+    try:
+        return stages.make(manifest.stages, manifest, device, trainer=False)
+    except Exception as e:  # noqa: BLE001 - any failure to prepare is the session's end, said to the sender
+        msg = f"receiver {rank} could not prepare the stages {list(manifest.stages)}: {type(e).__name__}: {e}"
+        ch.send(Header(Kind.ERROR), {"message": msg})
+        raise IntegrityError(msg) from None

@@ -9,6 +9,7 @@ The fingerprint check (`verify="fingerprint"`) compares what the engine now hold
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -67,9 +68,10 @@ class ReceivePath:
         """Per names list an engine returned (its plans return the same list every refit): their positions."""
         self._where: dict[str, int] | None = None
         self.stages = stages or []
-        self._flags = Bucket.CHECKSUM
+        self._flags, self._resizing = Bucket.CHECKSUM, Bucket(0)
         for stage in self.stages:
             self._flags |= stage.flags
+            self._resizing |= stage.resizing
         held = next((b for b in (stage.buffers() for stage in self.stages) if b is not None), None)
         self._held = held
         self._from_held = Unpacker(manifest, held, device=device, share=self.unpacker) if held else None
@@ -126,7 +128,7 @@ class ReceivePath:
         for b in range(m.num_buckets):
             t = time.perf_counter()
             header, _ = self.channel.expect(Kind.BUCKET, f"refit {begin.version}, bucket {b}")
-            failure = failure or _check_header(header, m, begin, b, resized=bool(self.stages))
+            failure = failure or _check_header(header, m, begin, b, resized=bool(self._resizing & header.status))
             nbytes = self._wire_nbytes(header, b)
             stats.wire_bytes += nbytes
             handle = transport.recv(b % len(transport.buffers), nbytes)
@@ -147,13 +149,17 @@ class ReceivePath:
         at most one buffer."""
         stray = header.status & ~int(self._flags)
         capacity = len(self.transport.buffers[0])
-        if stray or (self.stages and not 0 < header.nbytes <= capacity):
-            raise IntegrityError(
+        resized = bool(self._resizing & header.status)
+        if stray or (resized and not 0 < header.nbytes <= capacity):
+            msg = (
                 f"bucket {b} moves {header.nbytes} bytes with status bits {header.status:#x}, but this epoch's "
                 f"stages ({', '.join(s.name for s in self.stages) or 'none'}) set only {int(self._flags):#x} and its "
                 f"buffers hold {capacity} bytes; the sender is not speaking this protocol"
             )
-        return header.nbytes if self.stages else self.manifest.bucket_nbytes[b]
+            with contextlib.suppress(PeerError):  # the sender is told at once, never left waiting for an ACK
+                self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {msg}"})
+            raise IntegrityError(msg)
+        return header.nbytes if resized else self.manifest.bucket_nbytes[b]
 
     def _finish(
         self, b: int, handle: Pending, header: Header, stats: RefitStats, failure: RefitError | None
@@ -201,11 +207,14 @@ class ReceivePath:
         for stage in reversed(self.stages):
             got = stage.incoming(b, held, header.nbytes, Bucket(header.status))
             if got is not None:
-                assert self._held is not None and got is self._held[b], f"stage {stage.name} moved bucket {b} away"
+                if self._held is None or got is not self._held[b]:
+                    raise IntegrityError(
+                        f"stage {stage.name} returned bucket {b} in memory it did not list in buffers()"
+                    )
                 held = got
         if held is buf:
             return self.unpacker.unpack(b, slot)
-        assert self._from_held is not None
+        assert self._from_held is not None  # set whenever _held is
         return self._from_held.unpack(b, b)
 
     def _engine_load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:

@@ -94,7 +94,8 @@ class ReceiveRound:
         base = begin.base if Begin.DELTA & begin.status else None
         refused = self._relayout()
         for stage in path.stages:  # each stage checks the base (every one: it also marks its state as rewritten)
-            refused = stage.accept(version, base) or refused
+            got = stage.accept(version, base)
+            refused = refused or got
         if base is not None and not path.stages:
             refused = refused or IntegrityError(
                 f"refused a delta refit of version {version}: this receiver keeps no delta image this epoch"

@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 import torch
 
-from refit import stages
 from refit.engines.base import Engine
 from refit.engines.staging import Split, Staging
 from refit.errors import PeerError
@@ -27,7 +26,7 @@ from refit.protocol.wire import (
 from refit.settings import Settings, check_bucket_bytes
 from refit.topology.joining import Joiner
 from refit.topology.landing import landing
-from refit.topology.receive_handshake import answer, read_manifest
+from refit.topology.receive_handshake import answer, prepare_stages, read_manifest
 from refit.topology.receive_path import ReceivePath
 from refit.topology.receive_round import ReceiveRound
 from refit.topology.stats import RefitStats
@@ -233,11 +232,11 @@ class Receiver:
         capacity = len(self.transport.buffers[0])
         manifest = read_manifest(self.channel, header, payload, capacity=capacity, rank=self.rank, engine=self.engine)
         fingerprint = bool(Offer.FINGERPRINT & header.status)
+        made = prepare_stages(self.channel, manifest, self.device, rank=self.rank)  # before REPORT says yes
         layout = answer(self.channel, manifest, self.engine, self.landing, fingerprint=fingerprint)
         log.info(
             "handshake: epoch %d, %d tensors, %d bucket(s)", manifest.epoch, len(manifest.entries), manifest.num_buckets
         )
-        self.manifest, self.layout = manifest, layout
         self.path = ReceivePath(
             self.engine,
             manifest,
@@ -247,9 +246,10 @@ class Receiver:
             device=self.device,
             rank=self.rank,
             fingerprint=fingerprint,
-            stages=stages.make(manifest.stages, manifest, self.device, trainer=False),
+            stages=made,
             warn_unverified=self.warn_unverified,
         )
+        self.manifest, self.layout = manifest, layout
 
     def leave(self, reason: str = "the engine is shutting down") -> None:
         """Leave the session on purpose, between refits: the sender is told LEAVE with `reason` (an elastic

@@ -151,7 +151,8 @@ class Round:
 def _base(stages: list[Stage], version: int, ranks: list[int]) -> int | None:
     """The committed version this refit is sent against: the one stage's that names one (delta), else None."""
     bases = [b for b in (stage.base(version, ranks) for stage in stages) if b is not None]
-    assert len(bases) <= 1, "at most one stage of a session names a base version"
+    if len(bases) > 1:
+        raise ValueError(f"stages {[s.name for s in stages]} name {len(bases)} base versions; at most one may")
     return bases[0] if bases else None
 
 

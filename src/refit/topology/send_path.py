@@ -149,8 +149,13 @@ class SendPath:
         nbytes, flags = self.manifest.bucket_nbytes[b], Bucket(0)
         buf = self.transport.buffers[slot]
         for stage in self.stages:
+            before = nbytes
             nbytes, more = stage.outgoing(b, buf, nbytes)
             flags |= more
+            if not 0 < nbytes <= len(buf) or (nbytes != before and not stage.resizing & more):
+                raise ValueError(
+                    f"stage {stage.name} made bucket {b} {nbytes} bytes without a resizing flag (or beyond its buffer)"
+                )
         return nbytes, flags
 
     def _pack(self, source: Source, b: int, slot: int, generation: int) -> None:
