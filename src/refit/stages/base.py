@@ -45,6 +45,15 @@ class Stage:
         returns the bytes now to move (at most the buffer) and this stage's flags for the BUCKET header."""
         return nbytes, Bucket(0)
 
+    def sent(self, b: int, nbytes: int, seconds: float) -> None:
+        """Bucket `b` was retired: its `nbytes` (as `outgoing` left them) took `seconds` of the sender's time on
+        the link (sending it, then waiting until every receiver took it; the part that overlapped later packs is
+        not counted). A stage may learn the link's cost from it."""
+
+    def buckets(self) -> dict[str, int]:
+        """This refit's buckets per way this stage sent them (`RefitStats.buckets`); empty when it has no say."""
+        return {}
+
     # -- the engine's half -----------------------------------------------------------------------
 
     def accept(self, version: int, base: int | None) -> RefitError | None:
