@@ -13,7 +13,7 @@ import torch
 from threaded import Peer, RowsEngine
 
 from refit import ModuleEngine, ModuleSource, RefitError, Sender, Settings
-from refit.stages.delta import REPRIME, DeltaStage, WireImage, payload_nbytes
+from refit.stages.delta import REPRIME, Costs, DeltaStage, WireImage, payload_nbytes
 from refit.topology.receiver import Receiver
 from refit.topology.stats import RefitStats
 
@@ -21,6 +21,9 @@ BF16 = torch.bfloat16
 BUCKET = 512 << 10
 """Bucket capacity: a one-chunk delta (64 KiB and its table) is well under half of a full bucket."""
 SETTINGS = Settings(bucket_bytes=BUCKET, timeout_s=60.0)
+SLOW_LINK = Costs.known(link=1.0, per_op=0.0, per_byte=0.0)
+"""A link far slower than the scan: every bucket that may go as a delta is compared (in-process shm and gloo
+are faster than the scan, and a measured choice would send them full)."""
 
 
 def _trainer() -> dict[str, torch.Tensor]:
@@ -71,7 +74,7 @@ class Session:
             num_receivers=len(engines),
             settings=SETTINGS,
             delta=True,
-            **options,
+            **({"delta_costs": SLOW_LINK} | options),
         )
         self.peers: list[Peer] = []
         for engine, args in engines:
@@ -295,7 +298,14 @@ def test_a_tensor_spanning_buckets_that_change_densely_and_sparsely_is_loaded_wh
     live = {"span.weight": torch.randn(3 * 256, 128, generator=g), "norm.weight": torch.randn(64, generator=g)}
     settings = Settings(bucket_bytes=SPAN, timeout_s=60.0)
     engine = _engine(live)
-    sender = Sender(ModuleSource(live, wire_dtype=BF16), transport="shm", settings=settings, delta=True, verify=verify)
+    sender = Sender(
+        ModuleSource(live, wire_dtype=BF16),
+        transport="shm",
+        settings=settings,
+        delta=True,
+        verify=verify,
+        delta_costs=SLOW_LINK,
+    )
     peer = Peer(Receiver(engine, sender.rendezvous(), settings=settings))
     peer.ask("connect")
     try:
@@ -329,3 +339,53 @@ def test_a_sparse_change_at_the_sampling_stride_is_not_judged_dense() -> None:
             assert stats.delta and stats.wire_bytes < stats.full_bytes / 4, (version, stats.wire_bytes)
             same, _ = s.refit(version + 100)
             assert same.delta and same.wire_bytes < same.full_bytes / 100
+
+
+def test_a_fast_link_sends_every_bucket_full_and_kept_so_a_slow_one_later_gets_a_delta() -> None:
+    """Delta chooses itself: with the link costed faster than the scan, every bucket goes full, uncompared, and
+    both images take it; when the link turns slow the next refit is a delta against them, bitwise right."""
+    live = _trainer()
+    costs = Costs.known(link=0.0, per_op=1.0, per_byte=0.0)
+    with session(live, transport="shm", delta_costs=costs) as s:
+        first, _ = s.refit(1)
+        assert first.buckets == {"full-base": first.num_buckets}
+        for version in (2, 3):
+            live["embed.weight"][version, 0] += 1.0
+            live["norm.weight"][version] += 1.0
+            fast, _ = s.refit(version)
+            assert fast.delta and fast.wire_bytes == fast.full_bytes
+            assert fast.buckets == {"full-link": fast.num_buckets} and fast.num_full_by_choice == fast.num_buckets
+            assert fast.num_delta_buckets == 0 and fast.num_full_dense == 0
+        costs.set(link=1.0, per_op=0.0, per_byte=0.0)
+        live["embed.weight"][9, 9] = 0.5
+        slow, got = s.refit(4)  # the session checks each engine bitwise against `live`
+        sizes = s.sender.manifest.bucket_nbytes
+        assert slow.buckets == {"delta": len(sizes)} and slow.num_delta_buckets == len(sizes)
+        assert slow.wire_bytes == payload_nbytes(sizes[0], 1) + sum(payload_nbytes(nb, 0) for nb in sizes[1:])
+        assert got[0].wire_bytes == slow.wire_bytes
+
+
+def test_the_stats_name_why_each_bucket_went_full() -> None:
+    live = _trainer()
+    with session(live, transport="shm") as s:
+        s.refit(1)
+        live["embed.weight"].add_(1.0)  # every value of the first bucket: its sample says dense
+        stats, _ = s.refit(2)
+        rest = stats.num_buckets - 1
+        assert stats.buckets == {"full-dense-sample": 1, "delta": rest}
+        assert stats.num_full_dense == 1 and stats.num_delta_buckets == rest and stats.num_full_by_choice == 0
+        assert s.refit(3)[0].buckets == {"full-unkept": 1, "delta": rest}
+        assert stats.to_json()["buckets"] == stats.buckets
+
+
+def test_a_measured_session_scans_its_first_bucket_before_it_knows_the_scan() -> None:
+    """Without given costs, the first delta refit has timed the link (from the full one) but not the scan: its
+    first bucket is compared, whatever the others then choose."""
+    live = _trainer()
+    with session(live, transport="shm", delta_costs=None) as s:
+        s.refit(1)
+        assert s.sender.delta_costs.link is not None and s.sender.delta_costs.scan(BUCKET) is None
+        live["norm.weight"][0] = 3.0
+        stats, _ = s.refit(2)
+        assert stats.buckets.get("delta", 0) >= 1 and sum(stats.buckets.values()) == stats.num_buckets
+        assert s.sender.delta_costs.scan(BUCKET) is not None

@@ -12,7 +12,7 @@ import torch
 from refit.errors import IntegrityError
 from refit.layout.planner import plan
 from refit.layout.spec import TensorSpec
-from refit.stages.delta import BLOCK, REPRIME, WireImage, payload_nbytes, table_nbytes
+from refit.stages.delta import BLOCK, REPRIME, Costs, WireImage, payload_nbytes, table_nbytes
 
 
 def _images(nbytes: int) -> tuple[WireImage, WireImage]:
@@ -135,3 +135,16 @@ def test_a_hostile_payload_is_refused_before_the_image_is_written(hack, message:
     with pytest.raises(IntegrityError, match=message):
         receiver.decode(0, buf, size)
     assert torch.equal(receiver.images[0], before)
+
+
+def test_the_costs_fit_the_scan_as_per_op_plus_per_byte_and_the_link_per_byte() -> None:
+    costs = Costs()
+    assert costs.link is None and costs.scan(1 << 20) is None
+    for nbytes in (1 << 20, 4 << 20, 2 << 20):
+        costs.scanned(nbytes, 1e-3 + nbytes * 1e-9)
+        costs.moved(nbytes, nbytes * 4e-9)
+    assert costs.scan(8 << 20) == pytest.approx(1e-3 + (8 << 20) * 1e-9)
+    assert costs.link == pytest.approx(4e-9)
+    costs.set(link=1.0, per_op=2.0, per_byte=0.0)
+    costs.moved(1, 5.0)
+    assert costs.link == 1.0 and costs.scan(123) == 2.0

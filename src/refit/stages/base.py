@@ -49,6 +49,15 @@ class Stage:
         different number of bytes only with one of its `resizing` flags."""
         return nbytes, Bucket(0)
 
+    def sent(self, b: int, nbytes: int, seconds: float) -> None:
+        """Bucket `b` was retired: its `nbytes` (as `outgoing` left them) took `seconds` of the sender's time on
+        the link (sending it, then waiting until every receiver took it; the part that overlapped later packs is
+        not counted). A stage may learn the link's cost from it."""
+
+    def buckets(self) -> dict[str, int]:
+        """This refit's buckets per way this stage sent them (`RefitStats.buckets`); empty when it has no say."""
+        return {}
+
     # -- the engine's half -----------------------------------------------------------------------
 
     def accept(self, version: int, base: int | None) -> RefitError | None:

@@ -13,6 +13,8 @@ engine's checks the base and decodes. Each side's image version is written here 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from refit.errors import IntegrityError, RefitError
@@ -40,6 +42,67 @@ bucket full, never wrong bytes."""
 REPRIME = 4
 """A bucket found dense is no longer kept in the images (neither side copies it; it goes full, uncompared);
 the REPRIME-th refit after, it is kept again, so that a return to sparse changes is seen."""
+
+
+DECAY = 0.8
+"""Weight each earlier measurement keeps per new one, so that the costs follow the link and the machine's load."""
+REPROBE = 16
+"""While every bucket goes full by choice the scan is not timed; the REPROBE-th delta refit since one was
+scans its first kept bucket anyway, so that a cheaper scan (or a slower link) is seen."""
+
+
+class Costs:
+    """What this session measured, to choose per bucket between a delta and a full send: the link's seconds per
+    byte (from full buckets: `Stage.sent`) and the scan's time, fitted as `per_op + nbytes * per_byte`. Each is
+    a running least-squares fit whose older points fade by DECAY; None until measured. `frozen`: keep the
+    values as set (tests; a caller who knows its link)."""
+
+    def __init__(self, *, link: float | None = None, per_op: float = 0.0, per_byte: float | None = None) -> None:
+        self.frozen = False
+        self._link = [0.0, 0.0]  # decayed sums of seconds and bytes
+        self._scan = [0.0] * 5  # decayed n, sum x, sum y, sum xx, sum xy
+        self._fixed = (link, per_op, per_byte)
+
+    @classmethod
+    def known(cls, *, link: float, per_op: float, per_byte: float) -> Costs:
+        """Costs set once and kept (`frozen`): the link's seconds per byte and the scan's fit."""
+        return cls().set(link=link, per_op=per_op, per_byte=per_byte)
+
+    def set(self, *, link: float, per_op: float, per_byte: float) -> Costs:
+        """Keep these costs from now on (`frozen`), whatever is measured."""
+        self._fixed, self.frozen = (link, per_op, per_byte), True
+        return self
+
+    def moved(self, nbytes: int, seconds: float) -> None:
+        if not self.frozen and nbytes > 0:
+            self._link = [self._link[0] * DECAY + seconds, self._link[1] * DECAY + nbytes]
+
+    def scanned(self, nbytes: int, seconds: float) -> None:
+        if not self.frozen:
+            n, sx, sy, sxx, sxy = (v * DECAY for v in self._scan)
+            self._scan = [n + 1, sx + nbytes, sy + seconds, sxx + nbytes * nbytes, sxy + nbytes * seconds]
+
+    @property
+    def link(self) -> float | None:
+        """Seconds per byte the link costs the sender."""
+        if self.frozen:
+            return self._fixed[0]
+        return self._link[0] / self._link[1] if self._link[1] else None
+
+    def scan(self, nbytes: int) -> float | None:
+        """Predicted seconds of a scan of `nbytes`."""
+        if self.frozen:
+            per_op, per_byte = self._fixed[1], self._fixed[2]
+            return None if per_byte is None else per_op + nbytes * per_byte
+        n, sx, sy, sxx, sxy = self._scan
+        if not n or not sx:
+            return None
+        var = sxx / n - (sx / n) ** 2
+        slope = (sxy / n - sx * sy / n / n) / var if var > 1e-6 * (sx / n) ** 2 else -1.0
+        if slope <= 0:  # one bucket size (or noise): all of it per byte
+            return nbytes * sy / sx
+        per_op = max(0.0, sy / n - slope * sx / n)
+        return per_op + nbytes * slope
 
 
 def num_units(nbytes: int) -> int:
@@ -78,6 +141,10 @@ class WireImage:
         """The ranks of the receivers that committed `version`."""
         self._samples: dict[int, torch.Tensor] = {}
         """Per bucket compared by a sample: the units sampled (one per run of SAMPLE units, drawn once)."""
+        self._scratches: dict[str, torch.Tensor] = {}
+        """Scratch tensors of the compare, reused by every bucket (`_scratch`)."""
+        self.reason = ""
+        """How `encode` sent its last bucket: delta, full-dense-sample, full-dense-scan, full-unkept, full-reprime."""
 
     def base_for(self, ranks: list[int]) -> int | None:
         """The version a refit to `ranks` may be sent as a delta against: the image's, when each of them committed
@@ -102,16 +169,6 @@ class WireImage:
         self.images[b][:nb].copy_(buf[:nb])
         self.kept[b] = True
 
-    def _changed(self, b: int, buf: torch.Tensor) -> torch.Tensor:
-        """Per unit of bucket `b`: whether its bytes in `buf` differ from the image's (bool)."""
-        nb = self.manifest.bucket_nbytes[b]
-        whole = nb // UNIT
-        img = self.images[b]
-        ne = torch.ne(buf[: whole * UNIT].view(torch.int16), img[: whole * UNIT].view(torch.int16))
-        if nb > whole * UNIT:  # an odd last byte
-            ne = torch.cat([ne, torch.ne(buf[nb - 1 : nb], img[nb - 1 : nb])])
-        return ne
-
     def encode(self, b: int, buf: torch.Tensor, *, threshold: float = DELTA_THRESHOLD) -> tuple[int | None, bool]:
         """Bucket `b`, packed in `buf`, against the image. Returns the nbytes of the delta payload now in `buf`, or
         None when it goes full (`buf` untouched), and whether the images keep it (a delta: always; a full bucket:
@@ -120,36 +177,99 @@ class WireImage:
         if not self.kept[b]:
             self._stale[b] += 1
             if self._stale[b] < REPRIME:
+                self.reason = "full-unkept"
                 return None, False
             self._stale[b] = 0
             self.absorb(b, buf)
+            self.reason = "full-reprime"
             return None, True
         if self._surely_dense(b, buf, threshold):
             self.kept[b], self._stale[b] = False, 0
+            self.reason = "full-dense-sample"
             return None, False
-        ne = self._changed(b, buf)
-        count = int(torch.count_nonzero(ne))
+        changed = self._changed_words(b, buf)
+        # every changed word holds at least one changed unit: a payload over the threshold already
+        if payload_nbytes(nb, int(changed.numel())) > min(threshold * nb, buf.numel()):
+            self.absorb(b, buf)
+            self.reason = "full-dense-scan"
+            return None, True
+        idx, values = self._changed_units(b, buf, changed)
+        count = int(idx.numel())
         size = payload_nbytes(nb, count)
         if size > threshold * nb or size > buf.numel():
             self.absorb(b, buf)
+            self.reason = "full-dense-scan"
             return None, True
-        idx = torch.nonzero(ne).view(-1)
-        units = self.images[b].view(torch.int16)
-        if count:
-            if nb % UNIT:  # the odd last byte goes through the image's padded unit
-                self.images[b][nb - 1 : nb].copy_(buf[nb - 1 : nb])
-                whole = idx[idx < nb // UNIT]
-            else:
-                whole = idx
-            units.index_copy_(0, whole, buf[: (nb // UNIT) * UNIT].view(torch.int16).index_select(0, whole))
-        blocks = num_blocks(nb)
-        head = table_nbytes(nb, count)
-        buf[:8].view(torch.int64).fill_(count)
-        buf[8 : 8 + 4 * blocks].view(torch.int32).copy_(torch.bincount(idx // BLOCK, minlength=blocks))
-        at = 8 + 4 * blocks
-        buf[at : at + 2 * count].view(torch.int16).copy_(idx % BLOCK)  # wraps to int16: read back as unsigned
-        torch.index_select(units, 0, idx, out=buf[head:size].view(torch.int16))
+        self._write(nb, buf, idx, values)
+        self.reason = "delta"
         return size, True
+
+    def _scratch(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """`n` elements of a scratch tensor kept for the epoch (grown as needed): a fresh one of megabytes would be
+        paged in on every use, which costs more than the compare itself."""
+        have = self._scratches.get(name)
+        if have is None or have.numel() < n:
+            have = self._scratches[name] = torch.empty(max(n, 1024), dtype=dtype, device=self.images[0].device)
+        return have[:n]
+
+    def _nonzero(self, name: str, mask: torch.Tensor) -> torch.Tensor:
+        """The indices of `mask`'s set elements (int64, increasing), into scratch `name`."""
+        count = int(torch.count_nonzero(mask))
+        out = self._scratch(name, count, torch.int64)
+        if count:
+            torch.nonzero(mask, out=out.view(count, 1))
+        return out
+
+    def _changed_words(self, b: int, buf: torch.Tensor) -> torch.Tensor:
+        """The 8-byte words of bucket `b`'s whole words that differ from the image's (their indices, increasing).
+        One compare at memory speed into a reused mask (1 byte per 8)."""
+        words = self.manifest.bucket_nbytes[b] // 8
+        mask = self._scratch("mask", words, torch.bool)
+        torch.ne(buf[: words * 8].view(torch.int64), self.images[b][: words * 8].view(torch.int64), out=mask)
+        return self._nonzero("words", mask)
+
+    def _changed_units(self, b: int, buf: torch.Tensor, changed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of the `changed` words (and the bytes after the last whole word): the changed units' indices, increasing,
+        and their new bytes (int16); the image takes them."""
+        nb = self.manifest.bucket_nbytes[b]
+        words, n = nb // 8, changed.numel()
+        image = self.images[b][: words * 8].view(torch.int64)
+        new = torch.index_select(
+            buf[: words * 8].view(torch.int64), 0, changed, out=self._scratch("new", n, torch.int64)
+        )
+        old = torch.index_select(image, 0, changed, out=self._scratch("old", n, torch.int64))
+        mask = torch.ne(new.view(torch.int16), old.view(torch.int16), out=self._scratch("units", 4 * n, torch.bool))
+        flat = self._nonzero("flat", mask)
+        count = flat.numel()
+        rows = torch.bitwise_right_shift(flat, 2, out=self._scratch("rows", count, torch.int64))
+        idx = torch.index_select(changed, 0, rows, out=self._scratch("idx", count, torch.int64)).mul_(4)
+        idx.add_(torch.bitwise_and(flat, 3, out=rows))
+        values = torch.index_select(new.view(torch.int16), 0, flat, out=self._scratch("values", count, torch.int16))
+        image.index_copy_(0, changed, new)
+        tail = nb - words * 8
+        if tail:  # under 8 bytes after the last whole word (an odd last byte compared with the image's zero pad)
+            units = self.images[b][words * 8 :].view(torch.int16)
+            now = torch.zeros(units.numel() * UNIT, dtype=torch.uint8, device=buf.device)
+            now[:tail] = buf[words * 8 : nb]
+            at = torch.nonzero(torch.ne(now.view(torch.int16), units)).view(-1)
+            idx = torch.cat([idx, at + words * 4])
+            values = torch.cat([values, now.view(torch.int16).index_select(0, at)])
+            units.copy_(now.view(torch.int16))
+        return idx, values
+
+    def _write(self, nb: int, buf: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
+        """The delta payload of the changed units `idx` (increasing) and their `values` into `buf`."""
+        count, blocks = int(idx.numel()), num_blocks(nb)
+        head = table_nbytes(nb, count)
+        bounds = torch.arange(blocks + 1, device=idx.device) * BLOCK
+        per_block = torch.diff(torch.searchsorted(idx, bounds))
+        buf[:8].view(torch.int64).fill_(count)
+        buf[8 : 8 + 4 * blocks].view(torch.int32).copy_(per_block)
+        at = 8 + 4 * blocks
+        offsets = torch.bitwise_and(idx, BLOCK - 1, out=self._scratch("rows", count, torch.int64))
+        buf[at : at + 2 * count].view(torch.int16).copy_(offsets)  # wraps to int16: read back as unsigned
+        buf[at + 2 * count : head].zero_()
+        buf[head : head + UNIT * count].view(torch.int16).copy_(values)
 
     def _surely_dense(self, b: int, buf: torch.Tensor, threshold: float) -> bool:
         """A sample of the units says a delta of bucket `b` would be well over `threshold` of its bytes."""
@@ -207,21 +327,65 @@ class DeltaStage(Stage):
         self.image = WireImage(manifest, device)
         self.threshold = DELTA_THRESHOLD
         """The trainer's: a bucket goes as a delta only when its payload is at most this fraction of it."""
+        self.costs = Costs()
+        """The trainer's: the link's and the scan's measured costs, by which each bucket goes as a delta or full."""
         self._delta = False
         """The trainer's: this refit goes as a delta (its BEGIN named a base)."""
+        self._saw = [0] * manifest.num_buckets
+        """The trainer's, per bucket: the payload of its last scan (its full bytes when over the threshold)."""
+        self._full = [False] * manifest.num_buckets
+        """The trainer's, per bucket: it went full in this refit (its send times the link)."""
+        self._counts: dict[str, int] = {}
+        self._since_scan = 0
 
     def base(self, version: int, ranks: list[int]) -> int | None:
         base = self.image.base_for(ranks)
         self._delta = base is not None
+        self._counts = {}
+        if self._delta:
+            self._since_scan += 1
         return base
 
     def outgoing(self, b: int, buf: torch.Tensor, nbytes: int) -> tuple[int, Bucket]:
-        if not self._delta:  # a full refit primes every bucket
+        way = self._way(b)
+        if way is not None:  # full, uncompared, and kept: the images take its bytes
             self.image.absorb(b, buf)
+            self._went(b, way, full=True)
             return nbytes, Bucket.KEPT
+        t = time.perf_counter()
         size, kept = self.image.encode(b, buf, threshold=self.threshold)
+        way = self.image.reason
+        if way in ("delta", "full-dense-scan"):
+            self.costs.scanned(nbytes, time.perf_counter() - t)
+            self._saw[b] = nbytes if size is None else size
+            self._since_scan = 0
+        self._went(b, way, full=size is None)
         flags = Bucket.KEPT if kept else Bucket(0)
         return (nbytes, flags) if size is None else (size, flags | Bucket.DELTA)
+
+    def _way(self, b: int) -> str | None:
+        """Bucket `b` goes full, uncompared, and kept: why ('full-base': a full refit primes every bucket;
+        'full-link': the scan is predicted to cost more than the link time its bytes would save); None: encode."""
+        if not self._delta:
+            return "full-base"
+        if not self.image.kept[b]:
+            return None  # encode counts it stale (or primes it again)
+        nb = self.manifest.bucket_nbytes[b]
+        link, scan = self.costs.link, self.costs.scan(nb)
+        if link is None or scan is None or self._since_scan >= REPROBE:
+            return None  # not measured yet (or not for long): scan, and learn
+        return "full-link" if scan > link * (nb - self._saw[b]) else None
+
+    def _went(self, b: int, way: str, *, full: bool) -> None:
+        self._counts[way] = self._counts.get(way, 0) + 1
+        self._full[b] = full
+
+    def sent(self, b: int, nbytes: int, seconds: float) -> None:
+        if self.trainer and self._full[b]:
+            self.costs.moved(nbytes, seconds)
+
+    def buckets(self) -> dict[str, int]:
+        return dict(self._counts)
 
     def accept(self, version: int, base: int | None) -> RefitError | None:
         """From here until this refit commits the image is being rewritten, so it stands for no version."""

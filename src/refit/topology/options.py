@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from refit.layout.budget import NUM_SLOTS
 from refit.stages import names, registered
+from refit.stages.delta import Costs
 
 Verify = Literal["fingerprint", "strict"] | None
 VERIFY_MODES: tuple[Verify, ...] = (None, "fingerprint", "strict")
@@ -31,7 +32,9 @@ class SenderOptions:
     Delta refits); each side keeps that committed wire image (one copy of the model in its wire dtype, on the
     transport's device). A new epoch, a joiner, a receiver that did not commit the image's version, or a refit
     after any failure is sent full; so is each bucket whose delta payload would exceed `delta_threshold` of its
-    bytes (default 0.25: about an eighth of its values changed).
+    bytes (default 0.25: about an eighth of its values changed). A delta goes only where it pays: each bucket is
+    sent full, uncompared (and kept), when the scan for its changed values is predicted to cost more than the link
+    time its bytes would save, from `delta_costs` (default: measured in this session; `Costs.known` fixes them).
     Verification is unchanged: whole tensors against the trainer's live ones.
     `stages`: names of more stages (refit.stages.register) every refit's buckets pass through, after delta's;
     each engine process must have registered them too, or its handshake refuses the manifest naming them."""
@@ -47,6 +50,7 @@ class SenderOptions:
     min_receivers: int = 1
     delta: bool = False
     delta_threshold: float = 0.25
+    delta_costs: Costs | None = None
     stages: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

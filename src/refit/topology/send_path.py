@@ -73,6 +73,8 @@ class SendPath:
         self.bucket_names = [[manifest.entries[s.entry].name for s in segs] for segs in manifest.segments]
         self.on_lost: Lost | None = None
         self.stages = stages or []
+        self._moved: list[tuple[int, float]] = []
+        """Per slot in flight: the bytes its bucket moves and the seconds its send took (for `Stage.sent`)."""
 
     def buffer(self, b: int) -> torch.Tensor:
         """The slot buffer bucket `b` is packed into."""
@@ -111,6 +113,7 @@ class SendPath:
         """Pack and send every bucket, `num_slots` in flight."""
         m, slots = self.manifest, self.num_slots
         inflight: list[Pending | None] = [None] * slots
+        self._moved = [(0, 0.0)] * slots
         errors: list[str] = []
         for b in range(m.num_buckets):
             slot = b % slots
@@ -138,10 +141,13 @@ class SendPath:
             )
             each(self.channels, lambda ch, h=header: ch.send(h), self.on_lost)
             inflight[slot] = self.transport.send(slot, nbytes)
+            self._moved[slot] = (nbytes, time.perf_counter() - t)
             stats.add("send", time.perf_counter() - t)
             log.debug("bucket %d of %d (%d bytes) sent from slot %d", b, m.num_buckets, nbytes, slot)
         for b in range(max(0, m.num_buckets - slots), m.num_buckets):
             self._retire(b, inflight[b % slots], version, stats, errors)
+        for stage in self.stages:
+            stats.count_buckets(stage.buckets())
         return errors
 
     def _outgoing(self, b: int, slot: int) -> tuple[int, Bucket]:
@@ -188,7 +194,11 @@ class SendPath:
                 errors.append(f"{ch.peer} failed at bucket {b}")
 
         each(self.channels, ack, self.on_lost)
-        stats.add("wait", time.perf_counter() - t)
+        waited = time.perf_counter() - t
+        stats.add("wait", waited)
+        nbytes, sending = self._moved[b % self.num_slots]
+        for stage in self.stages:
+            stage.sent(b, nbytes, sending + waited)
 
     def _send_digests(
         self, source: Source, version: int, stats: RefitStats, digests: DigestPlan, generation: int

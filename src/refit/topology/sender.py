@@ -29,7 +29,7 @@ from refit.protocol.wire import Channel, Header, Kind, Offer, parse_json
 from refit.settings import Settings
 from refit.sources.base import Source
 from refit.stages import Stage
-from refit.stages.delta import DeltaStage
+from refit.stages.delta import Costs, DeltaStage
 from refit.topology.admission import admit, falls_back, welcome
 from refit.topology.digest_plan import DigestPlan, parse_regions
 from refit.topology.elastic import Elastic, Fixed
@@ -75,6 +75,8 @@ class Sender:
         if o.zero_copy and not source.stable_tensors:
             raise ValueError("zero_copy needs a source whose tensors persist between refits (not a gathering one)")
         self.options = o
+        self.delta_costs = o.delta_costs or Costs()
+        """The link's and the delta scan's costs measured in this session (they outlive an epoch)."""
         self.num_slots, self.zero_copy, self.verify = o.num_slots, o.zero_copy, o.verify
         self.elastic, self.min_receivers = o.elastic, o.min_receivers
         self.verify_checksum, self.num_receivers = o.verify_checksum, o.num_receivers
@@ -231,7 +233,7 @@ class Sender:
         made = stages.make(manifest.stages, manifest, self.device, trainer=True)
         for stage in made:
             if isinstance(stage, DeltaStage):
-                stage.threshold = self.options.delta_threshold
+                stage.threshold, stage.costs = self.options.delta_threshold, self.delta_costs
         return made
 
     def offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]:

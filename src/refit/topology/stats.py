@@ -42,6 +42,17 @@ class RefitStats:
     """Bucket bytes a full refit of this epoch moves (padding included), for comparison with `wire_bytes`."""
     delta: bool = False
     """The refit was sent as a delta against the version every receiver committed (`SenderOptions.delta`)."""
+    buckets: dict[str, int] = field(default_factory=dict)
+    """Sender, per stage's say (refit.stages): this refit's buckets per way they went. Delta: 'delta', 'full-link'
+    (the link moves the bytes faster than the scan for changed values would pay for), 'full-dense-sample' and
+    'full-dense-scan' (over the threshold, found by the sample or by the whole compare), 'full-unkept' (found
+    dense lately: not in the images), 'full-reprime' (kept again after that), 'full-base' (a full refit)."""
+    num_delta_buckets: int = 0
+    """Sender: buckets that moved as delta payloads."""
+    num_full_by_choice: int = 0
+    """Sender, delta: buckets sent full, uncompared, because the link was measured faster than the scan."""
+    num_full_dense: int = 0
+    """Sender, delta: buckets sent full because too many of their values changed (found now, or lately)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Seconds per stage; 'total' is the refit's wall time. Sender: handshake, pack, send, wait, verify (its
     digests sent), commit (COMMIT sent until every DONE: the receivers' fingerprint check and engine commit),
@@ -52,6 +63,17 @@ class RefitStats:
 
     def add(self, stage: str, dt: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + dt
+
+    def count_buckets(self, counts: dict[str, int]) -> None:
+        """Add a stage's `counts` of buckets per way they went (`buckets`), and the totals of the num_ fields."""
+        for way, n in counts.items():
+            self.buckets[way] = self.buckets.get(way, 0) + n
+            if way == "delta":
+                self.num_delta_buckets += n
+            elif way == "full-link":
+                self.num_full_by_choice += n
+            elif way.startswith("full-dense") or way == "full-unkept":
+                self.num_full_dense += n
 
     @property
     def total_s(self) -> float:
