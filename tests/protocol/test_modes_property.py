@@ -43,6 +43,7 @@ from hypothesis.stateful import (
 
 from refit import HandshakeError, ModuleEngine, ModuleSource, PeerError, RefitError, Sender, Settings, State
 from refit.layout.spec import TensorSpec
+from refit.stages.delta import Costs
 from refit.topology.policies import Commit
 from refit.topology.receiver import Receiver
 from refit.topology.stats import RefitStats
@@ -328,6 +329,7 @@ def _sender(tensors: dict[str, torch.Tensor], mode: Mode) -> Sender:
         settings=mode.settings,
         verify=mode.verify,
         delta=mode.delta,
+        delta_costs=mode.costs,
         commit=commit,
     )
 
@@ -336,8 +338,11 @@ class Mode:
     """One session's modes: delta or not, the verify mode, a vote across (simulated) trainer ranks or not,
     the bucket capacity. `veto`: the other rank's failure, cast in the next refit's vote."""
 
-    def __init__(self, *, delta: bool, verify: str | None, vote: bool, bucket_bytes: int) -> None:
-        self.delta, self.verify = delta, verify
+    def __init__(self, *, delta: str | None, verify: str | None, vote: bool, bucket_bytes: int) -> None:
+        """`delta`: off (None), or on with the link's cost pinned slow (every bucket that pays goes as a delta) or
+        measured in the session (loopback is fast: most buckets go full, kept, by choice)."""
+        self.delta, self.verify = delta is not None, verify
+        self.costs = Costs.known(link=1.0, per_op=0.0, per_byte=0.0) if delta == "slow link" else None
         self.settings = Settings(bucket_bytes=bucket_bytes, timeout_s=TIMEOUT_S)
         self.veto = False
         self.vetoed = False
@@ -418,7 +423,7 @@ class Sessions(RuleBasedStateMachine):
     @initialize(
         first=PEER,
         joiners=st.lists(PEER, max_size=MAX_MEMBERS - 1),
-        delta=st.booleans(),
+        delta=st.sampled_from([None, "slow link", "measured link"]),
         verify=VERIFY,
         vote=st.booleans(),
         bucket_bytes=st.sampled_from(BUCKETS),
@@ -427,7 +432,7 @@ class Sessions(RuleBasedStateMachine):
         self,
         first: tuple[str, int | None],
         joiners: list[tuple[str, int | None]],
-        delta: bool,
+        delta: str | None,
         verify: str | None,
         vote: bool,
         bucket_bytes: int,
@@ -435,11 +440,11 @@ class Sessions(RuleBasedStateMachine):
         """The trainer's session (its modes) and its first receiver (admitted by connect), then receivers
         that join."""
         self.mode = Mode(delta=delta, verify=verify, vote=vote, bucket_bytes=bucket_bytes)
-        self.delta = delta
+        self.delta = delta is not None
         event(f"delta={delta}")
         event(f"verify={verify}")
         event(f"vote={vote}")
-        self.tensors = {n: _values(n, 0, dtype, delta) for n, (_, dtype) in TRAINER.items()}
+        self.tensors = {n: _values(n, 0, dtype, self.delta) for n, (_, dtype) in TRAINER.items()}
         self.sender = _sender(self.tensors, self.mode)
         p = self._start(*first)
         p.ask("connect")
