@@ -152,6 +152,7 @@ def main() -> None:
     p.add_argument("--receiver", default=None)
     p.add_argument("--cprofile", action="store_true")
     args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)  # both sides write their tables there
     if args.receiver is not None:
         _receiver(json.loads(args.receiver), args, args.mode)
         return

@@ -66,3 +66,14 @@ def _fresh_start(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         os.environ["REFIT_TEST_WARM"] = path
+
+
+@pytest.fixture(scope="module")
+def in_process_llms() -> Iterator[list]:
+    """The in-process vLLM engines a module makes (append each), shut down at the module's teardown. vLLM
+    tears down its process-global distributed state when such an engine is collected: one collected late
+    (held by a reference cycle) would take the next module's world group with it mid-test."""
+    llms: list = []
+    yield llms
+    for llm in llms:
+        llm.llm_engine.engine_core.shutdown()

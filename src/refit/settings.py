@@ -76,7 +76,7 @@ def given(name: str) -> bool:
     return bool(os.environ.get(name))
 
 
-_SWITCHES = ("REFIT_CPU_KERNEL", "REFIT_CUDA_IPC")
+_SWITCHES = ("REFIT_CPU_KERNEL", "REFIT_CUDA_IPC", "REFIT_CUDA_IPC_EVENTS")
 _COUNTS = {  # read once, at import, by the GPU kernels (refit.layout.copy_kernel, refit.checks.tensor_digest)
     "REFIT_COPY_PROGRAMS": 0,
     "REFIT_DIGEST_CHUNK_WORDS": 1,
@@ -133,6 +133,9 @@ class Settings:
     """Shared secret every connection must present (REFIT_TOKEN; generated per session if unset)."""
     cuda_ipc: bool = field(default_factory=lambda: os.environ.get("REFIT_CUDA_IPC", "1") != "0")
     """False (REFIT_CUDA_IPC=0) makes 'cuda-ipc' stage through pinned host shared memory instead."""
+    cuda_ipc_events: bool = field(default_factory=lambda: os.environ.get("REFIT_CUDA_IPC_EVENTS", "1") != "0")
+    """'cuda-ipc' orders its slots with interprocess CUDA events (no host stream sync per bucket); False
+    (REFIT_CUDA_IPC_EVENTS=0, on the sender) synchronizes each side's stream per bucket instead."""
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:

@@ -8,6 +8,7 @@ Run with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set and one JSON argument:
 - "verify": the Sender's end-to-end check ("fingerprint"), ranked mode;
 - "replace_at": the step before whose refit 1.weight is replaced by a new parameter (new storage, new
   values, the same sharding), as an optimizer wrapper or a checkpoint load with assign=True does;
+- "fp8": names the engine holds in block FP8 (the report gives them quantized, as the engine holds them);
 - "specs_to": a folder; with "model": "tiny" (Linear(1, 1) layers, so rank 1's local shards are empty, and
   2.weight tied to 0.weight), each rank writes its FsdpSource's specs there as specs-<rank>.json and exits.
 Rank 0 prints its rendezvous (ranked: every rank's, a list), then one '@@rank0' JSON line per
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from refit import ModuleSource, RefitError, Sender, Settings
 from refit.checks.fingerprints import fingerprints
 from refit.integrations.fsdp import sharded_refit
+from refit.layout import fp8
 from refit.sources.fsdp import FsdpSource, full_tensor
 from refit.topology.ranked import RankedRefit
 
@@ -81,8 +83,9 @@ def _replace(module: torch.nn.Module, name: str) -> None:
     setattr(module, name, torch.nn.Parameter(new))
 
 
-def _report(model: torch.nn.Module, source, sender, out: dict) -> None:
-    """Every rank gathers the live full tensors; rank 0 prints them with the refit's outcome."""
+def _report(model: torch.nn.Module, source, sender, out: dict, fp8_names: list[str]) -> None:
+    """Every rank gathers the live full tensors; rank 0 prints them with the refit's outcome (`fp8_names`: as
+    an FP8 engine holds them, quantized by the reference rule, with their scales)."""
     with torch.no_grad():
         full = {n: full_tensor(t) for n, t in sorted(model.state_dict(keep_vars=True).items())}
     if dist.get_rank() != 0:
@@ -92,11 +95,15 @@ def _report(model: torch.nn.Module, source, sender, out: dict) -> None:
         for s in source.specs()
         for n, dt in [(s.name, s.dtype), *((a, s.dtype) for a in getattr(s, "aliases", ()))]
     }
+    for n in fp8_names:
+        q, scales = fp8.quantize(full[n], name=n)
+        scale_name = fp8.DEFAULT_FORMAT.scale_name(n)
+        full[n], full[scale_name], wire[n], wire[scale_name] = q, scales, q.dtype, scales.dtype
     out["fingerprints"] = fingerprints(full.items(), wire)
     out["model_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
     if isinstance(source, FsdpSource):
         out.update(peak=source.peak_gathered_bytes, gathers=dict(source.gather_counts), in_place=source.in_place_bytes,
-                   predicted=source.predicted_gather_bytes(sender.manifest) if sender.manifest else 0)  # fmt: skip
+                   predicted=source.predicted_gather_bytes(sender.manifest) if sender.manifest and not fp8_names else 0)  # fmt: skip
     print("@@rank0 " + json.dumps(out), flush=True)
 
 
@@ -150,7 +157,7 @@ def main() -> int:
             out["stats"] = stats.to_json() if stats is not None else None
         except RefitError as e:
             out["error"] = f"{type(e).__name__}: {e}"
-        _report(model, source, sender, out)
+        _report(model, source, sender, out, args.get("fp8", []))
     if sender is not None:
         sender.close()
     return 0

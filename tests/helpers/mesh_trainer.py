@@ -6,7 +6,7 @@ step before whose refit a parameter is replaced by a new DTensor), "elastic" (Me
 '@@rank0' line then has "errors": every rank's error or null) and "gated" (each refit waits for a line on
 rank 0's stdin, so a test can act between refits), "await_s" (from the second refit on, how long an elastic
 refit waits for a missing worker: never a process start, which the first refit waits for), "delta"
-(MeshRefit(delta=True)) and "lr" (the SGD step's). Rank 0 prints the
+(MeshRefit(delta=True), over a link costed slow so that every bucket may go as a delta) and "lr" (the SGD step's). Rank 0 prints the
 rendezvous, then
 per refit one '@@rank0' JSON line: the stats (or the error), per worker the fingerprints of its slices
 of the live full tensors (as the engine must hold them: cast to the wire dtype, read in fp32), and how
@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from refit import RefitError, Settings
 from refit.checks.fingerprints import fingerprint
 from refit.sources.fsdp import FsdpSource, full_tensor
+from refit.stages.delta import Costs
 from refit.topology.mesh import MeshRefit
 
 CALLS: Counter = Counter()
@@ -99,7 +100,8 @@ def main() -> int:
     settings = Settings(bucket_bytes=args.get("bucket_bytes", 8192), timeout_s=120.0)
     mesh = MeshRefit(source, num_workers=workers, transport=args["transport"], settings=settings,
                      verify=args.get("verify"), elastic=args.get("elastic", False),
-                     delta=args.get("delta", False))  # fmt: skip
+                     delta=args.get("delta", False),
+                     delta_costs=Costs.known(link=1.0, per_op=0.0, per_byte=0.0) if args.get("delta") else None)  # fmt: skip
     info = mesh.rendezvous()
     if rank == 0:
         print("@@rank0 " + json.dumps(info), flush=True)

@@ -1,7 +1,7 @@
 """A sender process for the two-host test: gloo from one network namespace, reporting what it sent.
 
-One JSON argument: {"specs", "transport", "bucket_bytes", "steps"} and optionally "delta" (delta refits)
-and "sparse" (each step changes one value in 64, as a small optimizer step does; else every value). Prints
+One JSON argument: {"specs", "transport", "bucket_bytes", "steps"} and optionally "delta" (delta refits, with
+the link's cost pinned slow so that every bucket that pays goes as a delta, whatever the machine's load) and "sparse" (each step changes one value in 64, as a small optimizer step does; else every value). Prints
 '@@sender' + its rendezvous, then one '@@sender' line per refit with the fingerprints of what it sent and
 the bytes it moved on the data plane.
 """
@@ -16,6 +16,7 @@ from peer import make_tensors
 
 from refit import ModuleSource, Sender, Settings
 from refit.checks.fingerprints import fingerprints
+from refit.stages.delta import Costs
 
 
 def main() -> int:
@@ -24,7 +25,8 @@ def main() -> int:
     source = ModuleSource(tensors, wire_dtype=torch.bfloat16)
     settings = Settings(bucket_bytes=args["bucket_bytes"])
     delta, sparse = bool(args.get("delta")), bool(args.get("sparse"))
-    with Sender(source, transport=args["transport"], settings=settings, delta=delta) as sender:
+    costs = Costs.known(link=1.0, per_op=0.0, per_byte=0.0) if delta else None
+    with Sender(source, transport=args["transport"], settings=settings, delta=delta, delta_costs=costs) as sender:
         print("@@sender " + json.dumps(sender.rendezvous()), flush=True)
         for version in range(1, args["steps"] + 1):
             for t in tensors.values():

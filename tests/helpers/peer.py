@@ -32,7 +32,8 @@ class RecordingEngine(ModuleEngine):
     """A ModuleEngine that records the order of begin/load/commit calls, and can inject one fault:
     {"kind": "die" | "slow" | "raise" | "commit" | "corrupt", "version": v, "at_load": k, "seconds": s}.
     "corrupt" changes one element of the tensor named "name" after its load, as a buggy engine would.
-    With `shard` {"name", "dim", "start", "stop"} it holds only that slice of one tensor (tensor parallel)."""
+    With `shard` {"name", "dim", "start", "stop"} it holds only that slice of one tensor (tensor parallel).
+    Without either, a one-sided READ may fill its tensors in place (`writable`): its load copies as ModuleEngine's."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], fault: dict | None = None, shard: dict | None = None) -> None:
         self.shard = shard or {}
@@ -66,6 +67,12 @@ class RecordingEngine(ModuleEngine):
             s = self.shard
             return got[0], (s["dim"], s["start"], s["stop"])
         return got
+
+    def writable(self, name: str) -> torch.Tensor | None:
+        if self.shard or self.fault:
+            return None
+        got = ModuleEngine.held(self, name)
+        return None if got is None else got[0]
 
     def begin(self, version: int) -> None:
         self.events.append(f"begin {version}")
@@ -107,6 +114,7 @@ def _report(engine: RecordingEngine, receiver: Receiver, **extra: object) -> dic
     opened = (
         sys.modules["refit.transports.cuda_ipc"].handles_opened() if "refit.transports.cuda_ipc" in sys.modules else 0
     )
+    nixl = sys.modules.get("refit.transports.nixl")
     return {
         "state": w.state.value,
         "version": w.version,
@@ -114,6 +122,8 @@ def _report(engine: RecordingEngine, receiver: Receiver, **extra: object) -> dic
         "fingerprints": fps,
         "events": engine.events,
         "handles_opened": opened,
+        "nixl": nixl.counts() if nixl is not None else {},
+        "strides": {n: list(t.stride()) for n, t in engine.module.items()},
         **extra,
     }
 
@@ -128,9 +138,10 @@ def main() -> int:
     device = args.get("device", "cpu")
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    engine = RecordingEngine(
-        make_tensors(args["specs"], args.get("seed", 99), device), args.get("fault"), args.get("shard")
-    )
+    tensors = make_tensors(args["specs"], args.get("seed", 99), device)
+    for name in args.get("strided", []):  # the same values and shape, laid out transposed: not contiguous
+        tensors[name] = tensors[name].t().contiguous().t()
+    engine = RecordingEngine(tensors, args.get("fault"), args.get("shard"))
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 60.0))
     rendezvous = {**args["rendezvous"], **args.get("override", {})}
     started = time.monotonic()  # after the imports: a report's "seconds" never counts the process start

@@ -25,6 +25,7 @@ def main() -> int:
         ModuleSource(tensors),
         transport=args["transport"],
         settings=Settings(bucket_bytes=args["bucket_bytes"], timeout_s=args.get("timeout_s", 30)),
+        zero_copy=args.get("zero_copy", False),
     )
     print("@@sender " + json.dumps(sender.rendezvous()), flush=True)
     mode = args.get("mode", "die")

@@ -27,6 +27,19 @@ def live_fingerprints(live: dict[str, torch.Tensor], manifest) -> dict[str, str]
     return fingerprints(((n, live[n]) for n in manifest.names), wire)
 
 
+def step(tensors: dict[str, torch.Tensor], by: float = 0.5) -> None:
+    """An optimizer step, as far as a refit can tell: every tensor's values change in place."""
+    for t in tensors.values():
+        t.add_(by)
+
+
+def assert_current(report: dict, sender: Sender, tensors: dict, version: int) -> None:
+    """A peer's report after refit `version`: current, holding the trainer's live tensors bitwise."""
+    assert report["event"] == "refit", report
+    assert (report["state"], report["version"]) == ("current", version)
+    assert report["fingerprints"] == live_fingerprints(tensors, sender.manifest)
+
+
 @contextlib.contextmanager
 def session(
     specs: list[list],

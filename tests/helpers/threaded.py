@@ -3,14 +3,17 @@ when each one receives a refit, leaves or dies, and waits for what it did as an 
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import threading
+from collections.abc import Iterator
 
 import torch
 
-from refit import ModuleEngine
+from refit import Engine, HandshakeError, ModuleEngine, RefitError, Sender, Settings
 from refit.layout.spec import TensorSpec
+from refit.sources.base import Source
 from refit.topology.receiver import Receiver
 
 WAIT_S = 120.0
@@ -95,3 +98,30 @@ class Peer:
     def stop(self) -> None:
         self.ask("close")
         self._thread.join(WAIT_S)
+
+
+def refit_both(sender: Sender, peer: Peer, version: int) -> tuple[object, object]:
+    """One refit of `version` from both ends: (what `sender.refit` returned or raised as a RefitError or
+    HandshakeError, the receiver's outcome)."""
+    peer.ask("receive")
+    try:
+        out: object = sender.refit(version)
+    except (RefitError, HandshakeError) as e:
+        out = e
+    return out, peer.outcome()
+
+
+@contextlib.contextmanager
+def session(
+    source: Source, engine: Engine, settings: Settings, *, staged: bool = False, **options: object
+) -> Iterator[tuple[Sender, Peer]]:
+    """A Sender over shm from `source` and one threaded receiver into `engine` (`staged`: staging memory in front
+    of it), connecting; both closed after."""
+    sender = Sender(source, transport="shm", settings=settings, **options)
+    peer = Peer(Receiver(engine, sender.rendezvous(), settings=settings, staged=staged))
+    peer.ask("connect")
+    try:
+        yield sender, peer
+    finally:
+        sender.close()
+        peer.stop()

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 
 import warm
 
@@ -18,10 +19,17 @@ def free_port() -> int:
 
 
 def start(
-    args: dict, *, world: int = 2, envs: list[dict] | None = None, script: str = "fsdp_trainer.py", gate: bool = False
+    args: dict,
+    *,
+    world: int = 2,
+    envs: list[dict] | None = None,
+    script: str = "fsdp_trainer.py",
+    gate: bool = False,
+    within: Callable[[list[str]], list[str]] | None = None,
 ) -> list[subprocess.Popen]:
     """`world` trainer processes; `envs[r]` is extra environment for rank r (e.g. CUDA_VISIBLE_DEVICES).
-    `gate`: rank 0's stdin is a pipe (for a script that waits on it; see `go`)."""
+    `gate`: rank 0's stdin is a pipe (for a script that waits on it; see `go`). `within`: the command that
+    starts each one somewhere else (a network namespace: `Link.command`), as a fresh interpreter."""
     script = os.path.join(os.path.dirname(__file__), script)
     port = free_port()
     procs = []
@@ -31,9 +39,9 @@ def start(
                **((envs or [{}] * world)[rank])}  # fmt: skip
         stdin = subprocess.PIPE if gate and rank == 0 else None
         stdout = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
-        procs.append(
-            warm.popen([sys.executable, script, json.dumps(args)], env=env, text=True, stdin=stdin, stdout=stdout)
-        )
+        argv = [sys.executable, script, json.dumps(args)]
+        popen = warm.popen if within is None else subprocess.Popen
+        procs.append(popen(within(argv) if within else argv, env=env, text=True, stdin=stdin, stdout=stdout))
     return procs
 
 

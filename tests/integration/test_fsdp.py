@@ -10,6 +10,7 @@ from trainer_ranks import line, start
 
 from refit.checks.fingerprints import fingerprints
 from refit.dtypes import dtype_name
+from refit.layout import fp8
 
 
 @pytest.mark.slow
@@ -34,6 +35,34 @@ def test_fsdp2_trainer_refits_bitwise_gathering_each_tensor_once_within_budget(t
             assert set(sent["gathers"].values()) == {version}, sent["gathers"]
             assert 0 < sent["peak"] <= sent["predicted"] < sent["model_bytes"]
         assert sent["stats"]["epoch"] == 2  # the dtype change at the last step re-handshook
+    finally:
+        assert [p.wait(timeout=60) for p in ranks] == [0, 0]
+        peer.wait()
+
+
+@pytest.mark.slow
+def test_fsdp2_trainer_refits_an_fp8_engine_quantizing_each_gathered_tensor_whole() -> None:
+    """The engine holds three weights in block FP8 whose 128-row blocks cross the two ranks' shard boundary
+    (rows 150 and 48 of 300 and 96): rank 0 quantizes each tensor once gathered whole, so every block's scale is
+    the one the unsharded tensor gives; 0.weight also spans buckets in FP8."""
+    model = build(0)
+    quantized = ["0.weight", "1.weight", "3.weight"]
+    specs: list[list] = []
+    for n, t in sorted(model.state_dict().items()):
+        if n in quantized:
+            specs.append([n, list(t.shape), "float8_e4m3fn"])
+            specs.append([fp8.DEFAULT_FORMAT.scale_name(n), list(fp8.scale_shape(t.shape)), "float32"])
+        else:
+            specs.append([n, list(t.shape), dtype_name(torch.float32)])
+    ranks = start({"transport": "shm", "bucket_bytes": 16384, "steps": 3, "fp8": quantized})
+    peer = Peer({"rendezvous": line(ranks[0]), "specs": specs, "bucket_bytes": 16384})
+    try:
+        for version in (1, 2, 3):
+            sent, got = line(ranks[0]), peer.report()
+            assert got["event"] == "refit" and got["version"] == version, got
+            assert got["fingerprints"] == sent["fingerprints"]
+            assert {n: sent["fingerprints"][n] for n in quantized} != {}
+        assert sent["stats"]["nbytes"] < sum(t.numel() * 2 for t in model.state_dict().values())
     finally:
         assert [p.wait(timeout=60) for p in ranks] == [0, 0]
         peer.wait()

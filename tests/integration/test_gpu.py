@@ -25,11 +25,11 @@ def _specs(tensors: dict[str, torch.Tensor]) -> list[list]:
     return [[n, list(t.shape), dtype_name(torch.float32)] for n, t in tensors.items()]
 
 
-def _refits(transport: str, peer_devices: list[str]) -> list[dict]:
+def _refits(transport: str, peer_devices: list[str], bucket_bytes: int = 8 << 20) -> list[dict]:
     tensors = _model()
     reports = []
     with session(_specs(tensors), transport=transport, tensors=tensors, device="cuda:0",
-                 wire_dtype=torch.bfloat16, bucket_bytes=8 << 20, receivers=len(peer_devices),
+                 wire_dtype=torch.bfloat16, bucket_bytes=bucket_bytes, receivers=len(peer_devices),
                  peer_devices=peer_devices) as (sender, _, peers):  # fmt: skip
         for version in range(1, 4):
             with torch.no_grad():
@@ -45,7 +45,8 @@ def _refits(transport: str, peer_devices: list[str]) -> list[dict]:
                 assert r["event"] == "refit", r
                 assert r["fingerprints"] == expected
                 assert (r["state"], r["version"]) == ("current", version)
-                reports.append({**r, "epoch": stats.epoch, "buckets": stats.num_buckets})
+                reports.append({**r, "epoch": stats.epoch, "buckets": stats.num_buckets,
+                                "events": getattr(sender.transport, "packed", None) is not None})  # fmt: skip
     return reports
 
 
@@ -90,6 +91,18 @@ def test_zero_copy_reads_the_trainer_tensors_and_re_exports_when_storage_moves()
             assert stats.num_buckets > 1 and "pack" not in stats.seconds
     assert epochs == [1, 1, 2]
     assert opened[0] == opened[1] > 2 and opened[2] > opened[1]
+
+
+@needs_cuda
+@pytest.mark.parametrize("events", ["1", "0"])
+def test_cuda_ipc_many_small_buckets_through_two_slots_are_bitwise(
+    events: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slots reused many times a refit, ordered by interprocess events (no host sync per bucket) or by syncs."""
+    monkeypatch.setenv("REFIT_CUDA_IPC_EVENTS", events)
+    reports = _refits("cuda-ipc", ["cuda:0", "cuda:0"], bucket_bytes=1 << 20)
+    assert all(r["buckets"] > 10 for r in reports)
+    assert all(r["events"] == (events == "1") for r in reports)
 
 
 @needs_cuda

@@ -10,9 +10,10 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-from link import A_ADDR, Link, can_make_links
+from link import A_ADDR, B_ADDR, Link, can_make_links
 from locations import helper, pythonpath
 from peer import MARK
+from trainer_ranks import line, start
 
 SPECS = [[f"layer.{i}.weight", [256, 256], "float32"] for i in range(8)]
 """1 MiB in bf16 on the wire: 8 buckets of 128 KiB."""
@@ -43,20 +44,39 @@ def _json(proc: subprocess.Popen, mark: str) -> dict:
     raise AssertionError(f"process exited with {proc.wait()} before a {mark.strip()} line")
 
 
+NET_ONLY = {"UCX_TLS": "tcp"}
+"""nixl's UCX kept to TCP: by default it reads through cross-memory attach (cma) or shared memory, which reach
+another network namespace of the same kernel without crossing the veth."""
+
+
+def _nixl_or_skip(transport: str) -> dict[str, str]:
+    if transport == "nixl":
+        from refit.tools.doctor import nixl_installed
+
+        if not nixl_installed():
+            pytest.skip("needs nixl: pip install '.[nixl]'")
+        return NET_ONLY
+    return {}
+
+
+@pytest.mark.parametrize("transport", ["gloo", "nixl"])
 @pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
-def test_gloo_across_a_rate_limited_link_moves_what_it_reports_and_lands_bitwise(link: Link, delta: bool) -> None:
+def test_across_a_rate_limited_link_a_refit_moves_what_it_reports_and_lands_bitwise(
+    link: Link, transport: str, delta: bool
+) -> None:
     """Every data-plane byte refit reports crosses the veth (its counter grows by at least that much per
     refit, and by little more: headers and the control channel), and a delta refit after a sparse step moves
     far fewer bytes than a full one."""
-    args = {"specs": SPECS, "transport": "gloo", "bucket_bytes": BUCKET, "steps": STEPS, "delta": delta,
+    net = _nixl_or_skip(transport)
+    args = {"specs": SPECS, "transport": transport, "bucket_bytes": BUCKET, "steps": STEPS, "delta": delta,
             "sparse": True}  # fmt: skip
-    sender = link.popen("a", [helper("net_sender.py"), json.dumps(args)], _env(REFIT_HOST=A_ADDR))
+    sender = link.popen("a", [helper("net_sender.py"), json.dumps(args)], _env(REFIT_HOST=A_ADDR, **net))
     try:
         info = _json(sender, "@@sender ")
         assert info["host"] == A_ADDR
         before = link.bytes_a_to_b()
         engine = {"rendezvous": info, "specs": SPECS, "bucket_bytes": BUCKET}
-        worker = link.popen("b", [helper("peer.py"), json.dumps(engine)], _env(REFIT_HOST="10.232.0.2"))
+        worker = link.popen("b", [helper("peer.py"), json.dumps(engine)], _env(REFIT_HOST="10.232.0.2", **net))
         moved = []
         for version in range(1, STEPS + 1):
             sent, got = _json(sender, "@@sender "), _json(worker, MARK)
@@ -74,3 +94,33 @@ def test_gloo_across_a_rate_limited_link_moves_what_it_reports_and_lands_bitwise
     assert crossed <= 1.2 * sum(moved) + (1 << 20), f"the veth carried {crossed} bytes for {sum(moved)} reported"
     if delta:
         assert all(m < full / 4 for m in moved[1:]), moved
+
+
+def test_m_to_n_across_the_link_two_trainer_ranks_into_two_workers_bitwise(link: Link) -> None:
+    """FSDP2 on two trainer ranks in the trainer's namespace, two engine workers in the engine's, each
+    receiving its slices from the rank that holds them over gloo: every byte crosses the veth, bitwise."""
+    args = {"kind": "mlp", "workers": 2, "transport": "gloo", "steps": 3, "verify": "fingerprint"}
+    env = {"REFIT_HOST": A_ADDR}
+    ranks = start(args, script="mesh_trainer.py", envs=[env, env], within=lambda argv: link.command("a", argv))
+    workers: list[subprocess.Popen] = []
+    try:
+        info = line(ranks[0])
+        before = link.bytes_a_to_b()
+        for w in range(2):
+            job = {"rendezvous": info, "kind": "mlp", "worker": w, "workers": 2, "device": "cpu"}
+            workers.append(link.popen("b", [helper("mesh_worker.py"), json.dumps(job)], _env(REFIT_HOST=B_ADDR)))
+        received = 0
+        for version in (1, 2, 3):
+            out = line(ranks[0])
+            assert "error" not in out, out["error"]
+            for w, p in enumerate(workers):
+                assert p.stdout is not None
+                got = json.loads(p.stdout.readline())
+                assert got["version"] == version and got["state"] == "current", got
+                assert got["fingerprints"] == out["expected"][w], f"worker {w} differs at version {version}"
+                received += got["nbytes"]
+        crossed = link.bytes_a_to_b() - before
+    finally:
+        assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+        assert [p.wait(timeout=120) for p in workers] == [0] * len(workers)
+    assert crossed >= received > 0, f"the veth carried {crossed} bytes for the {received} the workers received"

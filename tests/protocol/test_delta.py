@@ -13,7 +13,7 @@ import torch
 from threaded import Peer, RowsEngine
 
 from refit import ModuleEngine, ModuleSource, RefitError, Sender, Settings
-from refit.stages.delta import REPRIME, Costs, DeltaStage, WireImage, payload_nbytes
+from refit.stages.delta import REPRIME, REPROBE, Costs, DeltaStage, WireImage, payload_nbytes
 from refit.topology.receiver import Receiver
 from refit.topology.stats import RefitStats
 
@@ -341,9 +341,10 @@ def test_a_sparse_change_at_the_sampling_stride_is_not_judged_dense() -> None:
             assert same.delta and same.wire_bytes < same.full_bytes / 100
 
 
-def test_a_fast_link_sends_every_bucket_full_and_kept_so_a_slow_one_later_gets_a_delta() -> None:
+def test_a_fast_link_sends_every_bucket_full_and_unkept_and_a_slow_one_gets_a_delta_after_one_reprime() -> None:
     """Delta chooses itself: with the link costed faster than the scan, every bucket goes full, uncompared, and
-    both images take it; when the link turns slow the next refit is a delta against them, bitwise right."""
+    neither image copies it (no cost beyond a full refit); when the link turns slow the next refit keeps every
+    bucket again, and the one after is a delta against them, bitwise right."""
     live = _trainer()
     costs = Costs.known(link=0.0, per_op=1.0, per_byte=0.0)
     with session(live, transport="shm", delta_costs=costs) as s:
@@ -357,12 +358,43 @@ def test_a_fast_link_sends_every_bucket_full_and_kept_so_a_slow_one_later_gets_a
             assert fast.buckets == {"full-link": fast.num_buckets} and fast.num_full_by_choice == fast.num_buckets
             assert fast.num_delta_buckets == 0 and fast.num_full_dense == 0
         costs.set(link=1.0, per_op=0.0, per_byte=0.0)
+        live["embed.weight"][8, 8] = 0.25
+        again, _ = s.refit(4)
+        assert again.buckets == {"full-reprime": again.num_buckets} and again.wire_bytes == again.full_bytes
         live["embed.weight"][9, 9] = 0.5
-        slow, got = s.refit(4)  # the session checks each engine bitwise against `live`
+        slow, got = s.refit(5)  # the session checks each engine bitwise against `live`
         sizes = s.sender.manifest.bucket_nbytes
         assert slow.buckets == {"delta": len(sizes)} and slow.num_delta_buckets == len(sizes)
         assert slow.wire_bytes == payload_nbytes(sizes[0], 1) + sum(payload_nbytes(nb, 0) for nb in sizes[1:])
         assert got[0].wire_bytes == slow.wire_bytes
+
+
+def test_buckets_left_full_by_a_fast_link_are_kept_again_and_scanned_once_the_probe_is_due() -> None:
+    """Full by choice is not forever: the scan is timed anew every REPROBE refits (a busier link, or a cheaper
+    scan, would be seen), and a bucket the link left unkept is kept again just before."""
+    live = _trainer()
+    with session(live, transport="shm", delta_costs=Costs.known(link=0.0, per_op=1.0, per_byte=0.0)) as s:
+        s.refit(1)
+        ways = []
+        for version in range(2, REPROBE + 3):
+            live["norm.weight"][version % 8] += 1.0
+            ways.append(set(s.refit(version)[0].buckets))
+        assert ways[: REPROBE - 1] == [{"full-link"}] * (REPROBE - 1)
+        assert ways[REPROBE - 1] == {"full-reprime"}
+        assert ways[REPROBE] & {"delta", "full-dense-scan"}, ways[REPROBE]  # its first bucket is scanned
+
+
+def test_a_delta_that_the_receiver_takes_long_to_scatter_is_costed_beyond_its_bytes() -> None:
+    """What a delta bucket waits beyond its payload's link time (the receiver's scatter) is measured, and
+    counts against the delta: a delta's bytes alone would say it pays."""
+    costs = Costs()
+    costs.moved(1000, 1.0)  # 1 ms per byte over the link
+    costs.scanned(1000, 0.1)
+    assert costs.after(1000) == 0.0
+    costs.decoded(1000, 2.0)
+    assert costs.after(1000) == pytest.approx(2.0) and costs.after(500) == pytest.approx(1.0)
+    costs.decoded(1000, -1.0)  # noise below the link time is no negative cost
+    assert 0 < costs.after(1000) < 2.0
 
 
 def test_the_stats_name_why_each_bucket_went_full() -> None:

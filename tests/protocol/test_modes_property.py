@@ -42,6 +42,8 @@ from hypothesis.stateful import (
 )
 
 from refit import HandshakeError, ModuleEngine, ModuleSource, PeerError, RefitError, Sender, Settings, State
+from refit.layout import fp8
+from refit.layout.fp8 import BlockFormat
 from refit.layout.spec import TensorSpec
 from refit.stages.delta import Costs
 from refit.topology.policies import Commit
@@ -57,12 +59,19 @@ TRAINER = {
     "norm.weight": ((40,), BF16),
     "head.weight": ((16, 64), F32),
     "span.weight": ((128, 128), BF16),
+    "q8.weight": ((130, 72), F32),
 }
 """About 43 KB: at least three buckets of either size below, so every refit has at least three loads; span.weight
 spans buckets (32 KiB), and in a delta session its first half changes densely and the rest sparsely."""
 SPAN = "span.weight"
+Q8 = "q8.weight"
+"""In an FP8 session every engine holds it in block FP8 (partial edge blocks) with its scales beside it: the
+trainer quantizes it at every refit (refit.stages.fp8); it spans buckets in FP8 too."""
+Q8_SCALE = BlockFormat().scale_name(Q8)
 DENSE_ROWS = 64
 NAMES = list(TRAINER)
+ENGINE_NAMES = [n for n in NAMES if n != Q8]
+"""What an engine recasts or replaces (an FP8 engine's statement of its formats holds for its session)."""
 TP = "tp.weight"
 ROWS = 4
 """Region k of TP: rows [4k, 4k + 4)."""
@@ -106,6 +115,14 @@ def _values(name: str, version: int, dtype: torch.dtype, sparse: bool = False) -
     at = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 16)]
     flat[at] += torch.randn(at.numel(), generator=g)
     return t.to(dtype)
+
+
+def _as_held(tensors: dict[str, torch.Tensor], quantized: bool) -> dict[str, torch.Tensor]:
+    """The trainer's tensors as the engines hold them: in an FP8 session Q8 as the reference rule quantizes it."""
+    if not quantized:
+        return tensors
+    q, scales = fp8.quantize(tensors[Q8], name=Q8)
+    return {**tensors, Q8: q, Q8_SCALE: scales}
 
 
 def _holds(wire: torch.dtype, held: torch.dtype) -> bool:
@@ -169,11 +186,14 @@ class _RowsEngine(_Engine):
 class _Peer:
     """One Receiver served by its own thread, which runs the commands it is given and reports each outcome."""
 
-    def __init__(self, index: int, rendezvous: dict, *, staging: str, region: int | None, settings: Settings) -> None:
+    def __init__(
+        self, index: int, rendezvous: dict, *, staging: str, region: int | None, settings: Settings, fp8: bool
+    ) -> None:
         self.index, self.staged, self.region = index, staging != "unstaged", region
         self.staging = staging
         g = torch.Generator().manual_seed(1000 + index)
         own = {n: torch.randn(shape, generator=g).to(dtype) for n, (shape, dtype) in TRAINER.items()}
+        own = _as_held(own, fp8)
         self.live: _Engine = _RowsEngine(own, region) if region is not None else _Engine(own)
         self.calls: list[int] = []
         """What on_commit was called with."""
@@ -386,6 +406,7 @@ class Sessions(RuleBasedStateMachine):
         self.sent: dict[int, dict[str, torch.Tensor]] = {}
         """Per version: the trainer's tensors right after it changed them for that version, in the wire dtype."""
         self.next_version = 1
+        self.fp8 = False
         self.failed: tuple[int, dict] | None = None
         self.empty_refits = 0
         """Refits with no receiver in the session since the last join (one is enough to see it fail)."""
@@ -402,12 +423,19 @@ class Sessions(RuleBasedStateMachine):
     def _start(self, staging: str, region: int | None) -> _Peer:
         assert self.sender is not None
         rendezvous = self.sender.rendezvous()
-        p = _Peer(len(self.peers) + 1, rendezvous, staging=staging, region=region, settings=self.mode.settings)
+        p = _Peer(
+            len(self.peers) + 1, rendezvous, staging=staging, region=region, settings=self.mode.settings, fp8=self.fp8
+        )
         self.peers.append(p)
         return p
 
     def _specs(self) -> dict[str, tuple[tuple, torch.dtype]]:
-        return {n: (tuple(t.shape), t.dtype) for n, t in self.tensors.items()}
+        specs = {n: (tuple(t.shape), t.dtype) for n, t in self.tensors.items()}
+        if self.fp8:
+            f = BlockFormat()
+            specs[Q8] = (TRAINER[Q8][0], f.dtype)
+            specs[Q8_SCALE] = (fp8.scale_shape(TRAINER[Q8][0], f), f.scale_dtype)
+        return specs
 
     def _fits(self, p: _Peer, specs: dict) -> bool:
         """Whether `p`'s live engine can hold `specs` as sent (what its handshake must say)."""
@@ -427,6 +455,7 @@ class Sessions(RuleBasedStateMachine):
         verify=VERIFY,
         vote=st.booleans(),
         bucket_bytes=st.sampled_from(BUCKETS),
+        quantized=st.booleans(),
     )
     def start(
         self,
@@ -436,9 +465,12 @@ class Sessions(RuleBasedStateMachine):
         verify: str | None,
         vote: bool,
         bucket_bytes: int,
+        quantized: bool,
     ) -> None:
         """The trainer's session (its modes) and its first receiver (admitted by connect), then receivers
-        that join."""
+        that join. `quantized`: every engine holds Q8 in block FP8."""
+        self.fp8 = quantized
+        event(f"fp8={quantized}")
         self.mode = Mode(delta=delta, verify=verify, vote=vote, bucket_bytes=bucket_bytes)
         self.delta = delta is not None
         event(f"delta={delta}")
@@ -508,7 +540,11 @@ class Sessions(RuleBasedStateMachine):
     # -- engine side ---------------------------------------------------------------------------
 
     @precondition(lambda self: self._members())
-    @rule(data=st.data(), name=st.sampled_from(NAMES), how=st.sampled_from(["recast", "recast in place", "replace"]))
+    @rule(
+        data=st.data(),
+        name=st.sampled_from(ENGINE_NAMES),
+        how=st.sampled_from(["recast", "recast in place", "replace"]),
+    )
     def change_engine_tensor(self, data: st.DataObject, name: str, how: str) -> None:
         """The engine recasts one live tensor (`.data =`, or a new tensor under the name), or replaces it by
         another object of the same spec and values (column-major where it has two dimensions); staged,
@@ -596,6 +632,7 @@ class Sessions(RuleBasedStateMachine):
             for n, t in self.tensors.items():
                 t.copy_(_values(n, version, t.dtype, self.delta))
         record = {n: t.clone(memory_format=torch.contiguous_format) for n, t in self.tensors.items()}
+        record = _as_held(record, self.fp8)
         if version in self.sent:
             assert all(torch.equal(_bytes(record[n]), _bytes(self.sent[version][n])) for n in record)
         self.sent[version] = record

@@ -24,24 +24,13 @@ from elastic_peer import ElasticPeer  # noqa: E402
 from locations import helper, pythonpath  # noqa: E402
 from nixl_peer import DyingPeer  # noqa: E402
 from peer import make_tensors  # noqa: E402
-from sessions import live_fingerprints, session  # noqa: E402
+from sessions import assert_current, session, step  # noqa: E402
 
 from refit import ModuleEngine, ModuleSource, PeerError, Receiver, Sender, Settings  # noqa: E402
 from refit.transports import nixl  # noqa: E402
 
 SPECS = [[f"w{i}", [32, 32], "float32"] for i in range(6)]  # 4 KiB each: one tensor per bucket
 TIMEOUT_S = 20.0
-
-
-def _step(tensors: dict[str, torch.Tensor], by: float = 0.5) -> None:
-    for t in tensors.values():
-        t.add_(by)
-
-
-def _assert_current(report: dict, sender: Sender, tensors: dict, version: int) -> None:
-    assert report["event"] == "refit", report
-    assert (report["state"], report["version"]) == ("current", version)
-    assert report["fingerprints"] == live_fingerprints(tensors, sender.manifest)
 
 
 @pytest.mark.slow
@@ -51,8 +40,8 @@ def test_two_engines_hold_the_trainers_live_tensors_after_every_refit_over_nixl(
             stats = sender.refit(version)
             assert stats.unverified == 0  # the default fingerprint covered every tensor
             for p in peers:
-                _assert_current(p.report(), sender, tensors, version)
-            _step(tensors, by=version)
+                assert_current(p.report(), sender, tensors, version)
+            step(tensors, by=version)
     assert [p.wait() for p in peers] == [0, 0]
 
 
@@ -65,15 +54,15 @@ def test_an_elastic_joiner_over_nixl_is_one_more_remote_agent_and_gets_the_curre
     with sender:
         a = ElasticPeer(args)
         sender.refit(1)
-        _assert_current(a.report(), sender, tensors, 1)
+        assert_current(a.report(), sender, tensors, 1)
         b = ElasticPeer({**args, "seed": 7})
         b.started()
         assert sender.await_receivers(2, timeout_s=60)
-        _step(tensors)
+        step(tensors)
         second = sender.refit(2)
         assert len(second.receivers) == 2
-        _assert_current(a.report(), sender, tensors, 2)
-        _assert_current(b.report(), sender, tensors, 2)
+        assert_current(a.report(), sender, tensors, 2)
+        assert_current(b.report(), sender, tensors, 2)
     assert a.wait() == 0 and b.wait() == 0
 
 
@@ -85,8 +74,8 @@ def test_a_receiver_killed_with_a_read_in_flight_fails_the_refit_within_its_time
         args = {"rendezvous": sender.rendezvous(), "specs": SPECS, "bucket_bytes": 4096, "timeout_s": TIMEOUT_S}
         dying = DyingPeer({**args, "die_at_read": len(SPECS) + 3})  # refit 2's third READ
         sender.refit(1)
-        _assert_current(dying.report(), sender, tensors, 1)
-        _step(tensors)
+        assert_current(dying.report(), sender, tensors, 1)
+        step(tensors)
         start = time.monotonic()
         with pytest.raises(PeerError, match=r"receiver 1 .*(closed the connection|failed)"):
             sender.refit(2)
@@ -95,7 +84,7 @@ def test_a_receiver_killed_with_a_read_in_flight_fails_the_refit_within_its_time
     # The serving agent outlives its dead reader: the next session in this process refits as ever.
     with session(SPECS, transport="nixl", timeout_s=TIMEOUT_S) as (sender, tensors, (p,)):
         sender.refit(1)
-        _assert_current(p.report(), sender, tensors, 1)
+        assert_current(p.report(), sender, tensors, 1)
 
 
 @pytest.mark.slow
@@ -144,8 +133,8 @@ def test_vram_buffers_on_both_sides_refit_bitwise_over_nixl() -> None:
             sender.refit(version)
             # the transport is made at the first refit's connect, so its buffers exist only after it
             assert sender.transport is not None and sender.transport.buffers[0].is_cuda
-            _assert_current(p.report(), sender, tensors, version)
-            _step(tensors)
+            assert_current(p.report(), sender, tensors, version)
+            step(tensors)
     assert p.wait() == 0
 
 

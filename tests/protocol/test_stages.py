@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from threaded import Peer
+from threaded import Peer, refit_both
 
 from refit import HandshakeError, ModuleEngine, ModuleSource, RefitError, Sender, Settings, stages
 from refit.protocol.wire import Bucket
@@ -83,13 +83,8 @@ def _session(live: dict[str, torch.Tensor], **options: object) -> Iterator[tuple
         peer.stop()
 
 
-def _refit(sender: Sender, peer: Peer, version: int) -> tuple[RefitStats | RefitError, object]:
-    peer.ask("receive")
-    try:
-        out: RefitStats | RefitError = sender.refit(version)
-    except RefitError as e:
-        out = e
-    return out, peer.outcome()
+def _refit(sender: Sender, peer: Peer, version: int) -> tuple:
+    return refit_both(sender, peer, version)
 
 
 @pytest.mark.parametrize("delta", [False, True])

@@ -59,6 +59,8 @@ MISTAKES = [
     (["demo", "--ranks", "3"], ["--ranks applies only to --trainer fsdp", "add --trainer fsdp"]),
     (["demo", "--transport", "carrier-pigeon"], ["unknown transport 'carrier-pigeon'", "shm"]),
     (["demo", "--steps", "0"], ["steps (0) must be >= 1"]),
+    (["demo", "--lora", "4", "--engine", "vllm"], ["--lora runs with the plain trainer and the module engine"]),
+    (["demo", "--lora", "4", "--trainer", "fsdp"], ["--lora runs with the plain trainer and the module engine"]),
     (["demo", "--hidden", "100"], ["hidden (100) a multiple of 64"]),
     # --engine-tp is vLLM's: refused with the module engine (FSDP2 into vLLM is allowed: M:N)
     (["demo", "--trainer", "fsdp", "--engine-tp", "2"], ["--engine-tp (2) is vLLM's tensor-parallel size"]),
@@ -284,6 +286,10 @@ def test_a_zero_size_in_demo_gets_one_line_from_the_command() -> None:
     _one_line_error(_run("demo", "--trainer", "fsdp", "--ranks", "0"), "--ranks", "must be an integer >= 1")
 
 
+def test_an_fp8_engine_outside_the_plain_module_demo_gets_one_line() -> None:
+    _one_line_error(_run("demo", "--engine-dtype", "fp8", "--trainer", "fsdp"), "--engine-dtype fp8", "--trainer plain")
+
+
 def test_bench_ranks_zero_still_means_the_colocated_mode_is_off() -> None:
     assert build_parser().parse_args(["bench", "--ranks", "0"]).ranks == 0
 
@@ -450,6 +456,8 @@ def test_the_methods_that_apply_depend_on_the_transport() -> None:
     shm, gloo = applicable("shm"), applicable("gloo")
     assert "foreach" in shm and not {"kernel", "zero_copy", "zero_copy_fingerprint", "copy_digest"} & set(shm)
     assert "foreach" not in gloo and {"floor", "refit", "digest", "per_tensor_meta"} <= set(gloo)
+    assert not {"zero_copy", "zero_copy_fingerprint"} & set(gloo)
+    assert {"zero_copy", "zero_copy_fingerprint"} <= set(applicable("nixl"))  # the engines READ the trainer's tensors
 
 
 def test_bench_ranks_refuses_a_method_of_the_other_mode(capsys: pytest.CaptureFixture) -> None:

@@ -24,6 +24,23 @@ def test_demo_verifies_every_refit_including_a_dtype_change(capsys: pytest.Captu
     assert len(rows) == 3 and all(row.count("✓") == 2 for row in rows)  # captured output: one line per refit
 
 
+@pytest.mark.slow
+def test_demo_lora_moves_only_the_adapter_and_verifies_every_refit(tmp_path, capsys) -> None:
+    pytest.importorskip("peft")
+    out_json = tmp_path / "demo.json"
+    code = main(["demo", "--lora", "4", "--transport", "shm", "--steps", "2", "--json", str(out_json), *SMALL])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "all refits verified" in out and "rank-4 LoRA adapter" in out
+    [header] = [line for line in out.splitlines() if line.startswith("┃")]
+    assert "full MB" in header
+    [result] = json.loads(out_json.read_text())
+    assert len(result["refits"]) == 2
+    for r in result["refits"]:
+        assert r["params_ok"] and r["generate_ok"]
+        assert 0 < r["nbytes"] < r["full_model_bytes"] / 10  # the adapter, not the model
+
+
 STAGES = ("handshake", "pack", "send", "wait", "verify", "commit", "other")
 """The trainer's columns that add up to the total, 'other' being what the named stages leave."""
 
@@ -107,6 +124,8 @@ def test_demo_with_an_fsdp2_trainer_over_two_ranks(capfd: pytest.CaptureFixture)
     out = captured.out
     assert code == 0, out + captured.err[-3000:]
     assert "sharded with FSDP2 over 2 ranks" in out and "all refits verified" in out and out.count("✓") == 4
+    # the sharded trainer sends the rotary tables the module engine holds: nothing of the engine's is kept unsent
+    assert "non-persistent" not in captured.err and "WARNING" not in out + captured.err, captured.err[-2000:]
 
 
 @pytest.mark.slow

@@ -46,6 +46,7 @@ INVALID = {
     "REFIT_TIMEOUT": "-1",
     "REFIT_CONNECT_TIMEOUT": "0",
     "REFIT_CUDA_IPC": "yes",
+    "REFIT_CUDA_IPC_EVENTS": "no",
     "REFIT_CPU_KERNEL": "off",
     "REFIT_COPY_PROGRAMS": "x",
     "REFIT_DIGEST_CHUNK_WORDS": "0",
@@ -67,6 +68,7 @@ VALID = {
     "REFIT_IFNAME": "lo",
     "REFIT_TOKEN": "sesame",
     "REFIT_CUDA_IPC": "0",
+    "REFIT_CUDA_IPC_EVENTS": "0",
     "REFIT_CPU_KERNEL": "0",
     "REFIT_COPY_PROGRAMS": "3",
     "REFIT_DIGEST_CHUNK_WORDS": "4096",
@@ -91,6 +93,7 @@ def _reached(name: str, settings: Settings, env: dict[str, str]) -> bool:
         "REFIT_IFNAME": ("ifname", value),
         "REFIT_TOKEN": ("token", value),
         "REFIT_CUDA_IPC": ("cuda_ipc", False),
+        "REFIT_CUDA_IPC_EVENTS": ("cuda_ipc_events", False),
     }
     if name in by_field:
         field, expected = by_field[name]

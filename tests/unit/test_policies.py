@@ -29,7 +29,7 @@ def test_sender_options_are_checked_once_with_a_message_naming_the_fix() -> None
         "min_receivers (-1) must be >= 0": {"min_receivers": -1},
         "is for an elastic Sender": {"min_receivers": 2},
         "cannot be combined with zero_copy": {"elastic": True, "zero_copy": True, "transport": "cuda-ipc"},
-        "zero_copy needs the cuda-ipc transport": {"zero_copy": True},
+        "zero_copy needs the cuda-ipc or nixl transport": {"zero_copy": True},
     }
     for message, kw in cases.items():
         with pytest.raises(ValueError, match=re.escape(message)):

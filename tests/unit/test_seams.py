@@ -198,3 +198,53 @@ def test_the_base_defaults_abort_by_closing_know_no_arrivals_and_prepare_nothing
     assert closed == [True]
     assert Engine.prepare(object(), None) is None  # type: ignore[arg-type]
     assert list(inspect.signature(Engine.prepare).parameters) == ["self", "manifest"]
+
+
+MODE_WORDS = (
+    "zero_copy",
+    "delta",
+    "staging",
+    "elastic",
+    "two_phase",
+    "strict",
+    "vote",
+    "verify",
+    "regroups",
+    "fingerprint",
+)
+MAX_MODE_BRANCHES = 3
+
+
+def mode_branches(source: str) -> dict[str, int]:
+    """Per class: the `if` statements and conditional expressions whose test names a mode (MODE_WORDS)."""
+    counts: dict[str, int] = {}
+    for cls in (n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)):
+        tests = [ast.unparse(n.test) for n in ast.walk(cls) if isinstance(n, (ast.If, ast.IfExp))]
+        counts[cls.name] = sum(any(w in t for w in MODE_WORDS) for t in tests)
+    return counts
+
+
+def test_mode_branches_are_counted_in_if_statements_and_conditional_expressions() -> None:
+    source = (
+        "class A:\n"
+        "    def f(self):\n"
+        "        if self.zero_copy:\n"
+        "            x = 1 if self.delta else 2\n"
+        "        if self.size:\n"
+        "            pass\n"
+        "class B:\n"
+        "    pass\n"
+    )
+    assert mode_branches(source) == {"A": 2, "B": 0}
+
+
+def test_no_topology_class_branches_on_modes_more_than_three_times() -> None:
+    """Modes are policies and paths chosen once (a zero-copy epoch is its own send path), not flags each class
+    asks again: at most MAX_MODE_BRANCHES mode tests per class."""
+    over = [
+        f"{module}: {cls} has {n} mode branches"
+        for module, source in _topology_modules()
+        for cls, n in mode_branches(source).items()
+        if n > MAX_MODE_BRANCHES
+    ]
+    assert not over, "\n".join(over)

@@ -35,18 +35,25 @@ class Report:
     """Names the user waived (`ignore=`): never loaded, never checked; reported, not failing."""
     stages: tuple[str, ...] = ()
     """Stages (refit.stages) the trainer's refits pass through that this engine's process has not registered."""
+    unsynced: tuple[str, ...] = ()
+    """State the engine computes itself (non-persistent buffers) that the sender does not send: it stays as
+    the engine made it. Reported (logged at WARNING on both sides), not failing; send it or waive it."""
 
     @property
     def ok(self) -> bool:
         return not (self.missing or self.unexpected or self.mismatched or self.stages)
 
     def to_json(self) -> dict:
-        return {
-            "missing": list(self.missing),
-            "unexpected": list(self.unexpected),
-            "mismatched": [list(m) for m in self.mismatched],
-            "waived": list(self.waived),
-        } | ({"stages": list(self.stages)} if self.stages else {})
+        return (
+            {
+                "missing": list(self.missing),
+                "unexpected": list(self.unexpected),
+                "mismatched": [list(m) for m in self.mismatched],
+                "waived": list(self.waived),
+            }
+            | ({"stages": list(self.stages)} if self.stages else {})
+            | ({"unsynced": list(self.unsynced)} if self.unsynced else {})
+        )
 
     @classmethod
     def from_json(cls, obj: dict) -> Report:
@@ -58,7 +65,7 @@ class Report:
         rows = (
             tuple(tuple(str(x) for x in m)[:3] for m in mism if isinstance(m, list)) if isinstance(mism, list) else ()
         )
-        return cls(names("missing"), names("unexpected"), rows, names("waived"), names("stages"))  # type: ignore[arg-type]
+        return cls(names("missing"), names("unexpected"), rows, names("waived"), names("stages"), names("unsynced"))  # type: ignore[arg-type]
 
     def message(self) -> str:
         stages = (
@@ -81,7 +88,27 @@ class Report:
             "manifest does not match the engine; nothing was loaded. " + "; ".join(parts) + ". "
             "Fix: send the names the engine uses (or pass name_map), with its shapes and a dtype it can hold exactly"
             + (self._waiver() if self.unexpected else ".")
+            + (self._leave_out() if self.missing else "")
             + (f" Also, {stages}." if self.stages else "")
+        )
+
+    def unsynced_message(self) -> str:
+        """What the engine keeps of its own, with the two fixes ('' when nothing)."""
+        if not self.unsynced:
+            return ""
+        shown = ", ".join(map(repr, self.unsynced[:3])) + (", ..." if len(self.unsynced) > 3 else "")
+        return (
+            f"the engine holds {len(self.unsynced)} non-persistent buffer(s) the trainer does not send, which "
+            f"keep the values the engine computed: {_list(self.unsynced)}. If the trainer changes them, send them "
+            f"(ModuleSource(model, non_persistent=True) sends a module's); if they are computed from the config, "
+            f"waive them on the engine with ignore=[{shown}]"
+        )
+
+    def _leave_out(self) -> str:
+        shown = ", ".join(map(repr, self.missing[:3])) + (", ..." if len(self.missing) > 3 else "")
+        return (
+            f" An engine tensor no refit should write (a buffer the engine computes itself) can be waived on the "
+            f"engine with ignore=[{shown}]."
         )
 
     def _waiver(self) -> str:
@@ -133,6 +160,7 @@ def validate(
     exact_shapes: bool = True,
     optional: frozenset[str] = frozenset(),
     stages: Iterable[str] = (),
+    computed: frozenset[str] = frozenset(),
 ) -> Report:
     """What differs between the specs a sender sends and the specs an engine holds (column by column: a
     manifest may list 100k tensors).
@@ -141,7 +169,8 @@ def validate(
     reported as waived (logged at WARNING). An expected spec with aliases is a tie in the engine (one
     storage under several names): sending any of its names is enough, sending two of them as
     separate tensors (different sources, so the last write would win) is refused. `stages`: the manifest's
-    stages this engine's process has not registered (each fails the report)."""
+    stages this engine's process has not registered (each fails the report). `computed`: names the engine holds
+    but computes itself (non-persistent buffers): loaded and checked when sent, reported as unsynced when not."""
     sent, expected = list(sent), list(expected)
     ties = [spec.names for spec in expected if spec.aliases]
     groups = _sent_groups(sent) if ties else {}
@@ -164,9 +193,11 @@ def validate(
     mismatched += _tie_conflicts(ties, groups, got.keys())
     tied = {n for names in ties for n in names}
     covered = {n for names in ties if got.keys() & set(names) for n in names}
-    missing = tuple(sorted(want.keys() - got.keys() - covered - (tied - covered - {t[0] for t in ties})))
+    absent = want.keys() - got.keys() - covered - (tied - covered - {t[0] for t in ties})
+    missing = tuple(sorted(absent - computed))
     unexpected = tuple(sorted(got.keys() - want.keys()))
-    return Report(missing, unexpected, tuple(mismatched), tuple(sorted(skip)), tuple(stages))
+    unsynced = tuple(sorted(absent & computed))
+    return Report(missing, unexpected, tuple(mismatched), tuple(sorted(skip)), tuple(stages), unsynced)
 
 
 def _expanded(specs: list[TensorSpec]) -> list[TensorSpec]:

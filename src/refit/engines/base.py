@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from refit.engines.versions import State, Versions, WeightsVersion
+from refit.layout.fp8 import BlockFormat
 from refit.layout.manifest import Manifest
 from refit.layout.spec import Slice, TensorSpec
 
@@ -23,6 +24,9 @@ class Engine(ABC):
     """False when the engine's own loader checks shapes (vLLM), so the handshake compares names and dtypes."""
     optional_names: frozenset[str] = frozenset()
     """Names the sender may send or omit (e.g. lm_head.weight of a tied model)."""
+    computed_names: frozenset[str] = frozenset()
+    """Names among `specs` the engine computes itself (non-persistent buffers): loaded and checked when the
+    sender sends them; when it does not, the handshake names them (they keep the engine's own values)."""
 
     def __init__(self) -> None:
         self.versions = Versions()
@@ -65,6 +69,13 @@ class Engine(ABC):
         """
         return None
 
+    def writable(self, name: str) -> torch.Tensor | None:
+        """The live tensor a one-sided READ may write sender name `name`'s bytes into directly, bypassing `load`
+        (zero-copy over nixl; it is used only when contiguous in the wire dtype and shape). None (the default):
+        the bytes go through `load`. Only an engine whose `load` of `name` is a plain copy into that very
+        tensor, with nothing done after, may return one."""
+        return None
+
     def shards(self) -> dict[str, Slice | None] | None:
         """M:N (`refit.topology.mesh`): per sender name this worker loads, the slice of the checkpoint
         tensor it keeps (None: the whole tensor); None (the default) when the engine states no shards."""
@@ -87,6 +98,17 @@ class Engine(ABC):
         """Called by the Receiver with each epoch's manifest, before `specs` is read to validate it: an engine
         whose expectations depend on what the sender offers (M:N pieces, refit.engines.pieces) sets them up
         here, and raises ValueError, naming why, when the manifest cannot fit it. The default does nothing."""
+
+    def formats(self) -> dict[str, BlockFormat]:
+        """The tensors this engine holds in block FP8, by the names the trainer sends, with how each was
+        quantized (its scales are held under `format.scale_name(name)`): the trainer sends its float tensors
+        quantized by the same rule (refit.stages.fp8). The default holds none."""
+        return {}
+
+    def statement(self) -> dict:
+        """What else this engine states with READY, by key, as JSON (the LoRA stage's engine half states its
+        adapter and base digest under "lora": refit.stages.lora); the trainer checks it. The default: nothing."""
+        return {}
 
     def release_buffers(self) -> None:
         """Drop every view this engine keeps into the receive buffers (cached copy plans and the like),

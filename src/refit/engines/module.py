@@ -10,9 +10,10 @@ from torch import nn
 from refit.checks.copy_digest import FusedCopy, widens
 from refit.checks.manifest_check import waived
 from refit.engines.base import Engine
+from refit.layout.fp8 import FP8_DTYPES, BlockFormat, scale_shape
 from refit.layout.packing import CopyPlan, LayoutGuard
 from refit.layout.spec import Slice, TensorSpec
-from refit.layout.state_layout import StateLayout
+from refit.layout.state_layout import StateLayout, non_persistent_buffers
 
 
 class ModuleEngine(Engine):
@@ -31,15 +32,20 @@ class ModuleEngine(Engine):
         name_map: Mapping[str, str] | None = None,
         ignore: Iterable[str] = (),
         shards: Mapping[str, Slice] | None = None,
+        fp8: Mapping[str, BlockFormat] | BlockFormat | None = None,
     ) -> None:
         """`name_map` maps sender names to this module's names where they differ; `ignore`: sender names
         (or fnmatch patterns) never loaded nor checked, whether or not the module has them (reported).
         `shards` (M:N, `refit.topology.mesh`): per sender name, the slice of the checkpoint tensor this
-        module's tensor holds (its shape is the slice's); names not listed are held whole."""
+        module's tensor holds (its shape is the slice's); names not listed are held whole.
+        `fp8`: how the module's FP8 tensors were quantized, one format for all or per sender name; by default
+        each FP8 tensor with float32 scales beside it named `<name>_scale_inv` is taken as 128 x 128 blocks
+        (DeepSeek-V3's layout) when the scales' shape fits that (`formats`)."""
         super().__init__()
         self.optional_names = frozenset(ignore)
         self.module = module
         self._layout = StateLayout(module) if isinstance(module, nn.Module) else None
+        self._computed = non_persistent_buffers(module) if isinstance(module, nn.Module) else []
         own = self._own()
         name_map = dict(name_map or {})
         unknown = sorted(v for v in name_map.values() if v not in own)
@@ -47,6 +53,7 @@ class ModuleEngine(Engine):
             raise ValueError(f"name_map targets names the module does not have: {unknown[:10]}")
         _check_name_map(name_map, own)
         self._inverse = {v: k for k, v in name_map.items()}
+        self.computed_names = frozenset(self._inverse.get(n, n) for n, _, _ in self._computed)
         self._plans: dict[int, tuple[list, CopyPlan]] = {}
         self._fused: dict[int, tuple[list, _DigestedLoad]] = {}
         self._proven: frozenset[str] = frozenset()
@@ -58,6 +65,7 @@ class ModuleEngine(Engine):
         """The specs of the targets as of the last `_refresh` that saw them change (one list while they hold)."""
         self._refresh()
         self._shards = dict(shards or {})
+        self._fp8 = fp8
         for name, part in self._shards.items():
             t = self._targets.get(name)
             if t is None or part.dim >= max(t.dim(), 1) or (t.shape[part.dim] if t.dim() else 1) != part.length:
@@ -65,7 +73,14 @@ class ModuleEngine(Engine):
                 raise ValueError(f"shards[{name!r}] = {part} does not fit the module's tensor (shape {shape})")
 
     def _own(self) -> dict[str, torch.Tensor]:
-        return self._layout.read() if self._layout is not None else dict(self.module)  # type: ignore[arg-type]
+        if self._layout is None:
+            return dict(self.module)  # type: ignore[arg-type]
+        own = self._layout.read()
+        for name, owner, key in self._computed:  # non-persistent buffers: outside the state dict, still held
+            t = owner._buffers.get(key)
+            if t is not None:
+                own[name] = t
+        return own
 
     def _refresh(self) -> None:
         """Re-read the live targets; forget every copy plan if any of them was replaced or re-laid-out."""
@@ -105,6 +120,10 @@ class ModuleEngine(Engine):
         self._used = set()
         super().begin(version)
 
+    def formats(self) -> dict[str, BlockFormat]:
+        specs = {n: s for s in self.specs() for n in s.names}
+        return block_formats(specs, self._fp8)
+
     def release_buffers(self) -> None:
         self._plans, self._fused, self._used = {}, {}, set()
 
@@ -112,7 +131,8 @@ class ModuleEngine(Engine):
         if not self._shards:
             return None
         self._refresh()
-        return {n: self._shards.get(n) for n in self._targets if not waived(n, self.optional_names)}
+        skip = self.computed_names - self._shards.keys()  # M:N asks only for what the trainer holds (pieces.py)
+        return {n: self._shards.get(n) for n in self._targets if not waived(n, self.optional_names) and n not in skip}
 
     def shard_target(self, name: str) -> torch.Tensor | None:
         return self._targets.get(name)
@@ -124,6 +144,14 @@ class ModuleEngine(Engine):
     def held(self, name: str) -> tuple[torch.Tensor, None] | None:
         t = None if waived(name, self.optional_names) else self._targets.get(name)
         return None if t is None else (t, None)
+
+    def writable(self, name: str) -> torch.Tensor | None:
+        """The live tensor `load` copies `name` into, unless a subclass changes `load` or `held`, or holds a shard."""
+        if type(self).load is not ModuleEngine.load or type(self).held is not ModuleEngine.held:
+            return None
+        if name in self._shards or waived(name, self.optional_names):
+            return None
+        return self._targets.get(name)
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy in place. A list passed again (the receiver reuses one per bucket) replays a cached plan,
@@ -247,6 +275,26 @@ def _check_name_map(name_map: dict[str, str], own: Mapping[str, torch.Tensor]) -
             f"named {hidden[0]!r}, which would never be loaded; map {hidden[0]!r} too (to another sender name), "
             "or rename one of them"
         )
+
+
+def block_formats(
+    specs: Mapping[str, TensorSpec], given: Mapping[str, BlockFormat] | BlockFormat | None
+) -> dict[str, BlockFormat]:
+    """Each FP8 tensor of `specs` with its format: `given` (per name, or one for all), else the default one
+    when scales of its shape lie beside it. One the default cannot explain is left out (the handshake then
+    names its dtype as the mismatch)."""
+    out = {}
+    for name, spec in specs.items():
+        if spec.dtype not in FP8_DTYPES:
+            continue
+        f = given.get(name) if isinstance(given, Mapping) else given
+        if f is None:
+            f = BlockFormat(dtype=spec.dtype)
+            scale = specs.get(f.scale_name(name))
+            if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != scale_shape(spec.shape, f):
+                continue
+        out[name] = f
+    return out
 
 
 def _spec(names: list[str], t: torch.Tensor) -> TensorSpec:

@@ -98,8 +98,8 @@ class ShardTarget:
         self.ties = {s.name: list(s.aliases) for s in specs if s.aliases}
         aliases = {a for s in specs for a in s.aliases}
         stated = engine.shards()
-        if stated is None:  # an engine that states no shards holds every tensor whole
-            stated = {s.name: None for s in specs}
+        if stated is None:  # an engine that states no shards holds every tensor whole (but what it computes itself)
+            stated = {s.name: None for s in specs if s.name not in engine.computed_names}
         self.statement: dict[str, Slice | None] = {n: h for n, h in stated.items() if n not in aliases}
         self.ignore = sorted(engine.optional_names)
         self._parts = {n: _Part(n, h, engine.shard_target(n)) for n, h in self.statement.items()}

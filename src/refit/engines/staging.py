@@ -27,6 +27,7 @@ import torch
 
 from refit.engines.base import Engine, Region
 from refit.errors import RefitError
+from refit.layout.fp8 import BlockFormat
 from refit.layout.manifest import Manifest
 from refit.layout.packing import CopyPlan
 from refit.layout.spec import Slice, TensorSpec, changes
@@ -244,6 +245,9 @@ class Staging(Engine):
 
     def shards(self) -> dict[str, Slice | None] | None:
         return self.live.shards()
+
+    def formats(self) -> dict[str, BlockFormat]:
+        return self.live.formats()
 
     def begin(self, version: int) -> None:
         with self._cond:

@@ -62,3 +62,23 @@ class StateLayout:
             self._build()
             return dict(self._state)
         return out
+
+
+def non_persistent_buffers(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(name, owning module, key) of every non-persistent buffer: state a module computes or keeps for itself,
+    which its state dict leaves out. Read each live as `owner._buffers[key]`."""
+    out = []
+    for prefix, mod in module.named_modules():
+        for key in sorted(mod._non_persistent_buffers_set):
+            if mod._buffers.get(key) is not None:
+                out.append((f"{prefix}.{key}" if prefix else key, mod, key))
+    return out
+
+
+def with_buffers(out: dict[str, torch.Tensor], buffers: list[tuple[str, nn.Module, str]]) -> dict[str, torch.Tensor]:
+    """`out` with the live value of each of `buffers` (from `non_persistent_buffers`) that the module holds now."""
+    for name, owner, key in buffers:
+        t = owner._buffers.get(key)
+        if t is not None:
+            out[name] = t
+    return out

@@ -28,7 +28,7 @@ from torch import nn
 from refit.layout.manifest import Manifest
 from refit.layout.packing import CopyPlan, LayoutGuard, typed_view
 from refit.layout.spec import Slice
-from refit.layout.state_layout import StateLayout
+from refit.layout.state_layout import StateLayout, non_persistent_buffers, with_buffers
 from refit.sources.base import Source, WireDtypes
 
 DEFAULT_GATHER_BYTES = 64 << 20
@@ -112,16 +112,22 @@ class FsdpSource(WireDtypes, Source):
         group: dist.ProcessGroup | None = None,
         gather_bytes: int | None = None,
         prefetch: bool = True,
+        non_persistent: bool = False,
     ) -> None:
         """`gather_bytes`: most bytes of full tensors one gather brings in (default: the drivers set the
-        agreed bucket capacity); `prefetch`: gather the next group while the current one is packed."""
+        agreed bucket capacity); `prefetch`: gather the next group while the current one is packed.
+        `non_persistent`: also send the module's non-persistent buffers (every rank holds them whole), each in
+        its own dtype."""
         if gather_bytes is not None and gather_bytes <= 0:
             raise ValueError(f"gather_bytes ({gather_bytes}) must be > 0")
         self._layout = StateLayout(module) if isinstance(module, nn.Module) else None
+        self._buffers = non_persistent_buffers(module) if non_persistent and isinstance(module, nn.Module) else []
         self._mapping = module
         self._sorted: tuple[tuple[str, ...], list[str]] = ((), [])
         self._tensors: dict[str, torch.Tensor] = self._read()
         self._init_wire(wire_dtype, overrides)
+        for name, _, _ in self._buffers:  # computed state goes exactly as the module holds it, never cast
+            self.set_wire_dtype(name, self._tensors[name].dtype)
         self.group = group
         self.rank = dist.get_rank(group)
         self.gather_bytes = gather_bytes
@@ -146,7 +152,7 @@ class FsdpSource(WireDtypes, Source):
 
     def _read(self) -> dict[str, torch.Tensor]:
         """The module's parameters and buffers as they are now (a parameter replaced since is seen), by name."""
-        items = self._layout.read() if self._layout is not None else self._mapping
+        items = with_buffers(self._layout.read(), self._buffers) if self._layout is not None else self._mapping
         names = tuple(items)
         if names != self._sorted[0]:
             self._sorted = (names, sorted(names))

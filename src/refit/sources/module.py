@@ -9,7 +9,7 @@ from torch import nn
 
 from refit.layout.packing import LayoutGuard, layout_key
 from refit.layout.spec import Slice, TensorSpec
-from refit.layout.state_layout import StateLayout
+from refit.layout.state_layout import StateLayout, non_persistent_buffers, with_buffers
 from refit.sources.base import Source, WireDtypes
 
 
@@ -29,16 +29,22 @@ class ModuleSource(WireDtypes, Source):
         overrides: Mapping[str, torch.dtype] | None = None,
         shards: Mapping[str, Slice] | None = None,
         shapes: Mapping[str, tuple[int, ...]] | None = None,
+        non_persistent: bool = False,
     ) -> None:
         """`wire_dtype` casts every floating tensor (e.g. fp32 master weights sent as bf16);
         `overrides` sets the wire dtype of single tensors (e.g. keep a router bias in fp32).
         `shards` and `shapes` (M:N only, `refit.topology.mesh.MeshRefit`): per name, the slice of the
-        global tensor this rank's tensor holds, and the global shape; names not listed are held whole."""
+        global tensor this rank's tensor holds, and the global shape; names not listed are held whole.
+        `non_persistent`: also send the module's non-persistent buffers (state its `state_dict` leaves out,
+        such as a routing table kept off checkpoints), each in its own dtype."""
         self._layout = StateLayout(weights) if isinstance(weights, nn.Module) else None
+        self._buffers = non_persistent_buffers(weights) if non_persistent and isinstance(weights, nn.Module) else []
         self._mapping = weights
         self._last: tuple[tuple, LayoutGuard, Hashable] | None = None
         self._tensors: dict[str, torch.Tensor] = self._read()
         self._init_wire(wire_dtype, overrides)
+        for name, _, _ in self._buffers:  # computed state goes exactly as the module holds it, never cast
+            self.set_wire_dtype(name, self._tensors[name].dtype)
         self._shards = dict(shards or {})
         self._shapes = {n: tuple(shapes[n]) for n in self._shards} if shapes and shards else {}
         for n, part in self._shards.items():
@@ -50,7 +56,9 @@ class ModuleSource(WireDtypes, Source):
                 raise ValueError(f"shards[{n!r}] = {part} of {shape} does not fit the tensor's shape {tuple(t.shape)}")
 
     def _read(self) -> dict[str, torch.Tensor]:
-        return self._layout.read() if self._layout is not None else dict(self._mapping)  # type: ignore[arg-type]
+        if self._layout is None:
+            return dict(self._mapping)  # type: ignore[arg-type]
+        return with_buffers(self._layout.read(), self._buffers)
 
     def signature(self) -> Hashable:
         """Re-reads the live tensors (called at the start of every refit). Changes when any tensor is

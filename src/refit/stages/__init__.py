@@ -2,12 +2,15 @@
 
 `register(name, cls)` makes a `Stage` subclass available by name, in the trainer's process and in every
 engine's: a Sender built with `stages=[name]` lists it in each epoch's manifest, and a receiver that has not
-registered it refuses the handshake, naming it. refit's own: `delta` (refit.stages.delta).
+registered it refuses the handshake, naming it. refit's own: `delta` (refit.stages.delta), `fp8`
+(refit.stages.fp8, added where the engines hold block-FP8 weights) and `lora` (refit.stages.lora, added where
+the trainer sends a PEFT LoRA adapter alone).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
@@ -15,6 +18,8 @@ from refit.layout.manifest import Manifest
 from refit.protocol.wire import Bucket
 from refit.stages.base import Stage
 from refit.stages.delta import DeltaStage
+from refit.stages.fp8 import Fp8Stage
+from refit.stages.lora import LoraStage
 
 __all__ = ["Bucket", "Stage", "make", "names", "register", "registered"]
 
@@ -40,12 +45,25 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make(names: tuple[str, ...], manifest: Manifest, device: torch.device, *, trainer: bool) -> list[Stage]:
-    """One side's stages for an epoch, in the manifest's order (the engine checked each is registered)."""
+def make(
+    names: tuple[str, ...],
+    manifest: Manifest,
+    device: torch.device,
+    *,
+    trainer: bool,
+    session: Mapping[str, object] | None = None,
+) -> list[Stage]:
+    """One side's stages for an epoch, in the manifest's order (the engine checked each is registered), each
+    configured with the `session`'s settings (`Stage.configure`)."""
     missing = [n for n in names if n not in _REGISTRY]
     if missing:
         raise ValueError(f"stage(s) {', '.join(missing)} not registered; call refit.stages.register first")
-    return [_REGISTRY[n](manifest, device, trainer=trainer) for n in names]
+    made = [_REGISTRY[n](manifest, device, trainer=trainer) for n in names]
+    for stage in made:
+        stage.configure(session or {})
+    return made
 
 
 register(DeltaStage.name, DeltaStage)
+register(Fp8Stage.name, Fp8Stage)
+register(LoraStage.name, LoraStage)

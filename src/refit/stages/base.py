@@ -9,7 +9,7 @@ lists them; on the engine, in reverse, each undoing its own step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -35,6 +35,10 @@ class Stage:
         self.manifest = manifest
         self.device = device
         self.trainer = trainer
+
+    def configure(self, session: Mapping[str, object]) -> None:
+        """The session's settings by name (the trainer's: `delta_threshold`, `delta_costs`; each side's own
+        keys), given once after the stage is made; a stage reads the ones it knows. The default reads none."""
 
     # -- the trainer's half ----------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ engine's checks the base and decodes. Each side's image version is written here 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -61,6 +62,7 @@ class Costs:
         self.frozen = False
         self._link = [0.0, 0.0]  # decayed sums of seconds and bytes
         self._scan = [0.0] * 5  # decayed n, sum x, sum y, sum xx, sum xy
+        self._after = [0.0, 0.0]  # decayed sums of a delta's seconds beyond its bytes' link time, and full bytes
         self._fixed = (link, per_op, per_byte)
 
     @classmethod
@@ -81,6 +83,16 @@ class Costs:
         if not self.frozen:
             n, sx, sy, sxx, sxy = (v * DECAY for v in self._scan)
             self._scan = [n + 1, sx + nbytes, sy + seconds, sxx + nbytes * nbytes, sxy + nbytes * seconds]
+
+    def decoded(self, nbytes: int, seconds: float) -> None:
+        """A delta bucket of `nbytes` (full) waited `seconds` beyond its payload's link time: the receiver's
+        scatter into its image, which a full bucket does not need."""
+        if not self.frozen and nbytes > 0:
+            self._after = [self._after[0] * DECAY + max(0.0, seconds), self._after[1] * DECAY + nbytes]
+
+    def after(self, nbytes: int) -> float:
+        """Predicted seconds a delta of a bucket of `nbytes` costs after its bytes moved (0 until measured)."""
+        return nbytes * self._after[0] / self._after[1] if self._after[1] else 0.0
 
     @property
     def link(self) -> float | None:
@@ -169,6 +181,10 @@ class WireImage:
         self.images[b][:nb].copy_(buf[:nb])
         self.kept[b] = True
 
+    def drop(self, b: int) -> None:
+        """Bucket `b` goes full and is no longer kept (the REPRIME-th refit on, `encode` keeps it again)."""
+        self.kept[b], self._stale[b] = False, 0
+
     def encode(self, b: int, buf: torch.Tensor, *, threshold: float = DELTA_THRESHOLD) -> tuple[int | None, bool]:
         """Bucket `b`, packed in `buf`, against the image. Returns the nbytes of the delta payload now in `buf`, or
         None when it goes full (`buf` untouched), and whether the images keep it (a delta: always; a full bucket:
@@ -184,7 +200,7 @@ class WireImage:
             self.reason = "full-reprime"
             return None, True
         if self._surely_dense(b, buf, threshold):
-            self.kept[b], self._stale[b] = False, 0
+            self.drop(b)
             self.reason = "full-dense-sample"
             return None, False
         changed = self._changed_words(b, buf)
@@ -337,6 +353,16 @@ class DeltaStage(Stage):
         """The trainer's, per bucket: it went full in this refit (its send times the link)."""
         self._counts: dict[str, int] = {}
         self._since_scan = 0
+        self._by_link: dict[int, int] = {}
+        """The trainer's, per bucket not kept because the link was faster than its scan: refits left until it
+        is kept again, so that the scan is timed anew."""
+
+    def configure(self, session: Mapping[str, object]) -> None:
+        threshold, costs = session.get("delta_threshold"), session.get("delta_costs")
+        if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
+            self.threshold = float(threshold)
+        if isinstance(costs, Costs):
+            self.costs = costs  # the session's: what it measured outlives an epoch
 
     def base(self, version: int, ranks: list[int]) -> int | None:
         base = self.image.base_for(ranks)
@@ -348,6 +374,10 @@ class DeltaStage(Stage):
 
     def outgoing(self, b: int, buf: torch.Tensor, nbytes: int) -> tuple[int, Bucket]:
         way = self._way(b)
+        if way == "full-link":  # nor kept: no image copy on either side while the link stays fast
+            self.image.drop(b)
+            self._went(b, way, full=True)
+            return nbytes, Bucket(0)
         if way is not None:  # full, uncompared, and kept: the images take its bytes
             self.image.absorb(b, buf)
             self._went(b, way, full=True)
@@ -364,25 +394,46 @@ class DeltaStage(Stage):
         return (nbytes, flags) if size is None else (size, flags | Bucket.DELTA)
 
     def _way(self, b: int) -> str | None:
-        """Bucket `b` goes full, uncompared, and kept: why ('full-base': a full refit primes every bucket;
-        'full-link': the scan is predicted to cost more than the link time its bytes would save); None: encode."""
+        """Bucket `b` goes full, uncompared: why. 'full-base' (kept): a full refit primes every bucket.
+        'full-link' (not kept): the scan and the receiver's scatter are predicted to cost more than the link time
+        its bytes would save. 'full-reprime' (kept again): the link turned slow, or the scan is due to be timed
+        again. None: encode."""
         if not self._delta:
+            self._by_link.pop(b, None)
             return "full-base"
+        left = self._by_link.get(b)
+        if left is not None:
+            if left <= 0 or self._pays(b):
+                del self._by_link[b]
+                return "full-reprime"
+            self._by_link[b] = left - 1
+            return "full-link"
         if not self.image.kept[b]:
             return None  # encode counts it stale (or primes it again)
+        if self._pays(b) is False:
+            self._by_link[b] = REPROBE - 2
+            return "full-link"
+        return None
+
+    def _pays(self, b: int) -> bool | None:
+        """A delta of bucket `b` is predicted to save time; None: not measured yet (or not for long)."""
         nb = self.manifest.bucket_nbytes[b]
         link, scan = self.costs.link, self.costs.scan(nb)
         if link is None or scan is None or self._since_scan >= REPROBE:
-            return None  # not measured yet (or not for long): scan, and learn
-        return "full-link" if scan > link * (nb - self._saw[b]) else None
+            return None
+        return scan + self.costs.after(nb) <= link * (nb - self._saw[b])
 
     def _went(self, b: int, way: str, *, full: bool) -> None:
         self._counts[way] = self._counts.get(way, 0) + 1
         self._full[b] = full
 
     def sent(self, b: int, nbytes: int, seconds: float) -> None:
-        if self.trainer and self._full[b]:
+        if not self.trainer:
+            return
+        if self._full[b]:
             self.costs.moved(nbytes, seconds)
+        elif (link := self.costs.link) is not None:
+            self.costs.decoded(self.manifest.bucket_nbytes[b], seconds - link * nbytes)
 
     def buckets(self) -> dict[str, int]:
         return dict(self._counts)

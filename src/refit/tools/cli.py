@@ -77,6 +77,10 @@ def _check_demo(args: argparse.Namespace) -> list[str]:
         raise ValueError("--tp and --pp apply only to --trainer megatron; add --trainer megatron or drop them")
     if (args.lr is not None or args.delta) and args.trainer != "plain":
         raise ValueError("--lr and --delta apply to --trainer plain for now; drop them or use the plain trainer")
+    if args.lora and (args.trainer != "plain" or args.engine != "module"):
+        raise ValueError("--lora runs with the plain trainer and the module engine; drop --trainer and --engine")
+    if args.lora:
+        _need("peft", "--lora", "pip install -e '.[demo,lora]' from the refit checkout")
     if args.trainer == "megatron":
         _need("megatron.core", "--trainer megatron", "pip install -e '.[demo,megatron]' from the refit checkout")
     _need("transformers", "refit demo", "pip install -e '.[demo]' from the refit checkout")
@@ -169,6 +173,8 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 to_stderr=args.json == "-",
                 delta=args.delta,
                 lr=3e-3 if args.lr is None else args.lr,
+                engine_dtype=args.engine_dtype,
+                lora=args.lora or 0,
             )
             if cfg.trainer in ("fsdp", "megatron"):
                 from refit.tools.demo.sharded import launch
@@ -227,11 +233,12 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     reports = []
     layer_counts = _ints(args.layers, "--layers") if args.layers else [None]
     methods = {t: _bench_methods(args.methods, default_transport(t), args.link_rate is not None) for t in names}
-    runs = [(t, p, n, k) for p in presets for t in names for n in receivers for k in layer_counts]
+    rates = [r.strip() for r in args.link_rate.split(",")] if args.link_rate else [None]
+    runs = [(t, p, n, k, r) for p in presets for r in rates for t in names for n in receivers for k in layer_counts]
     with progress(quiet=args.verbosity < 0) as bar:
         task = bar.add_task("bench", total=sum(len(methods[t]) for t, *_ in runs))
-        for transport, preset, n, layers in runs:
-            cfg = _bench_config(args, preset, n, layers, methods[transport], transport)
+        for transport, preset, n, layers, rate in runs:
+            cfg = _bench_config(args, preset, n, layers, methods[transport], transport, rate)
             reports.append(run_bench(cfg, _step(bar, task, preset)))
             bar.advance(task)  # the run's last method
             show(reports[-1:], console)
@@ -275,7 +282,8 @@ def _check_link(args: argparse.Namespace) -> None:
     from refit.tools.bench.link import can_make_links, rate_bits
     from refit.tools.bench.runner import LINKED
 
-    rate_bits(args.link_rate)
+    for rate in args.link_rate.split(","):
+        rate_bits(rate)
     if args.ranks or args.engine != "module":
         raise ValueError("--link-rate runs with the module engine and without --ranks; drop one of them")
     args.transport = args.transport or "gloo"
@@ -335,7 +343,13 @@ def _step(bar: Progress, task: TaskID, preset: str) -> Callable[[str], None]:
 
 
 def _bench_config(  # type: ignore[no-untyped-def]
-    args: argparse.Namespace, preset: str, n: int, layers: int | None, methods: tuple[str, ...], transport: str = ""
+    args: argparse.Namespace,
+    preset: str,
+    n: int,
+    layers: int | None,
+    methods: tuple[str, ...],
+    transport: str = "",
+    link_rate: str | None = None,
 ):
     from refit.tools.bench.runner import BenchConfig
 
@@ -352,7 +366,7 @@ def _bench_config(  # type: ignore[no-untyped-def]
         bucket_bytes=args.bucket_bytes,
         timeout_s=args.timeout_s,
         methods=methods,
-        link_rate=args.link_rate,
+        link_rate=link_rate,
     )
 
 
@@ -555,6 +569,20 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
         "--delta", action="store_true", help="delta refits: send only the wire chunks changed since the last commit"
     )
     demo.add_argument("--lr", type=float, help="the trainer's AdamW learning rate (default 3e-3; --trainer plain)")
+    demo.add_argument(
+        "--engine-dtype",
+        choices=("float", "fp8"),
+        default="float",
+        help="fp8: the engine's decoder linears hold block FP8 with scales, which the trainer quantizes for at "
+        "every refit (--engine module, --trainer plain)",
+    )
+    demo.add_argument(
+        "--lora",
+        type=_at_least_one,
+        metavar="RANK",
+        help="train a LoRA adapter of this rank on every linear layer (PEFT, the lora extra) and refit only it; "
+        "the engine holds the base already",
+    )
     demo.add_argument("--layers", type=_at_least_one, default=8, help="decoder layers of the demo model")
     demo.add_argument(
         "--hidden", type=_at_least_one, default=512, help="hidden size of the demo model (a multiple of 64)"
@@ -616,9 +644,9 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
     bench.add_argument("--quick", action="store_true", help="tiny and moe-small presets, 3 repeats (under a minute)")
     bench.add_argument(
         "--link-rate",
-        help="run the receivers in their own network namespace, joined to the sender's by a veth limited to this "
-        "rate (e.g. 1gbit, 10gbit; none: the veth's own speed); the floor becomes a raw TCP send of the model's "
-        "bytes across it (needs root; gloo)",
+        help="comma-separated rates, one run each: the receivers in their own network namespace, joined to the "
+        "sender's by a veth limited to this rate (e.g. 1gbit,10gbit; none: the veth's own speed); the floor becomes "
+        "a raw TCP send of the model's bytes across it; --plot draws time against the rate (needs root; gloo, nixl)",
     )
     bench.add_argument(
         "--engine",

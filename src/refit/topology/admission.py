@@ -42,9 +42,10 @@ def welcome(channels: list[Channel], setup: dict) -> None:
         ch.send(Header(Kind.WELCOME, digest=auth.tag(ch.key, b"WELCOME", data)), data)
 
 
-def falls_back(transport: str, zero_copy: bool, device: torch.device, settings: Settings) -> bool:
-    """cuda-ipc where CUDA IPC cannot work: True (stage through pinned host shared memory instead), said why."""
-    if transport != "cuda-ipc" or zero_copy:
+def falls_back(transport: str, in_place: bool, device: torch.device, settings: Settings) -> bool:
+    """cuda-ipc where CUDA IPC cannot work: True (stage through pinned host shared memory instead), said why.
+    `in_place`: receivers read the source's own memory (zero-copy), which no other transport can share."""
+    if transport != "cuda-ipc" or in_place:
         return False
     from refit.transports.cuda_ipc import blocker
 

@@ -13,6 +13,7 @@ import time
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.log import get_logger
 from refit.protocol.wire import Channel, Header, Kind
+from refit.stages import fp8, lora
 from refit.topology.membership import Membership, hung_up, readable
 from refit.topology.policies import Vet
 from refit.topology.seat import SenderInterface
@@ -257,12 +258,11 @@ class Elastic(Fixed):
     def _vetted(self, joiners: list[Channel]) -> list[Channel]:
         """The joiners whose READY statement `vet` accepts; each other one is told why and dropped."""
         members = self.members
-        if self.vet is None:
-            members.stated.clear()
-            return joiners
         kept = []
         for ch in joiners:
-            why = self.vet(members.stated.pop(ch.rank, b""))
+            stated = members.stated.pop(ch.rank, b"")
+            why = fp8.mismatch(stated, self.s.formats, ch.rank) or lora.mismatch(stated, self.s.source, ch.rank)
+            why = why or (self.vet(stated) if self.vet else "")
             if not why:
                 kept.append(ch)
                 continue

@@ -357,6 +357,11 @@ def _parse_statement(raw: bytes, w: int) -> tuple[dict[str, Holding], list[str],
     if not raw:
         raise ValueError(f"engine worker {w} stated no shards: on the engine side use MeshReceiver, not Receiver")
     obj = parse_json(raw, "READY")
+    if obj.get("formats"):
+        raise ValueError(
+            f"engine worker {w} holds tensors in block FP8 ({next(iter(obj['formats']))!r:.120} first): M:N refits "
+            "do not quantize to FP8; load the engine workers with float weights, or use one Receiver per engine"
+        )
     ignore, ties = obj.get("ignore", []), obj.get("ties", {})
     if not (isinstance(ignore, list) and all(isinstance(i, str) for i in ignore)):
         raise ValueError(f"engine worker {w}'s READY has a malformed ignore list")

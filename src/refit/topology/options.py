@@ -3,6 +3,7 @@ API share (their keyword arguments are a thin convenience over it)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
@@ -12,6 +13,8 @@ from refit.stages.delta import Costs
 
 Verify = Literal["fingerprint", "strict"] | None
 VERIFY_MODES: tuple[Verify, ...] = (None, "fingerprint", "strict")
+ZERO_COPY_TRANSPORTS = ("cuda-ipc", "nixl")
+"""The transports that can share the source's own tensors (refit.topology.zero_copy)."""
 
 
 @dataclass(frozen=True)
@@ -21,8 +24,9 @@ class SenderOptions:
     the refit fails, naming the tensors that differ, unless all agree; tensors an engine cannot read back are
     reported (`RefitStats.unverified_names`) but accepted. `verify="strict"` verifies the same way and fails the
     refit (committed on no receiver) when any tensor went unverified.
-    `zero_copy` (cuda-ipc only): receivers copy straight from the source tensors, whose IPC handles are exported
-    once per epoch; the source must hold contiguous device tensors in their wire dtype.
+    `zero_copy` (cuda-ipc or nixl): receivers copy straight from the source tensors, shared once per epoch (CUDA
+    IPC handles; or registered with NIXL, which the engines READ one-sided, into their live tensors where they
+    can); the source must hold contiguous tensors in their wire dtype (CUDA for cuda-ipc; CPU or CUDA for nixl).
     `elastic`: receivers beyond the first `num_receivers` may join at any time (they take part from the next
     refit), and one that leaves or dies is dropped while the refit goes on with the rest (`RefitStats.departed`
     names it); without it any lost receiver fails the refit and the session.
@@ -54,40 +58,10 @@ class SenderOptions:
     stages: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.num_receivers < 1:
-            raise ValueError(f"num_receivers ({self.num_receivers}) must be >= 1")
-        if self.num_slots < 1:
-            raise ValueError(f"num_slots ({self.num_slots}) must be >= 1 (2 overlaps packing with transfer)")
-        if self.verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {', '.join(map(repr, VERIFY_MODES))}, got {self.verify!r}")
-        if self.min_receivers < 0:
-            raise ValueError(f"min_receivers ({self.min_receivers}) must be >= 0")
-        if not self.elastic and self.min_receivers > self.num_receivers:
-            raise ValueError(
-                f"min_receivers ({self.min_receivers}) is for an elastic Sender (elastic=True); a fixed one always "
-                f"needs all num_receivers ({self.num_receivers})"
-            )
-        if self.elastic and self.zero_copy:
-            raise ValueError("elastic=True cannot be combined with zero_copy (a joiner would need the source handles)")
-        if self.delta and self.zero_copy:
-            raise ValueError("delta=True cannot be combined with zero_copy (zero-copy moves no bucket to shrink)")
-        if not 0.0 <= self.delta_threshold <= 1.0:
-            raise ValueError(f"delta_threshold ({self.delta_threshold}) must be within 0..1 (a fraction of a bucket)")
-        self._check_stages()
-        if self.zero_copy and self.transport != "cuda-ipc":
-            raise ValueError(f"zero_copy needs the cuda-ipc transport ({self.transport!r} given)")
-
-    def _check_stages(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))  # a list given is kept as the tuple it means
-        unknown = [n for n in self.stages if not registered(n)]
-        if unknown:
-            raise ValueError(
-                f"stages {unknown} are not registered (registered: {names()}); call refit.stages.register first"
-            )
-        if "delta" in self.stages:
-            raise ValueError("the delta stage is delta=True, not a name in stages")
-        if self.stages and self.zero_copy:
-            raise ValueError("stages cannot be combined with zero_copy (zero-copy moves no bucket to transform)")
+        for broken, message in RULES:
+            if broken(self):
+                raise ValueError(message(self))
 
     @property
     def stage_names(self) -> tuple[str, ...]:
@@ -102,3 +76,53 @@ class SenderOptions:
         if unknown:
             raise TypeError(f"unknown Sender option(s) {unknown}; the options are {sorted(known)}")
         return replace(options or cls(), **overrides)
+
+
+Rule = tuple[Callable[[SenderOptions], bool], Callable[[SenderOptions], str]]
+"""(is the options' combination broken, the message that says why and the fix)."""
+
+RULES: tuple[Rule, ...] = (
+    (lambda o: o.num_receivers < 1, lambda o: f"num_receivers ({o.num_receivers}) must be >= 1"),
+    (lambda o: o.num_slots < 1, lambda o: f"num_slots ({o.num_slots}) must be >= 1 (2 overlaps packing with transfer)"),
+    (
+        lambda o: o.verify not in VERIFY_MODES,
+        lambda o: f"verify must be one of {', '.join(map(repr, VERIFY_MODES))}, got {o.verify!r}",
+    ),
+    (lambda o: o.min_receivers < 0, lambda o: f"min_receivers ({o.min_receivers}) must be >= 0"),
+    (
+        lambda o: not o.elastic and o.min_receivers > o.num_receivers,
+        lambda o: (
+            f"min_receivers ({o.min_receivers}) is for an elastic Sender (elastic=True); a fixed one always "
+            f"needs all num_receivers ({o.num_receivers})"
+        ),
+    ),
+    (
+        lambda o: o.elastic and o.zero_copy,
+        lambda o: "elastic=True cannot be combined with zero_copy (a joiner would need the source handles)",
+    ),
+    (
+        lambda o: o.delta and o.zero_copy,
+        lambda o: "delta=True cannot be combined with zero_copy (zero-copy moves no bucket to shrink)",
+    ),
+    (
+        lambda o: not 0.0 <= o.delta_threshold <= 1.0,
+        lambda o: f"delta_threshold ({o.delta_threshold}) must be within 0..1 (a fraction of a bucket)",
+    ),
+    (
+        lambda o: any(not registered(n) for n in o.stages),
+        lambda o: (
+            f"stages {[n for n in o.stages if not registered(n)]} are not registered (registered: {names()}); "
+            "call refit.stages.register first"
+        ),
+    ),
+    (lambda o: "delta" in o.stages, lambda o: "the delta stage is delta=True, not a name in stages"),
+    (
+        lambda o: bool(o.stages) and o.zero_copy,
+        lambda o: "stages cannot be combined with zero_copy (zero-copy moves no bucket to transform)",
+    ),
+    (
+        lambda o: o.zero_copy and o.transport not in ZERO_COPY_TRANSPORTS,
+        lambda o: f"zero_copy needs the cuda-ipc or nixl transport ({o.transport!r} given)",
+    ),
+)
+"""Every rule SenderOptions checks at construction, in order: the first broken one is raised as ValueError."""

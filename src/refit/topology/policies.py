@@ -27,5 +27,13 @@ class Commit:
         """Receivers hold their commit open until they are told the verdict."""
         return self.vote is not None or self.strict
 
+    @classmethod
+    def matching(cls, commit: Commit | None, verify: str | None) -> Commit:
+        """`commit` (default: strict when `verify` is 'strict'), refused when it disagrees with `verify`."""
+        chosen = commit or cls(strict=verify == "strict")
+        if chosen.strict != (verify == "strict"):
+            raise ValueError(f"commit={chosen} disagrees with verify={verify!r}: strict is verify='strict'")
+        return chosen
+
     def decide(self, own: str) -> str:
         return self.vote(own) if self.vote is not None else own

@@ -137,6 +137,11 @@ class RankedRefit:
     def settings(self) -> Settings:
         return self.sender.settings
 
+    @property
+    def source(self) -> Source:
+        """This rank's source (what drivers such as VllmRefit read names from, as from a Sender's)."""
+        return self.sender.source
+
     def rendezvous(self) -> list[dict]:
         """Every rank's rendezvous, in rank order, each with its trainer rank and device UUID.
         Collective the first time; later calls (on any rank) return the same list."""

@@ -12,11 +12,14 @@ from refit.engines.base import Engine
 from refit.errors import HandshakeError, IntegrityError
 from refit.layout.manifest import Manifest
 from refit.layout.spec import TensorSpec
+from refit.log import get_logger
 from refit.protocol import auth
 from refit.protocol.wire import Channel, Header, Kind
 from refit.stages import Stage
 from refit.topology.digest_plan import engine_regions
 from refit.topology.landing import Live
+
+log = get_logger("receiver")
 
 
 def read_manifest(ch: Channel, header: Header, payload: bytes, *, capacity: int, rank: int, engine: Engine) -> Manifest:
@@ -55,7 +58,10 @@ def answer(ch: Channel, manifest: Manifest, engine: Engine, landing: Live, *, fi
         exact_shapes=engine.exact_shapes,
         optional=engine.optional_names,
         stages=[n for n in manifest.stages if not stages.registered(n)],
+        computed=engine.computed_names,
     )
+    if report.ok and report.unsynced:
+        log.warning("%s", report.unsynced_message())
     if report.ok:  # staged: what goes to staging memory decides which regions the engine names
         landing.epoch(manifest)
     regions = engine_regions(manifest, engine) if fingerprint and report.ok else {}

@@ -3,7 +3,8 @@
 Takes every bucket in order, checks its header against the manifest (and its checksum when the sender
 sent one), unpacks it and loads it into the engine, then acknowledges it; with two slots, bucket i is
 loaded while bucket i+1 arrives. After a failure it keeps draining (so the sender never hangs) but loads
-nothing. In zero-copy mode it maps the sender's tensors once per epoch and copies straight from them.
+nothing. In a zero-copy epoch no bucket comes: the sender's tensors, opened once per epoch
+(refit.topology.shared), are copied or READ straight into the engine.
 The fingerprint check (`verify="fingerprint"`) compares what the engine now holds with the sender's digests.
 """
 
@@ -25,6 +26,7 @@ from refit.settings import Settings
 from refit.stages import Stage
 from refit.topology.digest_plan import compare
 from refit.topology.membership import readable
+from refit.topology.shared import Sources, opened
 from refit.topology.stats import RefitStats
 from refit.transports.base import Interrupted, Pending, Transport
 
@@ -77,8 +79,8 @@ class ReceivePath:
         self._from_held = Unpacker(manifest, held, device=device, share=self.unpacker) if held else None
         """Unpacks a bucket a stage holds in its own buffers (delta: its image); a spanning tensor is gathered in
         `unpacker`'s staging whichever way each of its buckets came."""
-        self.sources: list[tuple[str, torch.Tensor]] = []
-        """Zero-copy mode: the sender's tensors, mapped once per epoch (`open_sources`)."""
+        self.sources: Sources | None = None
+        """A zero-copy epoch: the sender's tensors, opened once per epoch (`open_sources`)."""
 
     def take(self, begin: Header, stats: RefitStats, refused: RefitError | None = None) -> RefitError | None:
         """One refit's weights into the engine: the buckets, or (zero-copy) the shared tensors. `refused`: the
@@ -87,35 +89,30 @@ class ReceivePath:
         if refused is not None and Begin.ZERO_COPY & begin.status:
             return refused
         with copy_share(self.transport.name):
-            return self._copy_sources(stats) if Begin.ZERO_COPY & begin.status else self._stream(begin, stats, refused)
+            if Begin.ZERO_COPY & begin.status:
+                return self._copy_sources(begin.version, stats)
+            return self._stream(begin, stats, refused)
 
     def open_sources(self, payload: bytes) -> None:
-        """Zero-copy mode: map the sender's tensors once per epoch."""
-        from refit.transports.cuda_ipc import open_tensor
-
-        m = self.manifest
+        """A zero-copy epoch: open the sender's tensors once (how depends on the transport)."""
+        self.sources = None  # whatever an earlier SOURCES opened is let go first
         try:
-            handles = parse_json(payload, "SOURCES").get("tensors")
-            if not isinstance(handles, list) or len(handles) != len(m.entries):
-                raise IntegrityError("SOURCES does not list one handle per manifest tensor")
-            with torch.cuda.device(self.device):
-                views = [open_tensor(h) for h in handles]
-            for p, v in zip(m.entries, views):
-                if tuple(v.shape) != p.spec.shape or v.dtype != p.spec.dtype:
-                    raise IntegrityError(f"shared tensor {p.name} does not match its manifest entry")
+            self.sources = opened(self.transport.name, payload, self.manifest, self.engine, self.device)
         except RefitError as e:
             self.channel.send(Header(Kind.ERROR), {"message": f"receiver {self.rank}: {e}"})
             raise
-        self.sources = [(p.name, v) for p, v in zip(m.entries, views)]
         self.channel.send(Header(Kind.READY))
 
-    def _copy_sources(self, stats: RefitStats) -> RefitError | None:
-        """Zero-copy refit: one device copy from the sender's tensors into the engine."""
-        if not self.sources:
+    def _copy_sources(self, version: int, stats: RefitStats) -> RefitError | None:
+        """Zero-copy refit: every shared tensor copied or READ straight into the engine. A sender gone meanwhile
+        ends the session (PeerError); anything else fails the refit."""
+        if self.sources is None:
             return IntegrityError("zero-copy refit before the sender shared its tensors (no SOURCES this epoch)")
         t = time.perf_counter()
         try:
-            self._engine_load(self.sources)
+            self.sources.take(self._engine_load, self._wait, f"refit {version}, the shared tensors")
+        except PeerError:
+            raise
         except Exception as e:  # noqa: BLE001 - any engine error fails the refit, reported to the sender
             return _engine_error(f"engine failed to load the shared tensors: {type(e).__name__}: {e}", e)
         stats.add("load", time.perf_counter() - t)
@@ -166,13 +163,7 @@ class ReceivePath:
     ) -> RefitError | None:
         """Wait for bucket `b`, verify and load it, then acknowledge it (with status 1 after a failure)."""
         t = time.perf_counter()
-        watch = Watch(self.channel, f"refit {header.version}, bucket {b}")
-        try:
-            handle.wait(self.settings.timeout_s, watch)
-        except Interrupted:
-            raise watch.broken_off() from None
-        except PeerError as e:
-            raise PeerError(f"{e} (during refit {header.version}, bucket {b})") from None
+        self._wait(handle, f"refit {header.version}, bucket {b}")
         stats.add("recv", time.perf_counter() - t)
         slot = b % len(self.transport.buffers)
         if failure is None:
@@ -180,6 +171,16 @@ class ReceivePath:
         self.transport.release(slot)
         self.channel.send(Header(Kind.ACK, status=int(failure is not None), slot=slot, index=b, version=header.version))
         return failure
+
+    def _wait(self, handle: Pending, stage: str) -> None:
+        """Wait for a transfer, broken off when the sender speaks meanwhile (it gave up) or is gone."""
+        watch = Watch(self.channel, stage)
+        try:
+            handle.wait(self.settings.timeout_s, watch)
+        except Interrupted:
+            raise watch.broken_off() from None
+        except PeerError as e:
+            raise PeerError(f"{e} (during {stage})") from None
 
     def _load(self, b: int, slot: int, header: Header, stats: RefitStats) -> RefitError | None:
         """Check bucket `b`'s checksum (when sent), unpack it from `slot` and load it into the engine."""

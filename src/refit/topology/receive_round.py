@@ -100,9 +100,7 @@ class ReceiveRound:
             refused = refused or IntegrityError(
                 f"refused a delta refit of version {version}: this receiver keeps no delta image this epoch"
             )
-        if s.staging_split is not None:  # as split for this refit (a followed relayout splits again)
-            stats.staged_bytes = s.staging_split.staged_nbytes
-            stats.direct_bytes = s.staging_split.direct_wire_nbytes
+        _count_staged(stats, s.staging_split)
         failure = path.take(begin, stats, refused)
         header, payload = ch.recv(f"commit of version {version}")
         if header.kind == Kind.VERIFY:
@@ -207,3 +205,10 @@ class ReceiveRound:
         except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
         return None
+
+
+def _count_staged(stats: RefitStats, split: Split | None) -> None:
+    """A staged landing's bytes as split for this refit (a followed relayout splits again)."""
+    if split is not None:
+        stats.staged_bytes = split.staged_nbytes
+        stats.direct_bytes = split.direct_wire_nbytes

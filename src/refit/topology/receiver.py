@@ -24,6 +24,7 @@ from refit.protocol.wire import (
     Offer,
 )
 from refit.settings import Settings, check_bucket_bytes
+from refit.stages import fp8
 from refit.topology.joining import Joiner
 from refit.topology.landing import landing
 from refit.topology.receive_handshake import answer, prepare_stages, read_manifest
@@ -107,6 +108,7 @@ class Receiver:
         told why and the socket is closed."""
         if self.channel is not None:
             return
+        ready = self._statement()  # a format the engine misstates fails here, before the trainer waits on us
         host, port = self.rendezvous.get("host"), self.rendezvous.get("port")
         try:
             sock = socket.create_connection((host, port), timeout=self.settings.timeout_s)
@@ -122,8 +124,16 @@ class Receiver:
             ch.close()
             raise
         self.channel = ch
-        ch.send(Header(Kind.READY), self.statement)
+        ch.send(Header(Kind.READY), ready)
         log.info("joined as receiver %d over %s", self.rank, self.joiner.cls.name)
+
+    def _statement(self) -> dict | None:
+        """What READY tells the trainer: M:N shards, block-FP8 tensors, and what else the engine states."""
+        formats = fp8.checked(self.engine.formats(), self.engine.specs(), exact_shapes=self.engine.exact_shapes)
+        stated = self.engine.statement()
+        if not formats and not stated:
+            return self.statement
+        return {**(self.statement or {}), **stated, **({"formats": fp8.formats_to_json(formats)} if formats else {})}
 
     def receive(self) -> RefitStats | None:
         """Handle messages until one refit is committed (returns its stats) or the sender closes (None).
@@ -170,7 +180,8 @@ class Receiver:
             if header.kind == Kind.MANIFEST:
                 self._handshake(header, payload)
             elif header.kind == Kind.SOURCES:
-                assert self.path is not None
+                if self.path is None:
+                    raise PeerError("sender sent SOURCES before a manifest this receiver accepted")
                 self.path.open_sources(payload)
             elif header.kind == Kind.BEGIN:
                 return ReceiveRound(self, header).run()
@@ -216,7 +227,7 @@ class Receiver:
         self.engine.release_buffers()
         self.manifest, self.path = None, None
         self.transport = self.joiner.group(self.channel, header, payload)
-        self.channel.send(Header(Kind.READY), self.statement)
+        self.channel.send(Header(Kind.READY), self._statement())
         log.info("joined the sender's new group")
 
     def serve(self) -> int:

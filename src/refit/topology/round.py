@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import time
 
-import torch
-
 from refit.errors import IntegrityError, RefitError
 from refit.layout.manifest import Manifest
 from refit.log import get_logger
@@ -45,7 +43,7 @@ class Round:
         stats.add("connect", t0 - self.t_connect)
         stats.add("handshake", time.perf_counter() - t0)
         ctrl0 = _control_bytes(s.channels)
-        flags = (Begin.ZERO_COPY if s.zero_copy else Begin(0)) | (Begin.TWO_PHASE if s.commit.two_phase else Begin(0))
+        flags = path.flags | (Begin.TWO_PHASE if s.commit.two_phase else Begin(0))
         stages = path.stages
         base = _base(stages, version, [ch.rank for ch in s.channels])
         flags |= Begin.DELTA if base is not None else Begin(0)
@@ -59,8 +57,7 @@ class Round:
             status=flags,
             base=base or 0,
         )
-        if s.zero_copy:  # the optimizer's writes must be done before receivers read the tensors
-            torch.cuda.current_stream(s.device).synchronize()
+        path.ready(s.device)
         lost = s.membership.lost
         try:
             each(s.channels, lambda ch: ch.send(begin), lost)

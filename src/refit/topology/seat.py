@@ -5,10 +5,12 @@ calls on the membership policy. They are given the session, never import it, and
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
 
+from refit.layout.fp8 import BlockFormat
 from refit.layout.manifest import Manifest
 from refit.protocol.wire import Channel
 from refit.settings import Settings
@@ -50,7 +52,6 @@ class SenderInterface(Protocol):
     capacity: int
     num_receivers: int
     transport_name: str
-    zero_copy: bool
     verify_checksum: bool
     commit: Commit
 
@@ -71,6 +72,9 @@ class SenderInterface(Protocol):
 
     @property
     def epoch(self) -> int: ...
+
+    @property
+    def formats(self) -> Mapping[str, BlockFormat]: ...
 
     @property
     def generation(self) -> int: ...

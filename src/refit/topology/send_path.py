@@ -2,10 +2,10 @@
 
 Buckets go out in order, `num_slots` in flight: bucket i+1 is packed while bucket i is on the wire, and a
 slot is reused only once every receiver acknowledged the bucket it held (retired). Packing replays the
-cached copy plan of a bucket when the session's generation vouches for its tensors' layout. In
-zero-copy mode nothing is packed: the source tensors' IPC handles are shared once per epoch
-(`share_sources`) and receivers copy from them. Verification (`DigestPlan`, owned by the session) is a
-step this path calls: it digests each tensor as it is packed, and sends the digests after the last bucket.
+cached copy plan of a bucket when the session's generation vouches for its tensors' layout. Verification
+(`DigestPlan`, owned by the session) is a step this path calls: it digests each tensor as it is packed, and
+sends the digests after the last bucket. The zero-copy path (refit.topology.zero_copy) is the other data path
+an epoch may take: it shares the source tensors once and moves no bucket.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from refit.errors import IntegrityError, PeerError
 from refit.layout.manifest import Manifest
 from refit.layout.packing import Packer, copy_share
 from refit.log import get_logger
-from refit.protocol.wire import Bucket, Channel, Header, Kind
+from refit.protocol.wire import Begin, Bucket, Channel, Header, Kind
 from refit.settings import Settings
 from refit.sources.base import Source
 from refit.stages import Stage
@@ -47,7 +47,17 @@ def each(channels: list[Channel], step: Callable[[Channel], None], on_lost: Lost
 
 class SendPath:
     """Streams one epoch's buckets through a Transport to every receiver's channel. The source and the
-    checksum switch come with each refit (`send`): a Sender's may change between refits without a new epoch."""
+    checksum switch come with each refit (`send`): a Sender's may change between refits without a new epoch.
+
+    The packed path; a Sender picks its data path class once (`ZeroCopyPath` reads the source in place), and
+    a round asks the path, never the mode: `flags` for BEGIN, `ready` before it, `send`."""
+
+    flags = Begin(0)
+    """What BEGIN tells the receivers of this path (none: buckets follow)."""
+    in_place = False
+    """Whether receivers read the source's own memory (so the transport may never be swapped for another)."""
+    restarts_on_move = False
+    """Whether a source tensor that only moved (storage, strides: no spec changed) needs a new epoch."""
 
     def __init__(
         self,
@@ -57,7 +67,6 @@ class SendPath:
         *,
         settings: Settings,
         num_slots: int,
-        zero_copy: bool,
         digests: DigestPlan | None,
         stages: list[Stage] | None = None,
     ) -> None:
@@ -67,7 +76,6 @@ class SendPath:
         self.channels = channels
         self.settings = settings
         self.num_slots = num_slots
-        self.zero_copy = zero_copy
         self.digests = digests
         self.packer = Packer(manifest, transport.buffers, digesting=FusedCopy if digests is not None else None)
         self.bucket_names = [[manifest.entries[s.entry].name for s in segs] for segs in manifest.segments]
@@ -75,6 +83,16 @@ class SendPath:
         self.stages = stages or []
         self._moved: list[tuple[int, float]] = []
         """Per slot in flight: the bytes its bucket moves and the seconds its send took (for `Stage.sent`)."""
+
+    @classmethod
+    def check(cls, source: Source) -> None:
+        """Raise ValueError, saying why, when this path cannot send from `source` (any source can be packed)."""
+
+    def share(self, source: Source) -> None:
+        """Once per epoch, after the handshake: give the receivers what this path's refits read (packed: nothing)."""
+
+    def ready(self, device: torch.device) -> None:
+        """Before BEGIN: what must be done before receivers may read (packed: nothing, the pack orders it)."""
 
     def buffer(self, b: int) -> torch.Tensor:
         """The slot buffer bucket `b` is packed into."""
@@ -90,8 +108,8 @@ class SendPath:
         verify_checksum: bool,
         on_lost: Lost | None = None,
     ) -> list[str]:
-        """`source`'s tensors as `version`: every bucket (none in zero-copy mode; each with its checksum when
-        `verify_checksum`), then the digests; returns receivers' per-bucket errors. A receiver lost on the
+        """`source`'s tensors as `version`: every bucket (each with its checksum when `verify_checksum`), then
+        the digests; returns receivers' per-bucket errors. A receiver lost on the
         way goes to `on_lost` (elastic: dropped, the rest go on), or its error is raised."""
         self.on_lost = on_lost
         try:
@@ -99,19 +117,19 @@ class SendPath:
             if digests is not None:
                 digests.reset()
             with copy_share(self.transport.name):
-                stats.full_bytes = 0 if self.zero_copy else sum(self.manifest.bucket_nbytes)
-                errors = [] if self.zero_copy else self._stream(source, version, stats, generation, verify_checksum)
+                errors = self._carry(source, version, stats, generation, verify_checksum)
             if digests is not None and not errors:
                 self._send_digests(source, version, stats, digests, generation)
             return errors
         finally:
             self.on_lost = None  # it refers to the Sender: holding it would keep an unclosed one alive
 
-    def _stream(
+    def _carry(
         self, source: Source, version: int, stats: RefitStats, generation: int, verify_checksum: bool
     ) -> list[str]:
         """Pack and send every bucket, `num_slots` in flight."""
         m, slots = self.manifest, self.num_slots
+        stats.full_bytes = sum(m.bucket_nbytes)
         inflight: list[Pending | None] = [None] * slots
         self._moved = [(0, 0.0)] * slots
         errors: list[str] = []
@@ -120,6 +138,7 @@ class SendPath:
             if b >= slots:
                 self._retire(b - slots, inflight[slot], version, stats, errors)
             t = time.perf_counter()
+            self.transport.before_pack(slot)
             self._pack(source, b, slot, generation)
             nbytes, flags = self._outgoing(b, slot)
             crc = checksum(self.transport.buffers[slot][:nbytes]) if verify_checksum else 0
@@ -206,32 +225,11 @@ class SendPath:
         """Fingerprint mode: each receiver gets the digests of the live tensors it loaded (its own shards)."""
         t = time.perf_counter()
         m = self.manifest
-        if self.zero_copy:
-            digests.take_all(source, generation)
+        self._digest_all(source, digests, generation)
         verify = Header(Kind.VERIFY, epoch=m.epoch, version=version, digest=m.digest)
         sends = digests.payloads()
         each(self.channels, lambda ch: ch.send(verify, {"digests": sends[ch.rank]}), self.on_lost)
         stats.add("verify", time.perf_counter() - t)
 
-
-def share_sources(source: Source, manifest: Manifest, channels: list[Channel]) -> None:
-    """Zero-copy mode: export every source tensor's IPC handle once per epoch, and wait until every
-    receiver opened them."""
-    from refit.transports.cuda_ipc import export
-
-    tensors = source.tensors([p.name for p in manifest.entries])
-    bad = [
-        p.name
-        for p, t in zip(manifest.entries, tensors)
-        if not (t.is_cuda and t.is_contiguous() and t.dtype == p.spec.dtype)
-    ]
-    if bad:
-        raise ValueError(
-            f"zero_copy needs contiguous CUDA tensors already in their wire dtype; not so: {bad[:5]}. "
-            "Use zero_copy=False (packing casts on the way)."
-        )
-    payload = {"tensors": [export(t) for t in tensors]}
-    for ch in channels:
-        ch.send(Header(Kind.SOURCES, epoch=manifest.epoch, digest=manifest.digest), payload)
-    for ch in channels:
-        ch.expect(Kind.READY, "opening the source tensors' IPC handles")
+    def _digest_all(self, source: Source, digests: DigestPlan, generation: int) -> None:
+        """Digests not taken on the way (packed: every tensor was digested as it was packed)."""

@@ -9,7 +9,7 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from refit import stages, transports
 from refit.checks.manifest_check import Report
 from refit.errors import HandshakeError, PeerError, RefitError
 from refit.layout.budget import bucket_capacity, free_bytes, needed_bytes
+from refit.layout.fp8 import BlockFormat
 from refit.layout.manifest import Manifest
 from refit.layout.planner import forecast, plan
 from refit.log import get_logger
@@ -28,8 +29,8 @@ from refit.protocol.store import AuthenticatedStores
 from refit.protocol.wire import Channel, Header, Kind, Offer, parse_json
 from refit.settings import Settings
 from refit.sources.base import Source
-from refit.stages import Stage
-from refit.stages.delta import Costs, DeltaStage
+from refit.stages import Stage, fp8, lora
+from refit.stages.delta import Costs
 from refit.topology.admission import admit, falls_back, welcome
 from refit.topology.digest_plan import DigestPlan, parse_regions
 from refit.topology.elastic import Elastic, Fixed
@@ -39,8 +40,9 @@ from refit.topology.options import VERIFY_MODES, SenderOptions
 from refit.topology.policies import Commit, Vet
 from refit.topology.pulse import HEARTBEAT_MAX_S, Pulse
 from refit.topology.round import Round
-from refit.topology.send_path import SendPath, each, share_sources
+from refit.topology.send_path import SendPath, each
 from refit.topology.stats import RefitStats
+from refit.topology.zero_copy import ZeroCopyPath
 from refit.transports import address
 from refit.transports.base import Transport
 
@@ -72,17 +74,16 @@ class Sender:
         `commit`: how a refit is decided (default from `verify`: strict or not); per-rank and M:N drivers pass
         `Commit(vote=...)`. `vet` (elastic M:N): judges what a joiner states with READY before it is taken in."""
         o = SenderOptions.of(options, overrides)
-        if o.zero_copy and not source.stable_tensors:
-            raise ValueError("zero_copy needs a source whose tensors persist between refits (not a gathering one)")
+        self._paths: type[SendPath] = ZeroCopyPath if o.zero_copy else SendPath
+        """The epoch's data path, chosen once: packed buckets, or the source's tensors read in place."""
+        self._paths.check(source)
         self.options = o
         self.delta_costs = o.delta_costs or Costs()
         """The link's and the delta scan's costs measured in this session (they outlive an epoch)."""
         self.num_slots, self.zero_copy, self.verify = o.num_slots, o.zero_copy, o.verify
         self.elastic, self.min_receivers = o.elastic, o.min_receivers
         self.verify_checksum, self.num_receivers = o.verify_checksum, o.num_receivers
-        self.commit = commit or Commit(strict=o.verify == "strict")
-        if self.commit.strict != (o.verify == "strict"):
-            raise ValueError(f"commit={self.commit} disagrees with verify={o.verify!r}: strict is verify='strict'")
+        self.commit = Commit.matching(commit, o.verify)
         self._broken = ""
         self._connected = False
         self.source = source
@@ -105,6 +106,10 @@ class Sender:
         self._generation = 0
         self._begun = False
         self.statements: list[bytes] = []
+        self.formats: dict[str, BlockFormat] = {}
+        """The block FP8 formats the engines stated (refit.stages.fp8): the source is sent quantized to them."""
+        self._added: tuple[str, ...] = ()
+        """Stages the engines' statements added (fp8), before the session's own."""
         """What each receiver sent with READY: M:N shard statements (JSON; refit.topology.mesh), else empty."""
 
     @property
@@ -171,7 +176,7 @@ class Sender:
         self._connected = True
 
     def _connect(self) -> None:
-        if falls_back(self.transport_name, self.zero_copy, self.device, self.settings):
+        if falls_back(self.transport_name, self._paths.in_place, self.device, self.settings):
             self.transport_name, self._transport_cls, self.device = "shm", transports.get("shm"), torch.device("cpu")
         limits = admit(self._session.lobby, self.num_receivers, self.settings, into=self.channels)
         own = bucket_capacity(
@@ -189,6 +194,7 @@ class Sender:
         welcome(self.channels, {**setup, **self.membership.welcome_fields()})
         transport.establish()
         self.statements = [ch.expect(Kind.READY, "transport setup")[1] for ch in self.channels]
+        self._quantize()
         self.membership.start(transport, info, interval)
         waiting = self._session.members.waiting if self._session.members else None
         self._session.pulse = Pulse(self._session.channels, interval, waiting)
@@ -196,29 +202,41 @@ class Sender:
             "connected %d receiver(s) over %s, buckets of %d B", len(self.channels), self.transport_name, self.capacity
         )
 
+    def _quantize(self) -> None:
+        """Where the engines hold block FP8 (their READY says), send from the source as they hold it; a LoRA
+        source checks that they hold its adapter's layout over its base. A refusal is told to every engine."""
+        try:
+            added = lora.adapt(self.source, self.statements)
+            self.formats = fp8.stated(self.statements)
+            self.source, self._added = fp8.adapt(self.source, self.formats, zero_copy=self.zero_copy)
+            self._added += added
+        except ValueError as e:
+            for ch in self.channels:
+                with contextlib.suppress(PeerError):
+                    ch.send(Header(Kind.ERROR), {"message": f"the trainer refused this engine: {e}"})
+            raise HandshakeError(str(e)) from None
+
     def _handshake(self) -> None:
         self._epoch += 1
-        names = self.options.stage_names
+        names = (*self._added, *self.options.stage_names)
         manifest = plan(self.source.specs(), capacity=self.capacity, epoch=self._epoch, stages=names)
         failures = self.offer_manifest(manifest, self.channels)
         if failures:
             self.manifest, self._signature = None, None
             raise HandshakeError(" | ".join(failures))
-        if self.zero_copy:
-            share_sources(self.source, manifest, self.channels)
-        self.manifest = manifest
-        self._digests = self._digest_plan()
         assert self.transport is not None
-        self._path = SendPath(
+        digests = self._digest_plan(manifest)
+        path = self._paths(
             manifest,
             self.transport,
             self.channels,
             settings=self.settings,
             num_slots=self.num_slots,
-            zero_copy=self.zero_copy,
-            digests=self._digests,
+            digests=digests,
             stages=self._stages(manifest),
         )
+        path.share(self.source)
+        self.manifest, self._digests, self._path = manifest, digests, path
         log.info(
             "handshake: epoch %d, digest %s, %d tensors, %d bucket(s) of %d bytes",
             manifest.epoch,
@@ -230,17 +248,13 @@ class Sender:
 
     def _stages(self, manifest: Manifest) -> list[Stage]:
         """The trainer's half of each stage the manifest lists, for this epoch."""
-        made = stages.make(manifest.stages, manifest, self.device, trainer=True)
-        for stage in made:
-            if isinstance(stage, DeltaStage):
-                stage.threshold, stage.costs = self.options.delta_threshold, self.delta_costs
-        return made
+        session = {"delta_threshold": self.options.delta_threshold, "delta_costs": self.delta_costs}
+        return stages.make(manifest.stages, manifest, self.device, trainer=True, session=session)
 
     def offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]:
         """Send `manifest` to `channels` and read each REPORT (keeping its regions); returns their refusals, each
         as 'receiver R: why'. A channel lost meanwhile goes to the membership's `lost` (see `answered`)."""
-        payload, fingerprint = manifest.to_json(), bool(self.verify)
-        flags = Offer.FINGERPRINT if fingerprint else Offer(0)
+        payload, (flags, regions) = manifest.to_json(), _offered(bool(self.verify))
 
         def offer(ch: Channel) -> None:  # each receiver's copy is bound to its session: digest is a MAC under its key
             binding = auth.tag(ch.key, b"MANIFEST", manifest_binding(manifest.epoch, manifest.digest))
@@ -251,19 +265,21 @@ class Sender:
         def report(ch: Channel) -> None:
             obj = parse_json(ch.expect(Kind.REPORT, "handshake")[1], "REPORT")
             report = Report.from_json(obj)
-            self._regions[ch.rank] = parse_regions(obj.get("regions"), manifest) if fingerprint else {}
+            self._regions[ch.rank] = regions(obj.get("regions"), manifest)
             if not report.ok:
                 failures.append(f"receiver {ch.rank}: {report.message()}")
+            elif report.unsynced:
+                log.warning("receiver %d: %s", ch.rank, report.unsynced_message())
 
         each(channels, offer, self.membership.lost)
         each(channels, report, self.membership.lost)
         return failures
 
-    def _digest_plan(self) -> DigestPlan | None:
-        """The fingerprint plan for the current manifest and receivers (regions by receiver rank)."""
-        if not self.verify or self.manifest is None:
+    def _digest_plan(self, manifest: Manifest | None) -> DigestPlan | None:
+        """The fingerprint plan for `manifest` and the current receivers (regions by receiver rank)."""
+        if not self.verify or manifest is None:
             return None
-        return DigestPlan(self.manifest, {ch.rank: self._regions.get(ch.rank, {}) for ch in self.channels})
+        return DigestPlan(manifest, {ch.rank: self._regions.get(ch.rank, {}) for ch in self.channels})
 
     def prepare(self, joiners: list[Channel]) -> bool:
         """At a round's start: a new epoch's handshake (with `joiners`) if there is none yet or the source's
@@ -282,10 +298,10 @@ class Sender:
         return handshake
 
     def _changed(self) -> bool:
-        """The cheap signature moved: does that need a new epoch? Yes if any spec or alias changed, and in
-        zero-copy mode also when only storage or layout moved (the exported handles point at the old memory)."""
+        """The cheap signature moved: does that need a new epoch? Yes if any spec or alias changed, and on a path
+        that reads the source in place also when only storage or layout moved (what it shared is the old memory)."""
         assert self.manifest is not None
-        if self.zero_copy:
+        if self._paths.restarts_on_move:
             return True
         return sorted(self.source.specs(), key=lambda s: s.name) != [p.spec for p in self.manifest.entries]
 
@@ -388,7 +404,7 @@ class Sender:
     def refresh_digests(self) -> None:
         """The fingerprint plan follows the receivers now in the session (after joiners were admitted)."""
         path = self.path
-        self._digests = path.digests = self._digest_plan()
+        self._digests = path.digests = self._digest_plan(self.manifest)
 
     def forget(self, ch: Channel) -> None:
         """Receiver `ch` left: out of the session's channels, the fingerprint plan and the regions it named."""
@@ -441,3 +457,12 @@ class Sender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _offered(fingerprint: bool) -> tuple[Offer, Callable[[object, Manifest], dict]]:
+    """MANIFEST's flags, and how each REPORT's regions (shards it holds) are read: only for the fingerprint."""
+    return (Offer.FINGERPRINT, parse_regions) if fingerprint else (Offer(0), _no_regions)
+
+
+def _no_regions(obj: object, manifest: Manifest) -> dict:
+    return {}

@@ -103,6 +103,10 @@ class Transport(ABC):
     def recv(self, slot: int, nbytes: int) -> Pending:
         """Receiver side: start receiving `nbytes` into `slot`'s buffer."""
 
+    def before_pack(self, slot: int) -> None:
+        """Sender side, before writing into `slot` (its previous bucket was acknowledged by every receiver):
+        e.g. make the device wait for the receivers' reads of it."""
+
     def before_send(self, slot: int) -> None:
         """Sender side, after packing `slot` and before telling receivers it is ready (e.g. a stream sync)."""
 

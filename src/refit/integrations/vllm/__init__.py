@@ -1,7 +1,9 @@
 """vLLM: a refit Engine in every vLLM worker (`engine`, through vLLM's weight-transfer API in `backend`
 or a worker extension in `worker`), its compiled copy plan (`plan`, `recording`), the trainer-side
-driver (`driver`), and backend 'refit' of vLLM's own trainer-side API (`trainer`, reading vLLM's
-WeightSource through `weight_source`). Names are imported lazily: only `backend` and `trainer` need vLLM."""
+driver (`driver`), the cache policy at commit (`cache`), a speculative draft refitted with its
+target as one version (`draft`), LoRA adapters refitted from memory into vLLM's LoRA manager (`lora`),
+and backend 'refit' of vLLM's own trainer-side API (`trainer`, reading vLLM's WeightSource through
+`weight_source`). Names are imported lazily: only `backend` and `trainer` need vLLM."""
 
 from __future__ import annotations
 
@@ -32,6 +34,12 @@ _EXPORTS = {
     "ClientEngine": "trainer",
     "register_trainer": "trainer",
     "StreamSource": "weight_source",
+    "drafted": "draft",
+    "DraftedEngine": "draft",
+    "DRAFT_PREFIX": "draft",
+    "VllmLoraEngine": "lora",
+    "VllmLoraOptions": "lora",
+    "VllmLoraRefit": "lora",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -15,15 +15,20 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refit.errors import PeerError, RefitError
+from refit.integrations.vllm.draft import DRAFT_PREFIX, DraftedEngine
 from refit.integrations.vllm.engine import (
     BACKEND,
+    VllmEngine,
     engine_device,
     engine_seconds,
-    make_receiver,
     parse_options,
     worker_index,
 )
+from refit.integrations.vllm.receiving import make_receiver
+from refit.log import get_logger
 from refit.topology.ranked import pick
+
+log = get_logger("vllm")
 
 
 @dataclass
@@ -49,7 +54,8 @@ class RefitWeightTransferEngine(WeightTransferEngine):
 
     init_info_cls = RefitInitInfo
     update_info_cls = RefitUpdateInfo
-    supports_draft_weight_update = False
+    supports_draft_weight_update = True
+    """vLLM's draft session (`start_draft_weight_update`) carries the target and the draft as one refit."""
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         rendezvous = pick(init_info.rendezvous, self.device, index=worker_index())
@@ -62,12 +68,37 @@ class RefitWeightTransferEngine(WeightTransferEngine):
             init_info.timeout_s,
             parse_options(init_info.options),
             staged=init_info.staged,
+            drafted=self._has_draft(),
         )
+        self.options = parse_options(init_info.options)
         self.last: dict[str, float] = {}
         self.staged = StagedReceipts(self.receiver, init_info.timeout_s) if init_info.staged else None
 
+    def _has_draft(self) -> bool:
+        spec = getattr(self.vllm_config, "speculative_config", None)
+        self._said_stale_draft = False
+        return getattr(spec, "draft_model_config", None) is not None
+
     def start_weight_update(self) -> None:
-        """Nothing to do: the receiver begins the version when the first header arrives."""
+        """The receiver begins the version when the first header arrives. In vLLM's draft session (its
+        `start_draft_weight_update` made the draft model this engine's target) the draft joins the engine,
+        so this refit carries the target's and the draft's tensors, committed as one version."""
+        if self.model is self._default_model:
+            engine = self._open().engine
+            if isinstance(engine, DraftedEngine) and engine.draft is None and not self._said_stale_draft:
+                self._said_stale_draft = True
+                log.warning(
+                    "this vLLM runs a speculative draft model, but the refit carries no %s* tensors: the draft "
+                    "keeps the weights it loaded (its acceptance rate falls as the target trains); send both "
+                    "(refit.integrations.vllm.drafted) and VllmRefit refits them as one version",
+                    DRAFT_PREFIX,
+                )
+            return
+        engine = self._open().engine
+        if not isinstance(engine, DraftedEngine):
+            raise RefitError("vLLM started a draft weight update, but this worker was set up without a draft model")
+        if engine.draft is None or engine.draft.model is not self.model:
+            engine.attach(VllmEngine(self.model, self.model_config, self.options))
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         stats = self._open().receive()

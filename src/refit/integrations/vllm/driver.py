@@ -10,6 +10,8 @@ from dataclasses import asdict
 from typing import Any
 
 from refit.errors import HandshakeError, RefitError
+from refit.integrations.vllm.cache import CachePolicy, VersionSalt, check_cache_policy, salted
+from refit.integrations.vllm.draft import DRAFT_PREFIX
 from refit.integrations.vllm.engine import VllmOptions
 from refit.log import get_logger
 
@@ -59,6 +61,9 @@ class HttpEngine:
     def start_weight_update(self) -> None:
         self._post("start_weight_update")
 
+    def start_draft_weight_update(self) -> None:
+        self._post("start_draft_weight_update")
+
     def update_weights(self, request: dict) -> None:
         self._post("update_weights", request)
 
@@ -89,14 +94,34 @@ class VllmRefit:
     buckets at once: make a new Sender and driver to retry.
     """
 
-    def __init__(self, llm: Any, sender: Any, *, options: VllmOptions | None = None, staged: bool = False) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        sender: Any,
+        *,
+        options: VllmOptions | None = None,
+        staged: bool = False,
+        cache_policy: CachePolicy = "reset",
+    ) -> None:
         """`staged`: the workers receive each refit into staging memory on a background thread while vLLM
         keeps generating with its current version; generation pauses (vLLM's `pause_generation(mode="keep")`,
-        in-flight requests kept) only for the final copy, the version and the prefix-cache reset."""
+        in-flight requests kept) only for the final copy, the version and the prefix-cache reset.
+
+        `cache_policy`: what vLLM's prefix cache does at each commit (refit.integrations.vllm.cache):
+        'reset' (the default) drops every KV block; 'salt' drops none but starts a new `cache_salt`
+        (`self.cache_salt`), which `generate()` puts on every prompt and other clients must send with each
+        request; 'keep' leaves KV of older versions to be hit (stale: for measuring only)."""
         self.llm = llm
         self.sender = sender
         self.staged = staged
         self.options = options or VllmOptions()
+        self.cache_policy = check_cache_policy(cache_policy)
+        self._salt = VersionSalt()
+        if cache_policy == "keep":
+            log.warning(
+                "cache_policy 'keep': vLLM's prefix cache keeps KV computed with older versions after each "
+                "refit, so a cached prompt is served partly with old weights (stale)"
+            )
         self._connected = False
         self._thread: threading.Thread | None = None
         self._rpc_warned = False
@@ -182,7 +207,7 @@ class VllmRefit:
             return self._refit_staged(version)
 
         def engine_side() -> None:
-            self.llm.start_weight_update()
+            self._start_update()
             self.llm.update_weights({"update_info": {"version": version}})
             self.llm.finish_weight_update(weight_version=str(version))
 
@@ -194,7 +219,7 @@ class VllmRefit:
             self.failure = f"refit of version {version} failed: {e}"
             raise
         self.failure = ""
-        self._reset_kv(version)
+        self._settle_cache(version)
         self._add_engine_seconds(stats)
         return stats
 
@@ -231,7 +256,7 @@ class VllmRefit:
         if paused:
             pause(mode="keep")
         try:
-            self.llm.start_weight_update()
+            self._start_update()
             self.llm.update_weights({"update_info": {"version": version}})
             self.llm.finish_weight_update(weight_version=str(version))
             self.failure = ""
@@ -240,11 +265,39 @@ class VllmRefit:
             raise RefitError(f"vLLM worker failed: {e}") from e
         finally:
             try:
-                self._reset_kv(version)
+                self._settle_cache(version)
             finally:
                 if paused:
                     resume()
         return time.perf_counter() - t
+
+    def _start_update(self) -> None:
+        """vLLM's start call: its draft session when the source carries draft tensors (`draft.<name>`, see
+        refit.integrations.vllm.drafted), so the target and the draft are refitted as one version."""
+        names = (n for s in self.sender.source.specs() for n in s.names)
+        if any(n.startswith(DRAFT_PREFIX) for n in names):
+            start = getattr(self.llm, "start_draft_weight_update", None)
+            if not callable(start):
+                raise RefitError(
+                    f"the source carries {DRAFT_PREFIX}* tensors, but {type(self.llm).__name__} has no "
+                    "start_draft_weight_update: this vLLM cannot update a draft model"
+                )
+            start()
+        else:
+            self.llm.start_weight_update()
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Policy 'salt': the committed version's cache salt, for requests that do not go through `generate()`
+        (vLLM's `cache_salt` of a prompt or an OpenAI request); None under other policies or before a commit."""
+        return self._salt.current if self.cache_policy == "salt" else None
+
+    def _settle_cache(self, version: int) -> None:
+        """The cache policy at the commit of `version`."""
+        if self.cache_policy == "reset":
+            self._reset_kv(version)
+        elif self.cache_policy == "salt":
+            self._salt.advance(version)
 
     def _reset_kv(self, version: int) -> None:
         """Drop every KV block computed with the old weights, the kept requests' too: they are preempted and
@@ -280,11 +333,13 @@ class VllmRefit:
             if key != "apply" or any(key in w for w in per_worker):  # 'apply': the staged final copy only
                 stats.seconds[key] = max((w.get(key, 0.0) for w in per_worker), default=0.0)
 
-    def generate(self, *args: Any, allow_failed: bool = False, **kwargs: Any) -> Any:
-        """`llm.generate`, refused while the weights are mixed after a failed refit."""
+    def generate(self, prompts: Any, *args: Any, allow_failed: bool = False, **kwargs: Any) -> Any:
+        """`llm.generate`, refused while the weights are mixed after a failed refit. Under cache policy 'salt'
+        every prompt (a string or a dict) carries the committed version's `cache_salt`."""
         if self.failure and not allow_failed:
             raise RefitError(f"vLLM holds mixed weights ({self.failure}); retry the refit, or pass allow_failed=True")
-        return self.llm.generate(*args, **kwargs)
+        salt = self.cache_salt
+        return self.llm.generate(prompts if salt is None else salted(prompts, salt), *args, **kwargs)
 
     def close(self) -> None:
         if self._thread is not None and self._thread.is_alive():

@@ -20,9 +20,6 @@ from refit.engines.base import Engine, Region
 from refit.integrations.vllm.shards import slice_shape
 from refit.layout.spec import Slice, TensorSpec
 from refit.log import get_logger
-from refit.settings import Settings
-from refit.topology.mesh import MeshReceiver
-from refit.topology.receiver import Receiver
 
 BACKEND = "refit"
 MODES = ("plan", "load_weights")
@@ -103,6 +100,7 @@ class VllmEngine(Engine):
         from refit.integrations.vllm.plan import LoadPlan, keep_checkpoint_layout
 
         super().__init__()
+        refuse_fp8(model, model_config)
         self.model, self.model_config = model, model_config
         self.options = options or VllmOptions()
         if self.options.keep_checkpoint_layout:
@@ -274,6 +272,26 @@ class VllmEngine(Engine):
         super().fail(version, reason)
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def refuse_fp8(model: torch.nn.Module, model_config: Any) -> None:
+    """ValueError when vLLM serves this model in FP8 (a parameter in an FP8 dtype, or an FP8 quantization):
+    refit does not yet state vLLM's FP8 formats (`Engine.formats()`), so the trainer's float weights would
+    reach vLLM's FP8 loader without their block scales, cast instead of quantized."""
+    quantization = getattr(model_config, "quantization", None)
+    fp8 = next((n for n, p in model.named_parameters() if p.dtype in FP8_DTYPES), None)
+    if fp8 is None and "fp8" not in str(quantization or "").lower():
+        return
+    held = f"{fp8} is {dict(model.named_parameters())[fp8].dtype}" if fp8 else f"quantization={quantization!r}"
+    raise ValueError(
+        f"refit's vLLM backend cannot refit a model vLLM serves in FP8 ({held}): it does not state vLLM's FP8 "
+        "block formats yet, so the trainer's float weights would be cast into FP8 without their scales. Serve "
+        "the model unquantized (no quantization_config, no quantization='fp8') for refits, or refit an FP8 "
+        "ModuleEngine (docs/FP8.md)"
+    )
+
+
 def _ties(model: torch.nn.Module, plan: Any) -> dict[str, tuple[str, ...]]:
     """For each checkpoint name vLLM loads, the other names landing in the same storage: written to the
     same place of the same live parameter, or ignored because their parameter is that one (vLLM ties
@@ -295,28 +313,6 @@ def _ties(model: torch.nn.Module, plan: Any) -> dict[str, tuple[str, ...]]:
         if primary is not None and plan.specs[primary][0] == plan.specs[name][0]:
             out[primary] = (*out.get(primary, ()), name)
     return out
-
-
-def make_receiver(
-    model: torch.nn.Module,
-    model_config: Any,
-    device: torch.device,
-    rendezvous: dict,
-    timeout_s: float,
-    options: VllmOptions,
-    *,
-    staged: bool = False,
-) -> Receiver:
-    """`staged`: refits land in staging memory and `apply_staged()` moves them into vLLM's tensors."""
-    engine = VllmEngine(model, model_config, options)
-    settings = Settings(timeout_s=timeout_s)
-    if "mesh" in rendezvous:  # M:N (MeshRefit): this worker receives only its slices, from every trainer rank
-        mesh = MeshReceiver(engine, rendezvous, worker=worker_index(), settings=settings, device=device, staged=staged)
-        mesh.connect()
-        return mesh  # type: ignore[return-value]
-    receiver = Receiver(engine, rendezvous, settings=settings, device=device, staged=staged)
-    receiver.connect()
-    return receiver
 
 
 def worker_index() -> int:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Self
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from refit.errors import RefitError
+from refit.integrations.vllm.cache import CachePolicy, check_cache_policy
 from refit.integrations.vllm.driver import HttpEngine, VllmRefit
 from refit.integrations.vllm.engine import BACKEND, VllmOptions
 from refit.integrations.vllm.weight_source import StreamSource
@@ -48,8 +49,12 @@ class RefitTrainerInitInfo(TrainerInitInfo):
     staged: bool = False
     """Workers receive each round into staging memory while vLLM generates; generation pauses (mode 'keep')
     only for the final copy, the version and the prefix-cache reset (`VllmRefit(staged=True)`)."""
+    cache_policy: CachePolicy = "reset"
+    """vLLM's prefix cache at each commit: 'reset' drops it; 'salt' keeps it and starts a new cache salt
+    (`engine.cache_salt`, to send as `cache_salt` with every request); 'keep' leaves stale KV (measuring only)."""
 
     def __post_init__(self) -> None:
+        check_cache_policy(self.cache_policy)
         if self.num_receivers is not None and self.num_receivers < 1:
             raise ValueError(f"num_receivers ({self.num_receivers}) must be >= 1: one per vLLM worker (TP x PP)")
 
@@ -68,6 +73,11 @@ class ClientEngine:
     def start_weight_update(self) -> None:
         self.client.start_weight_update()
 
+    def start_draft_weight_update(self) -> None:
+        """vLLM's draft session, where the client has it (else the server's route for vLLM's HTTP client)."""
+        if not self._own_or_http("start_draft_weight_update"):
+            raise RefitError(f"the vLLM client {type(self.client).__name__} cannot start a draft weight update")
+
     def update_weights(self, request: dict) -> None:
         self.client.update_weights(request["update_info"])
 
@@ -80,15 +90,20 @@ class ClientEngine:
             return None
         return HttpEngine(base_url, timeout_s=float(getattr(self.client, "timeout", 600.0)))
 
+    def _own_or_http(self, method: str, **kwargs: Any) -> bool:
+        """Call `method` on the client where it has it, else on the server's route (vLLM's HTTP client);
+        False where it has neither."""
+        own, http = getattr(self.client, method, None), self._http()
+        if callable(own):
+            own(**kwargs)
+        elif http is not None:
+            getattr(http, method)(**kwargs)
+        return callable(own) or http is not None
+
     def pause_generation(self, *, mode: str = "abort") -> None:
         """vLLM's pause, through the client's own method or the server's /pause route (vLLM's HTTP client);
         a client with neither is not paused (vLLM still applies the update between two engine steps)."""
-        own, http = getattr(self.client, "pause_generation", None), self._http()
-        if callable(own):
-            own(mode=mode)
-        elif http is not None:
-            http.pause_generation(mode=mode)
-        elif not self._warned_pause:
+        if not self._own_or_http("pause_generation", mode=mode) and not self._warned_pause:
             self._warned_pause = True
             log.warning(
                 "the vLLM client %s cannot pause generation: the staged version is applied between two engine "
@@ -97,11 +112,7 @@ class ClientEngine:
             )
 
     def resume_generation(self) -> None:
-        own, http = getattr(self.client, "resume_generation", None), self._http()
-        if callable(own):
-            own()
-        elif http is not None:
-            http.resume_generation()
+        self._own_or_http("resume_generation")
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool | None:
         """Drop KV computed with the old weights: through the client's own method where it has one, the
@@ -167,14 +178,21 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
             verify=init_info.verify,
         )
         sender = Sender(StreamSource(source), options, settings=init_info.settings)
-        driver = VllmRefit(ClientEngine(client), sender, options=init_info.options, staged=init_info.staged)
+        driver = VllmRefit(
+            ClientEngine(client),
+            sender,
+            options=init_info.options,
+            staged=init_info.staged,
+            cache_policy=init_info.cache_policy,
+        )
         driver.connect()  # on failure the Sender is closed already
         return cls(client=client, source=source, driver=driver, first_version=init_info.first_version)
 
     def send_weights(self, *, version: int | None = None) -> RefitStats | None:
         """One refit as `version` (default: the next one): vLLM's start, update and finish calls with the
         Sender's buckets, verification and commit, vLLM's weight version set to `str(version)`, then its
-        prefix cache reset. Returns the sender's RefitStats (None on other ranks)."""
+        prefix cache as the init info's `cache_policy` says (reset by default). Returns the sender's
+        RefitStats (None on other ranks)."""
         version = self.next_version if version is None else version
         if not self.is_sender:
             for _ in self.source:
@@ -192,6 +210,13 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
             stream.end_round(drain=not committed)
         self.next_version = version + 1
         return self.last_stats
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Cache policy 'salt': the committed version's salt, to send as `cache_salt` with every request
+        (vLLM's OpenAI routes and prompts take it); None under other policies, before the first commit, and
+        on ranks other than the sender."""
+        return None if self.driver is None else self.driver.cache_salt
 
     def shutdown(self) -> None:
         """Close the Sender, then release vLLM's side (`shutdown_weight_transfer_engine`) where the client can."""

@@ -13,11 +13,13 @@ from refit.integrations.vllm.engine import (
     VllmEngine,
     engine_device,
     engine_seconds,
-    make_receiver,
     parse_options,
     worker_index,
 )
+from refit.integrations.vllm.receiving import make_receiver
+from refit.settings import Settings
 from refit.topology.ranked import pick
+from refit.topology.receiver import Receiver
 
 
 def worker_engine(worker: Any) -> VllmEngine | None:
@@ -59,7 +61,7 @@ def worker_parameters(worker: Any) -> dict[str, str]:
     model = worker.model_runner.get_model()
     out = {n: fingerprint(p, p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
     engine = worker_engine(worker)
-    if engine is not None and engine.plan is not None and engine.mode == "plan":
+    if getattr(engine, "plan", None) is not None and engine.mode == "plan":  # type: ignore[union-attr]
         for lp in engine.plan.layers.values():
             out.update({f"{lp.module}.{n}#shadow": fingerprint(t, t.dtype) for n, t in lp.shadows.items()})
     return out
@@ -131,6 +133,49 @@ class RefitWorkerExtension:
 
     def refit_close(self) -> None:
         self.refit_receiver.close()
+
+    # -- LoRA (refit.integrations.vllm.lora): the adapter refitted from memory, the base left alone
+
+    def refit_lora_connect(self, rendezvous: dict, timeout_s: float = 120.0, options: dict | None = None) -> int:
+        """Like `refit_connect`, into this worker's LoRA engine (`VllmLoraOptions` fields in `options`); the
+        adapters of an earlier LoRA session in this worker are retired first."""
+        from refit.integrations.vllm.lora import VllmLoraOptions, worker_lora_engine
+
+        self.refit_lora_close()
+        engine = worker_lora_engine(self, VllmLoraOptions.from_json(options or {}))
+        rendezvous = pick(rendezvous, self.model_runner.device, index=worker_index())  # type: ignore[attr-defined]
+        self.refit_receiver = Receiver(engine, rendezvous, settings=Settings(timeout_s=timeout_s))
+        self.refit_receiver.connect()
+        return self.refit_receiver.rank
+
+    def refit_lora_request(self) -> list:
+        """[name, int id] of the current adapter version's vLLM adapter."""
+        return list(self._lora().request_info())
+
+    def refit_lora_pin(self, lora_id: int) -> int:
+        return self._lora().pin(lora_id)
+
+    def refit_lora_release(self, lora_id: int) -> None:
+        self._lora().release(lora_id)
+
+    def refit_lora_live(self) -> list[list[int]]:
+        """[[version, pins], ...] of the live adapter versions."""
+        return [[v, n] for v, n in sorted(self._lora().live.items())]
+
+    def refit_lora_close(self) -> None:
+        """Close a LoRA session's receiver and remove its adapters from vLLM (none open: nothing)."""
+        receiver = getattr(self, "refit_receiver", None)
+        retire = getattr(getattr(receiver, "engine", None), "retire_all", None)
+        if receiver is not None and retire is not None:
+            receiver.close()
+            retire()
+            self.refit_receiver = None
+
+    def _lora(self) -> Any:
+        engine = getattr(getattr(self, "refit_receiver", None), "engine", None)
+        if not hasattr(engine, "request_info"):
+            raise RefitError("no LoRA refit session in this vLLM worker: call refit_lora_connect first")
+        return engine
 
 
 def expected_fingerprints(sent: dict[str, torch.Tensor], worker_layout: dict[str, list]) -> dict[str, str]:

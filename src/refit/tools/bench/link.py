@@ -12,20 +12,16 @@ in the other), the most any transport can reach on it.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 A_ADDR, B_ADDR = "10.232.0.1", "10.232.0.2"
 """The trainer's side (namespace a) and the engine's (namespace b)."""
 UNITS = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
-CLONE_NEWNET = 0x40000000
 
 
 def can_make_links() -> str:
@@ -58,13 +54,6 @@ def _sh(*cmd: str) -> str:
     return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
 
 
-def _setns(fd: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns into a network namespace failed: {os.strerror(err)}")
-
-
 @dataclass
 class Link:
     """Namespaces `a` (the trainer's, A_ADDR on veth `dev_a`) and `b` (the engine's, B_ADDR on `dev_b`).
@@ -73,6 +62,8 @@ class Link:
 
     rate: str | None = None
     tag: str = field(default_factory=lambda: str(os.getpid()))
+    borrowed: bool = False
+    """The namespaces exist already (made by the process that started this one): used, never made or deleted."""
 
     def __post_init__(self) -> None:
         if self.rate is not None and rate_bits(self.rate) == 0:
@@ -81,6 +72,8 @@ class Link:
         self.dev_a, self.dev_b = f"rla{self.tag}"[:15], f"rlb{self.tag}"[:15]
 
     def __enter__(self) -> Link:
+        if self.borrowed:
+            return self
         try:
             _sh("ip", "netns", "add", self.a)
             _sh("ip", "netns", "add", self.b)
@@ -104,6 +97,8 @@ class Link:
             "latency", "50ms")  # fmt: skip
 
     def __exit__(self, *exc: object) -> None:
+        if self.borrowed:
+            return
         for ns in (self.a, self.b):
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
 
@@ -120,16 +115,10 @@ class Link:
         """`argv` run inside namespace `side` ("a" or "b")."""
         return ["ip", "netns", "exec", self.namespace(side), *argv]
 
-    @contextlib.contextmanager
-    def entered(self, side: str) -> Iterator[None]:
-        """The calling thread inside namespace `side` until the block ends: sockets it opens, and threads it
-        starts (which keep the namespace), belong there. Processes it starts too, unless they enter another."""
-        with open("/proc/thread-self/ns/net") as home, open(f"/run/netns/{self.namespace(side)}") as there:
-            _setns(there.fileno())
-            try:
-                yield
-            finally:
-                _setns(home.fileno())
+
+NET_ONLY = {"UCX_TLS": "tcp"}
+"""nixl's UCX kept to TCP across a namespaced link: by default it reads through cross-memory attach or shared
+memory, which reach another network namespace of the same kernel without crossing the veth."""
 
 
 def send_floor(listener: socket.socket, nbytes: int, count: int, timeout_s: float) -> list[float]:

@@ -242,6 +242,9 @@ def plot(reports: list[dict], path: str) -> None:
             "--plot needs matplotlib, which is not installed; pip install matplotlib "
             "(or pip install -e '.[plot]' from the refit checkout)"
         ) from None
+    if any(r.get("link") for r in reports):
+        _plot_link(plt, reports, path)
+        return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "nbytes", "model size (GB)"), (axes[1], "receivers", "receivers")):
         fixed = reports[0]["config"]["receivers"] if key == "nbytes" else reports[-1]["nbytes"]
@@ -255,5 +258,33 @@ def plot(reports: list[dict], path: str) -> None:
         ax.set_ylabel("refit time (ms)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _plot_link(plt, reports: list[dict], path: str) -> None:  # type: ignore[no-untyped-def]
+    """Across namespaced links: refit time against the link's rate, one line per transport and method, per
+    model; the floor (a raw TCP transfer of the model's bytes) dashed."""
+    models = sorted({r["config"]["preset"] for r in reports})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        group = sorted((r for r in reports if r["config"]["preset"] == model and r.get("link")),
+                       key=lambda r: r["link"]["rate_bits"] or float("inf"))  # fmt: skip
+        transports = sorted({r["config"]["transport"] for r in group})
+        for transport in transports:
+            runs = [r for r in group if r["config"]["transport"] == transport and r["link"]["rate_bits"]]
+            xs = [r["link"]["rate_bits"] / 1e9 for r in runs]
+            for method in LABELS:
+                ys = [r["results"][method]["median_s"] * 1e3 for r in runs if method in r["results"]]
+                if len(ys) == len(xs) and xs and (method != "floor" or transport == transports[0]):
+                    name = "floor" if method == "floor" else f"{transport} {method}"
+                    ax.plot(xs, ys, marker="o", linestyle="--" if method == "floor" else "-", label=name)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("link rate (Gbit/s, tc tbf on a veth between two namespaces)")
+        ax.set_ylabel("refit time (ms)")
+        ax.set_title(model)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -20,18 +20,20 @@ from refit import transports
 from refit.checks.copy_digest import kernel_built, prepared_digests
 from refit.checks.tensor_digest import digests, prepared
 from refit.dtypes import dtype_from_name, dtype_name
+from refit.errors import RefitError
 from refit.layout.copy_kernel import BatchedCopy, available
 from refit.layout.planner import align_up
 from refit.layout.spec import TensorSpec
 from refit.protocol.wire import Header, Kind
 from refit.settings import Settings
 from refit.sources.module import ModuleSource
-from refit.tools.bench.link import A_ADDR, B_ADDR, Link, rate_bits, send_floor
+from refit.tools.bench.link import A_ADDR, B_ADDR, NET_ONLY, Link, rate_bits, send_floor
 from refit.tools.bench.memory import MemoryProbe
 from refit.tools.bench.presets import PRESETS, Shape, from_config, specs
 from refit.tools.bench.report import VERIFIED
 from refit.tools.bench.worker import MARK
 from refit.tools.children import module_command
+from refit.topology.options import ZERO_COPY_TRANSPORTS
 from refit.topology.sender import Sender
 
 METHODS = (
@@ -67,7 +69,7 @@ STEPPED = {"step_full", "step_delta"}
 full, and delta (only the chunks changed since the last commit). Disaggregated transports only."""
 STEP_LR = 1e-6
 """RL post-training's learning rates are 1e-6 to 1e-5: each step changes a small fraction of bf16 values."""
-LINKED = ("gloo",)
+LINKED = ("gloo", "nixl")
 """Transports the bench runs across a namespaced link. Not nixl yet: this process enters the trainer's
 namespace per thread (setns) and keeps the host's /sys, where UCX lists network devices, so UCX's TCP
 transport finds no veth; the sender needs its own process under `ip netns exec` for that."""
@@ -105,9 +107,7 @@ def applicable(transport: str, device: torch.device | None = None) -> tuple[str,
         if m == "copy_digest":
             return available(device) and device.type == "cuda"
         if m.startswith("zero_copy"):
-            return transport == "cuda-ipc"
-        if m in STEPPED:
-            return transport not in COLOCATED
+            return transport in ZERO_COPY_TRANSPORTS
         return True
 
     return tuple(m for m in METHODS if applies(m))
@@ -199,10 +199,7 @@ class Workers:
 
     def __init__(self, spec_list: list[TensorSpec], devices: list[str], link: Link | None = None) -> None:
         """With `link`: each in the link's namespace b, listening on its address there."""
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [os.path.dirname(os.path.dirname(refit.__file__)), env.get("PYTHONPATH")])
-        )
+        env = {**os.environ, "PYTHONPATH": _pythonpath()}
         command = module_command("refit.tools.bench.worker")
         if link is not None:
             env["REFIT_HOST"], command = B_ADDR, link.command("b", command)
@@ -362,6 +359,8 @@ def _floor(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: tor
         for i in range(cfg.warmup + cfg.repeats):
             _sync(device)
             t = time.perf_counter()
+            for ch in sender.channels:  # the go: a receiver that read ahead would ACK before the clock starts
+                ch.send(Header(Kind.BUCKET, nbytes=size))
             for _ in range(count):
                 sender.transport.send(0, size).wait(300.0)
             for ch in sender.channels:  # a one-sided transport (nixl) moves the bytes in the receivers' READs
@@ -560,6 +559,7 @@ def _per_tensor(
         def one_refit() -> None:
             buf = tr.buffers[0]
             for spec, t in zip(ordered, srcs):
+                tr.before_pack(0)
                 buf[: spec.nbytes].view(spec.dtype).copy_(t.reshape(-1))
                 tr.before_send(0)
                 for ch in sender.channels:
@@ -581,6 +581,64 @@ def _per_tensor(
         times = _timed(one_refit, device, cfg)
     workers.replies()
     return Result("per_tensor_meta" if meta else "per_tensor", sum(s.nbytes for s in spec_list), times)
+
+
+def measure(cfg: BenchConfig, link: Link | None, on_method: Callable[[str], None] | None) -> dict[str, Result]:
+    """Every method's Result, with receivers in `link`'s namespace b when given (this process in a)."""
+    spec_list = specs(cfg.shape, dtype_from_name(cfg.dtype))
+    device, worker_devices = _devices(cfg)
+    g = torch.Generator(device=device).manual_seed(0)
+    tensors = {s.name: torch.randn(s.shape, generator=g, device=device).to(s.dtype) for s in spec_list}
+    source = ModuleSource(tensors)
+    nbytes = sum(s.nbytes for s in spec_list)
+    results: dict[str, Result] = {}
+    workers = Workers(spec_list, worker_devices, link)
+    try:
+        for m in cfg.methods:
+            if on_method:
+                on_method(m)
+            before = link.bytes_a_to_b() if link else 0
+            result = _method(m, workers, source, tensors, spec_list, cfg, device, nbytes)
+            if result is not None:
+                result.link_bytes = link.bytes_a_to_b() - before if link else None
+                results[m] = result
+    finally:
+        workers.close()
+    return results
+
+
+def measured_inside(cfg: BenchConfig, link: Link, on_method: Callable[[str], None] | None) -> dict[str, Result]:
+    """`measure` run by a child process inside the link's namespace a (as `ip netns exec` starts it: its own
+    view of the network devices in /sys, which a thread that only switched namespaces lacks)."""
+    job = json.dumps({"config": {**asdict(cfg), "methods": list(cfg.methods)}, "tag": link.tag, "rate": link.rate})
+    env = {**os.environ, **{k: v for k, v in NET_ONLY.items() if k not in os.environ}, "PYTHONPATH": _pythonpath()}
+    argv = link.command("a", [*module_command("refit.tools.bench.inside"), job])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    results: dict[str, Result] = {}
+    for line in proc.stdout:
+        if line.startswith(INSIDE_MARK):
+            event = json.loads(line[len(INSIDE_MARK) :])
+            if "method" in event and on_method:
+                on_method(event["method"])
+            for name, r in event.get("results", {}).items():
+                results[name] = Result(**r)
+            if "error" in event:
+                raise ValueError(event["error"])
+    if proc.wait() != 0:
+        how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited with {proc.returncode}"
+        hint = " (9: out of memory?)" if proc.returncode == -9 else ""
+        raise RefitError(f"the bench's measuring process inside the link's namespace {how}{hint}; see its output above")
+    return results
+
+
+INSIDE_MARK = "@@inside "
+
+
+def _pythonpath() -> str:
+    return os.pathsep.join(
+        filter(None, [os.path.dirname(os.path.dirname(refit.__file__)), os.environ.get("PYTHONPATH")])
+    )
 
 
 def _method(
@@ -632,35 +690,16 @@ def _devices(cfg: BenchConfig) -> tuple[torch.device, list[str]]:
 def run_bench(cfg: BenchConfig, on_method: Callable[[str], None] | None = None) -> dict:
     """Measure every method in `cfg.methods` on one link; returns a JSON-able report. `on_method(name)` is
     called as each method starts (the CLI's progress). With `cfg.link_rate`, across a namespaced link that
-    exists only while it runs."""
-    dtype = dtype_from_name(cfg.dtype)
-    spec_list = specs(cfg.shape, dtype)
-    device, worker_devices = _devices(cfg)
-    g = torch.Generator(device=device).manual_seed(0)
-    tensors = {s.name: torch.randn(s.shape, generator=g, device=device).to(s.dtype) for s in spec_list}
-    source = ModuleSource(tensors)
+    exists only while it runs: the measuring process then runs inside the trainer's namespace
+    (`refit.tools.bench.inside`), so that every library in it (UCX too) sees that namespace's devices."""
+    spec_list = specs(cfg.shape, dtype_from_name(cfg.dtype))
+    device, _ = _devices(cfg)
     nbytes = sum(s.nbytes for s in spec_list)
-    results: dict[str, Result] = {}
-
-    def measure(link: Link | None) -> None:
-        workers = Workers(spec_list, worker_devices, link)
-        try:
-            for m in cfg.methods:
-                if on_method:
-                    on_method(m)
-                before = link.bytes_a_to_b() if link else 0
-                result = _method(m, workers, source, tensors, spec_list, cfg, device, nbytes)
-                if result is not None:
-                    result.link_bytes = link.bytes_a_to_b() - before if link else None
-                    results[m] = result
-        finally:
-            workers.close()
-
     if cfg.link_rate is None:
-        measure(None)
+        results = measure(cfg, None, on_method)
     else:
-        with Link(rate=cfg.link_rate) as link, link.entered("a"):
-            measure(link)
+        with Link(rate=cfg.link_rate) as link:
+            results = measured_inside(cfg, link, on_method)
     floor = results["floor"].median if "floor" in results else None
     summaries = {k: r.summary(floor) for k, r in results.items()}
     bits = rate_bits(cfg.link_rate) if cfg.link_rate is not None else 0

@@ -28,6 +28,8 @@ def _floor(r: Receiver, job: dict) -> None:
     """`count` receives, an ACK after every `per` (one timed repeat): one-sided transports move bytes here."""
     assert r.transport is not None and r.channel is not None
     for i in range(job["count"]):
+        if i % job["per"] == 0:  # each timed repeat starts at the sender's go
+            r.channel.expect(Kind.BUCKET, "the floor's go")
         r.transport.recv(0, job["nbytes"]).wait(r.settings.timeout_s)
         if (i + 1) % job["per"] == 0:
             r.transport.flush()

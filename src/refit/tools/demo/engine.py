@@ -16,8 +16,11 @@ import torch
 from refit.checks.fingerprints import fingerprints
 from refit.engines.module import ModuleEngine
 from refit.errors import PeerError, RefitError
+from refit.layout.state_layout import non_persistent_buffers
 from refit.log import configure, get_logger
 from refit.settings import Settings
+from refit.stages.lora import LoraEngine
+from refit.tools.demo.fp8 import to_fp8
 from refit.tools.demo.model import build_model, greedy, model_config
 from refit.topology.receiver import Receiver
 
@@ -56,12 +59,41 @@ def _serve(args: dict) -> int:
 
 
 def _model(args: dict) -> torch.nn.Module:
-    return build_model(model_config(**args["model"]), seed=12345)  # random: the first refit installs the weights
+    if args.get("lora"):  # the trainer's base, held already: only the adapter moves
+        from refit.tools.demo.lora import BASE_SEED, wrap
+
+        return wrap(build_model(model_config(**args["model"]), seed=BASE_SEED), args["lora"]).eval()
+    model = build_model(model_config(**args["model"]), seed=12345)  # random: the first refit installs the weights
+    if args.get("fp8"):
+        to_fp8(model)  # the decoder's linears in block FP8: the trainer quantizes for them
+    return model
+
+
+def _engine(model: torch.nn.Module, *, computed: bool = False) -> ModuleEngine | LoraEngine:
+    """`computed`: the trainer sends no non-persistent buffers (the rotary tables, computed from the config
+    on both sides): waived here by name, as a user would."""
+    if hasattr(model, "peft_config"):
+        return LoraEngine(model)
+    return ModuleEngine(model, ignore=[name for name, _, _ in non_persistent_buffers(model)] if computed else ())
+
+
+def _held(engine: ModuleEngine | LoraEngine, wire: dict, prompts: list[list[int]]) -> dict:
+    """The report's fingerprints of what the engine holds and its greedy output."""
+    if isinstance(engine, LoraEngine):
+        from refit.tools.demo.lora import engine_report
+
+        return engine_report(engine, wire, prompts)
+    model = engine.module
+    assert isinstance(model, torch.nn.Module)
+    return {
+        "fingerprints": fingerprints(model.state_dict().items(), wire, held=True),
+        "generated": greedy(model, prompts),
+    }
 
 
 def _session(args: dict, model: torch.nn.Module) -> int:
     """One Receiver session into `model`, reporting after every refit, until the sender closes (0)."""
-    engine = ModuleEngine(model)
+    engine = _engine(model, computed=bool(args.get("computed")))
     log.info("engine model built; connecting to %s:%s", args["rendezvous"]["host"], args["rendezvous"]["port"])
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 120.0))
     with Receiver(engine, args["rendezvous"], settings=settings) as receiver:
@@ -87,8 +119,7 @@ def _session(args: dict, model: torch.nn.Module) -> int:
                     "version": engine.weights.version,
                     "state": engine.weights.state.value,
                     "stats": stats.to_json(),
-                    "fingerprints": fingerprints(model.state_dict().items(), wire, held=True),
-                    "generated": greedy(model, args["prompts"]),
+                    **_held(engine, wire, args["prompts"]),
                 }
             )
 

@@ -125,9 +125,24 @@ def save(model: torch.nn.Module, tokenizer, path: str) -> str:
     return path
 
 
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+    """One optimizer step of the causal LM on `ids`; the model is left in eval mode."""
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    return float(loss.detach())
+
+
 @torch.no_grad()
-def greedy(model: torch.nn.Module, prompts: list[list[int]], *, new_tokens: int = 12) -> list[list[int]]:
-    """Greedy continuation of each prompt, on one thread so both processes compute identically."""
+def greedy(
+    model: torch.nn.Module, prompts: list[list[int]], *, new_tokens: int = 12, adapter: str | None = None
+) -> list[list[int]]:
+    """Greedy continuation of each prompt, on one thread so both processes compute identically. `adapter`: the
+    PEFT adapter to generate with (`adapter_names`), for a PEFT model."""
+    named = {"adapter_names": [adapter]} if adapter else {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -141,6 +156,7 @@ def greedy(model: torch.nn.Module, prompts: list[list[int]], *, new_tokens: int 
                 do_sample=False,
                 pad_token_id=1,
                 eos_token_id=None,
+                **named,
             )
             out.append(y[0, len(ids) :].tolist())
         return out

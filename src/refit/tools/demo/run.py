@@ -26,7 +26,9 @@ from refit.sources.module import ModuleSource
 from refit.tools.children import module_command
 from refit.tools.console import console_on, progress, progress_console
 from refit.tools.demo.engine import MARK, NOT_JOINED
-from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, greedy, model_config
+from refit.tools.demo.fp8 import as_held, to_fp8
+from refit.tools.demo.lora import LoraTrainer, reference_greedy, targets, wrap
+from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, model_config, train_step
 from refit.topology.mesh import MeshRefit
 from refit.topology.sender import Sender
 from refit.topology.stats import RefitStats
@@ -76,6 +78,12 @@ class DemoConfig:
     """Delta refits (`Sender(delta=True)`): only the wire chunks changed since the last commit move."""
     lr: float = 3e-3
     """The plain trainer's AdamW learning rate (RL post-training runs at 1e-6 to 1e-5)."""
+    engine_dtype: str = "float"
+    """'float' (the engine holds what the wire carries) or 'fp8' (the engine's decoder linears hold block FP8
+    with scales: the trainer quantizes for it, refit.stages.fp8)."""
+    lora: int = 0
+    """LoRA rank: > 0 trains a PEFT LoRA adapter of this rank on every linear layer, over a base the engine
+    already holds, and refits the adapter alone (refit.stages.lora); 0 trains and refits the whole model."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -101,6 +109,14 @@ class DemoConfig:
             raise ValueError(f"lr ({self.lr}) must be > 0")
         if self.engine not in ("module", "vllm"):
             raise ValueError(f"engine must be 'module' or 'vllm', got {self.engine!r}")
+        if self.engine_dtype not in ("float", "fp8"):
+            raise ValueError(f"engine_dtype must be 'float' or 'fp8', got {self.engine_dtype!r}")
+        if self.engine_dtype == "fp8" and (self.engine != "module" or self.trainer != "plain"):
+            raise ValueError("--engine-dtype fp8 runs with --engine module and --trainer plain")
+        if self.lora < 0 or (self.lora and (self.trainer, self.engine) != ("plain", "module")):
+            raise ValueError(f"--lora ({self.lora}) is a rank >= 1, with the plain trainer and the module engine")
+        if self.lora and self.engine_dtype != "float":
+            raise ValueError("--lora and --engine-dtype fp8 do not combine: the adapter moves alone, in bf16")
         if self.engine_tp < 1 or (self.engine_tp > 1 and self.engine != "vllm"):
             raise ValueError(
                 f"--engine-tp ({self.engine_tp}) is vLLM's tensor-parallel size: use it with --engine vllm"
@@ -292,23 +308,17 @@ class VllmSide:
         return 0
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
-    model.train()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    model.eval()
-    return float(loss.detach())
-
-
 class PlainTrainer:
     """The trainer for the default demo: one process, an unsharded model."""
 
-    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, *, lr: float = 3e-3) -> None:
+    def __init__(
+        self, model: torch.nn.Module, ids: torch.Tensor, *, lr: float = 3e-3, non_persistent: bool = False
+    ) -> None:
+        """`non_persistent`: also send the model's non-persistent buffers (its rotary tables), which a
+        ModuleEngine of the same model holds and would otherwise name as not synced."""
         self.model, self.ids = model, ids
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        self.source = ModuleSource(model, wire_dtype=torch.bfloat16)
+        self.source = ModuleSource(model, wire_dtype=torch.bfloat16, non_persistent=non_persistent)
 
     def step(self) -> float:
         return train_step(self.model, self.opt, self.ids)
@@ -318,6 +328,12 @@ class PlainTrainer:
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         return dict(self.model.state_dict())
+
+
+def _trainer(cfg: DemoConfig, model: torch.nn.Module, ids: torch.Tensor) -> PlainTrainer | LoraTrainer:
+    if cfg.lora:
+        return LoraTrainer(model, ids, rank=cfg.lora, lr=cfg.lr)
+    return PlainTrainer(model, ids, lr=cfg.lr, non_persistent=cfg.engine == "module")
 
 
 def wire_dtypes(source) -> dict[str, torch.dtype]:  # type: ignore[no-untyped-def]
@@ -337,9 +353,9 @@ def _expected_generation(
     """The trainer's own greedy output from the weights as sent (run while the engine generates its own)."""
     wire = _wire(sender)
     with torch.no_grad():
-        for name, t in reference.state_dict(keep_vars=True).items():
+        for name, t in targets(reference).items():
             t.copy_(weights[name].to(wire[name]))
-    return greedy(reference, prompts)
+    return reference_greedy(reference, prompts)
 
 
 def _check(weights: dict[str, torch.Tensor], sender: Sender, expected: list[list[int]], report: dict) -> Row:
@@ -385,16 +401,24 @@ def run(cfg: DemoConfig, console: Console, trainer=None, engine: EngineProcess |
 def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | None) -> bool:
     with progress_console(quiet=cfg.verbosity < 0).status("building the demo model and tokenizer"):
         mcfg, model, tok, ids, prompts = demo_model(cfg)
-        trainer = trainer or PlainTrainer(model, ids, lr=cfg.lr)
+        trainer = trainer or _trainer(cfg, model, ids)
         reference = build_model(model_config(**mcfg), seed=0)
+        quantized = to_fp8(reference) if cfg.engine_dtype == "fp8" else []
+        if cfg.lora:
+            reference = wrap(reference, cfg.lora).eval()
     source = trainer.source
     # What vLLM's checkpoint (config, tokenizer; dummy weights) is saved from: never a sharded model.
     model = getattr(trainer, "hf_model", None) or (reference if cfg.trainer == "fsdp" else trainer.model)
     nparams = getattr(trainer, "num_params", None) or sum(p.numel() for p in model.parameters())
+    sent = (
+        f"a rank-{cfg.lora} LoRA adapter on every linear layer trained and sent alone (fp32 as bf16; the engine "
+        "holds the base)"
+        if cfg.lora
+        else f"fp32 master weights sent as {_sent_as(cfg)}"
+    )
     console.print(
         f"[bold]refit demo[/] over [cyan]{cfg.transport}[/] into a [cyan]{cfg.engine}[/] engine: Llama-style "
-        f"LM, {nparams / 1e6:.1f}M params, fp32 master weights sent as bf16, {_plural(cfg.steps, 'step')}"
-        f"{_sharding(cfg)}"
+        f"LM, {nparams / 1e6:.1f}M params, {sent}, {_plural(cfg.steps, 'step')}{_sharding(cfg)}"
     )
     settings = session_settings(cfg)
     # every refit ends with the engine's digests checked against the trainer's live tensors
@@ -413,7 +437,7 @@ def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | No
     with tempfile.TemporaryDirectory() as workdir:
         engine = _start_engine(cfg, console, sender, (model, tok, prompts), workdir, process)
         try:
-            ok, rows = _loop(cfg, console, trainer, engine, reference, prompts)
+            ok, rows = _loop(cfg, console, trainer, engine, (reference, quantized), prompts)
         finally:
             engine.end_session() if isinstance(engine, EngineProcess) else engine.close()
     mem = sender.predicted_memory() if getattr(sender, "manifest", None) else {}
@@ -423,6 +447,12 @@ def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | No
         with open(cfg.json_path, "w") as f:
             json.dump({**result, "ok": ok, "refits": rows, "predicted_memory": mem}, f)
     return ok
+
+
+def _sent_as(cfg: DemoConfig) -> str:
+    if cfg.engine_dtype == "fp8":
+        return "block FP8 (e4m3, 128 x 128, fp32 scales) for the decoder's linears and bf16 for the rest"
+    return "bf16"
 
 
 def _plural(n: int, word: str) -> str:
@@ -459,6 +489,9 @@ def spawn_engine(cfg: DemoConfig) -> EngineProcess:
             "bucket_bytes": cfg.bucket_bytes,
             "timeout_s": cfg.timeout_s,
             "verbosity": cfg.verbosity,
+            "fp8": cfg.engine_dtype == "fp8",
+            "lora": cfg.lora,
+            "computed": cfg.trainer == "megatron",  # Megatron's GPT sends no rotary tables: the engine keeps its own
         }
     )
     log.info("engine process %d started", engine.proc.pid)
@@ -487,30 +520,32 @@ def _loop(
     console: Console,
     trainer,
     engine: EngineProcess | VllmSide,
-    reference: torch.nn.Module,
+    reference: tuple[torch.nn.Module, list[str]],
     prompts: list,
 ) -> tuple[bool, list[dict]]:
-    """Train, refit and check `cfg.steps` times: whether all verified, and one row per refit."""
+    """Train, refit and check `cfg.steps` times: whether all verified, and one row per refit. `reference`: the
+    trainer's reference model and the names it holds in FP8 (as the engine does)."""
     ok, rows = True, []
     with progress(quiet=cfg.verbosity < 0) as bar:
         task = bar.add_task("", total=cfg.steps)
         for step in range(1, cfg.steps + 1):
             bar.update(task, description=f"step {step}: training")
             loss = trainer.step()
-            if step == cfg.dtype_change_at + 1:
+            if step == cfg.dtype_change_at + 1 and not cfg.lora:  # a LoRA source has no KEEP_FP32
                 trainer.source.set_wire_dtype(KEEP_FP32, torch.float32)
             wait = " (waiting for the engine to connect)" if step == 1 else ""
             bar.update(task, description=f"step {step}: refitting{wait}")
             stats = trainer.refit(engine, step)
             bar.update(task, description=f"step {step}: checking the engine's weights and generation")
-            weights = trainer.full_weights()
-            expected = _expected_generation(weights, reference, engine.sender, prompts)  # while the engine generates
+            weights = as_held(trainer.full_weights(), reference[1])  # as the engine holds them (FP8: quantized)
+            expected = _expected_generation(weights, reference[0], engine.sender, prompts)  # while the engine generates
             report = engine.report(weights)
             if report.get("event") != "refit":
                 raise RefitError(f"engine reported: {report.get('message', report)}")
             row = _check(weights, engine.sender, expected, report)
             ok &= not row.problems
-            rows.append(_row(stats, row, loss))
+            full = getattr(trainer, "full_model_bytes", None)
+            rows.append({**_row(stats, row, loss), **({"full_model_bytes": full} if full else {})})
             log.info(
                 "step %d: loss %.3f, refit %.1f ms, verified %s", step, loss, stats.total_s * 1e3, not row.problems
             )
@@ -555,7 +590,8 @@ LEGEND = "\n".join(
         "loads bucket i while the trainer packs the next; its verify (digests of what it holds, read back here since "
         "its loads cast bf16 into fp32, compared with the trainer's) starts when the trainer's digests arrive and is "
         "most of commit.",
-        "MB: the model's bytes in its wire dtypes; wire MB: the bytes that crossed the link, Δ where the refit went "
+        "MB: the model's bytes in its wire dtypes (--lora: the adapter's; full MB: the whole model's in bf16, what "
+        "a full refit would move); wire MB: the bytes that crossed the link, Δ where the refit went "
         "as a delta (--delta: only the chunks changed since the last commit). "
         "epoch*: a handshake began a new epoch. params: every engine tensor bitwise what was sent; gen: the engine's "
         "greedy output equals the trainer's.",
@@ -570,7 +606,9 @@ ROTARY_NOTE = (
 
 def _table(transport: str, rows: list[dict]) -> Table:
     t = Table(title=f"refits over {transport}")
-    columns = ("ver", "epoch", "loss", "MB", "wire MB", "bkts", *TRAINER_STAGES, "other", "total", "GB/s")
+    full = any("full_model_bytes" in r for r in rows)  # LoRA: the adapter's MB beside the whole model's
+    columns = ("ver", "epoch", "loss", "MB", *(("full MB",) if full else ()), "wire MB", "bkts", *TRAINER_STAGES)
+    columns = (*columns, "other", "total", "GB/s")
     for col in (*columns, *(f"engine {k}" for k in ENGINE_STAGES), "params", "gen"):
         t.add_column(col, justify="right")
     mark = lambda ok: "[green]✓[/]" if ok else "[red]✗[/]"  # noqa: E731
@@ -581,6 +619,7 @@ def _table(transport: str, rows: list[dict]) -> Table:
             f"{r['epoch']}{'*' if r['handshake'] else ''}",
             f"{r['loss']:.3f}",
             f"{r['nbytes'] / 1e6:.1f}",
+            *((f"{r.get('full_model_bytes', 0) / 1e6:.1f}",) if full else ()),
             _wire_mb(r),
             str(r["num_buckets"]),
             *(ms(r["seconds"], k) for k in (*TRAINER_STAGES, "other", "total")),

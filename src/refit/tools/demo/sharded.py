@@ -20,7 +20,8 @@ import torch.distributed as dist
 import refit
 from refit.sources.fsdp import FsdpSource, full_tensor
 from refit.tools.children import module_command
-from refit.tools.demo.run import KEEP_FP32, DemoConfig, demo_model, run, session_settings, train_step
+from refit.tools.demo.model import train_step
+from refit.tools.demo.run import KEEP_FP32, DemoConfig, demo_model, run, session_settings
 from refit.topology.mesh import MeshRefit
 from refit.topology.stats import RefitStats
 
@@ -28,7 +29,8 @@ from refit.topology.stats import RefitStats
 class FsdpTrainer:
     """The demo model, each decoder layer and the root sharded with fully_shard over all ranks."""
 
-    def __init__(self, model: torch.nn.Module, ids: torch.Tensor) -> None:
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, *, non_persistent: bool = False) -> None:
+        """`non_persistent`: also send the model's rotary tables, which a module engine holds as buffers."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -38,7 +40,7 @@ class FsdpTrainer:
         fully_shard(model, mesh=mesh)
         self.model, self.ids = model, ids
         self.opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        self.source = FsdpSource(model, wire_dtype=torch.bfloat16)
+        self.source = FsdpSource(model, wire_dtype=torch.bfloat16, non_persistent=non_persistent)
 
     def step(self) -> float:
         return train_step(self.model, self.opt, self.ids)
@@ -88,7 +90,7 @@ def rank_main(cfg: DemoConfig) -> int:
 
         trainer = MegatronTrainer(model, ids, tp=cfg.tp, pp=cfg.pp)
     else:
-        trainer = FsdpTrainer(model, ids)
+        trainer = FsdpTrainer(model, ids, non_persistent=cfg.engine == "module")
     if dist.get_rank() == 0:
         code = 0 if run(cfg, Console(width=None if sys.stdout.isatty() else 120), trainer) else 1
     else:

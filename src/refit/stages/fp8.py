@@ -1,0 +1,261 @@
+"""The FP8 stage: the engine holds block-FP8 weights with scales, the trainer float ones; refits quantize.
+
+The engine states what it holds when it joins (READY, after the token is proved both ways): per tensor, the FP8
+dtype, the block shape, the scale's rounding, dtype and name (`formats_to_json`). Where the trainer holds that
+tensor as float32, bfloat16 or float16, the trainer's half (`Quantized`, a view of the trainer's source) sends it
+as the engine holds it: the FP8 values under the tensor's own name and the scales under the scale's name, each
+quantized by the reference rule (`refit.layout.fp8`) from the live tensor at every refit. On the wire they are
+plain tensors: the manifest lists them in FP8 and float32 (or uint8), the engine loads them as they are, and the
+fingerprint digests the bytes the rule produced against the bytes the engine holds.
+
+`Fp8Stage` names the stage in the manifest, so an engine process that does not know it refuses the handshake;
+its bucket halves pass the bytes through (the quantization happens before the pack). Delta and staged refits
+see FP8 wire bytes like any other. Zero-copy does not apply: the engine's tensors cannot be views of a float
+tensor the trainer holds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+
+from refit.dtypes import dtype_from_name, dtype_name
+from refit.layout import fp8
+from refit.layout.fp8 import BlockFormat
+from refit.layout.spec import Slice, TensorSpec
+from refit.sources.base import Source
+from refit.stages.base import Stage
+
+MAX_FORMATS = 1 << 20
+"""Most formats one engine may state (its READY is read after the token is proved, but still bounded)."""
+_SCALES = ("float32", "ue8m0")
+
+
+class Fp8Stage(Stage):
+    """Listed in the manifest of a session that quantizes; the bytes of every bucket pass through unchanged."""
+
+    name = "fp8"
+
+
+# -- what the engine states ----------------------------------------------------------------------------------
+
+
+def formats_to_json(formats: Mapping[str, BlockFormat]) -> dict[str, dict]:
+    """The engine's formats as READY states them (by the names the trainer sends)."""
+    return {
+        name: {
+            "dtype": dtype_name(f.dtype),
+            "block": list(f.block),
+            "scale": f.scale,
+            "scale_dtype": dtype_name(f.scale_dtype),
+            "suffix": f.suffix,
+        }
+        for name, f in formats.items()
+    }
+
+
+def formats_from_json(raw: object, who: str) -> dict[str, BlockFormat]:
+    """Formats as a peer stated them, every field checked; ValueError names `who` and what is wrong."""
+    if not isinstance(raw, dict) or len(raw) > MAX_FORMATS:
+        raise ValueError(f"{who}'s FP8 formats must be an object of at most {MAX_FORMATS} names")
+    out = {}
+    for name, f in raw.items():
+        try:
+            if not isinstance(f, dict) or set(f) != {"dtype", "block", "scale", "scale_dtype", "suffix"}:
+                raise ValueError("not an object of dtype, block, scale, scale_dtype and suffix")
+            block = f["block"]
+            if not isinstance(block, list) or len(block) != 2 or not all(type(b) is int for b in block):
+                raise ValueError("block must be two ints")
+            if f["scale"] not in _SCALES or not isinstance(f["suffix"], str):
+                raise ValueError(f"scale must be one of {_SCALES} and suffix a string")
+            out[name] = BlockFormat(
+                dtype=dtype_from_name(_str(f["dtype"])),
+                block=(block[0], block[1]),
+                scale=f["scale"],
+                scale_dtype=dtype_from_name(_str(f["scale_dtype"])),
+                suffix=f["suffix"],
+            )
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{who} states an impossible FP8 format for {name!r:.200}: {e}") from None
+    return out
+
+
+def _str(v: object) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{v!r:.40} is not a dtype name")
+    return v
+
+
+def stated(statements: Sequence[bytes]) -> dict[str, BlockFormat]:
+    """The formats every receiver stated with READY, which must agree (one manifest serves them all)."""
+    seen: dict[str, BlockFormat] | None = None
+    for rank, raw in enumerate(statements):
+        mine = parse_statement(raw, f"receiver {rank}")
+        if seen is not None and mine != seen:
+            differ = sorted(set(mine.items()) ^ set(seen.items()), key=str)[:3]
+            names = ", ".join(n for n, _ in differ)
+            raise ValueError(
+                f"receiver {rank} holds other FP8 formats than receiver 0 (first: {names}); one session sends "
+                "one layout: give every engine the same quantization"
+            )
+        seen = mine
+    return seen or {}
+
+
+def parse_statement(raw: bytes, who: str) -> dict[str, BlockFormat]:
+    """The formats in one READY statement (JSON; an empty one states none)."""
+    if not raw:
+        return {}
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{who}'s READY statement is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{who}'s READY statement must be a JSON object")
+    return formats_from_json(obj.get("formats", {}), who)
+
+
+def checked(
+    formats: Mapping[str, BlockFormat], held: Sequence[TensorSpec], *, exact_shapes: bool = True
+) -> dict[str, BlockFormat]:
+    """An engine's stated `formats`, checked against what it holds (`held`): each tensor in its FP8 dtype with
+    its scales beside it (their shape too, where the engine checks shapes itself). ValueError says which not."""
+    specs = {n: s for s in held for n in s.names}
+    for name, f in formats.items():
+        q, scale = specs.get(name), specs.get(f.scale_name(name))
+        if q is None or q.dtype != f.dtype:
+            raise ValueError(f"the engine states {name!r} in {f.dtype} but holds {q and q.dtype}")
+        want = fp8.scale_shape(q.shape, f)
+        if scale is None or scale.dtype != f.scale_dtype or (exact_shapes and tuple(scale.shape) != want):
+            raise ValueError(
+                f"the engine states {name!r} as {f.block} blocks with {f.scale_dtype} scales in "
+                f"{f.scale_name(name)!r}, which it holds as {scale and (scale.dtype, tuple(scale.shape))}, not "
+                f"{f.scale_dtype} of shape {want}"
+            )
+    return dict(formats)
+
+
+def refused_with(formats: Mapping[str, BlockFormat], zero_copy: bool) -> str:
+    """Why a session of these options cannot send these formats, or ''."""
+    if formats and zero_copy:
+        return (
+            f"the engine holds {len(formats)} tensor(s) in FP8 (first: {next(iter(formats))}), which the trainer "
+            "quantizes at every refit: zero-copy cannot map a float tensor onto FP8 bytes; drop zero_copy"
+        )
+    return ""
+
+
+# -- the trainer's half --------------------------------------------------------------------------------------
+
+
+class Quantized(Source):
+    """The trainer's source as the engine holds it: each tensor the engine states in FP8 (and the trainer holds
+    in float) becomes its FP8 values plus its scales, quantized by the reference rule from the live tensor
+    whenever a bucket asks for either. Into buffers kept for the epoch, so the pack's copy plans stay valid."""
+
+    stable_tensors = True
+
+    def __init__(self, source: Source, formats: Mapping[str, BlockFormat]) -> None:
+        """`formats`: what the engines state; only tensors the trainer holds in float are quantized (one it
+        holds in FP8 already goes as it is, beside its own scales)."""
+        self.source = source
+        specs = source.specs()
+        held = {n for s in specs for n in s.names}
+        self.formats = {s.name: formats[s.name] for s in specs if _quantizes(s, formats)}
+        self._scale_of = {f.scale_name(n): n for n, f in self.formats.items()}
+        clash = sorted(held & set(self._scale_of))
+        if clash:
+            raise ValueError(
+                f"the trainer holds {clash[0]!r} itself, which the engine names as the FP8 scales of "
+                f"{self._scale_of[clash[0]]!r}: send that tensor already quantized, or drop {clash[0]!r}"
+            )
+        self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.stable_tensors = source.stable_tensors
+
+    @property
+    def lookup_only(self) -> bool:
+        return False  # every bucket's tensors are quantized anew: a plan must never replay without `tensors`
+
+    def specs(self) -> list[TensorSpec]:
+        out = []
+        for spec in self.source.specs():
+            f = self.formats.get(spec.name)
+            if f is None:
+                out.append(spec)
+                continue
+            if spec.aliases:
+                raise ValueError(f"{spec.name!r} is tied to {list(spec.aliases)}: refit does not quantize tied tensors")
+            if not spec.shape:
+                raise ValueError(f"{spec.name!r} is a 0-d tensor: block FP8 needs at least one dimension")
+            out.append(TensorSpec(spec.name, spec.shape, f.dtype))
+            out.append(TensorSpec(f.scale_name(spec.name), fp8.scale_shape(spec.shape, f), f.scale_dtype))
+        return out
+
+    def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
+        # One call with the source's own names in bucket order (a scale stands for its weight): a gathering
+        # source serves only contiguous runs of its names.
+        wanted = list(dict.fromkeys(self._scale_of.get(n, n) for n in names))
+        found = dict(zip(wanted, self.source.tensors(wanted)))
+        for n in wanted:
+            f = self.formats.get(n)
+            if f is None:
+                continue
+            q, scales = self._buffer(n, found[n])
+            with torch.no_grad():
+                out_q, out_scale = q.view(-1).view(torch.uint8), scales.view(-1).view(torch.uint8)
+                fp8.quantize_into(found[n].detach(), f, out_q=out_q, out_scale=out_scale, name=n)
+            found[n], found[f.scale_name(n)] = q, scales
+        return [found[n] for n in names]
+
+    def _buffer(self, name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f, shape = self.formats[name], tuple(w.shape)
+        held = self._buffers.get(name)
+        if held is None or tuple(held[0].shape) != shape or held[0].device != w.device:
+            q = torch.empty(shape, dtype=f.dtype, device=w.device)
+            scales = torch.empty(fp8.scale_shape(shape, f), dtype=f.scale_dtype, device=w.device)
+            held = self._buffers[name] = (q, scales)
+        return held
+
+    def signature(self) -> Hashable:
+        return self.source.signature()
+
+    def prepare_refit(self) -> None:
+        self.source.prepare_refit()
+
+    def holdings(self) -> dict[str, Slice | None]:
+        raise ValueError("M:N refits do not quantize to FP8 yet: give the engine workers float weights")
+
+    @property
+    def nbytes(self) -> int:
+        """The trainer-side memory of the quantized copies (one FP8 byte per value, plus the scales)."""
+        return sum(fp8.wire_nbytes(q.shape, self.formats[n]) for n, (q, _) in self._buffers.items())
+
+
+def adapt(source: Source, formats: Mapping[str, BlockFormat], *, zero_copy: bool) -> tuple[Source, tuple[str, ...]]:
+    """The source a session sends from, and the stage names it adds: `Quantized` where the receivers state FP8
+    `formats` for tensors the trainer holds in float, else `source` unchanged. ValueError says why not."""
+    needed = {s.name: formats[s.name] for s in source.specs() if _quantizes(s, formats)}
+    if not needed:  # the trainer holds those tensors in FP8 already (with their scales): they go as they are
+        return source, ()
+    why = refused_with(needed, zero_copy)
+    if why:
+        raise ValueError(why)
+    return Quantized(source, formats), (Fp8Stage.name,)
+
+
+def _quantizes(spec: TensorSpec, formats: Mapping[str, BlockFormat]) -> bool:
+    return spec.name in formats and spec.dtype in fp8.SOURCE_DTYPES
+
+
+def mismatch(raw: bytes, formats: Mapping[str, BlockFormat], rank: int) -> str:
+    """Why an engine joining later (its READY `raw`) does not fit a session whose engines stated `formats`,
+    or ''."""
+    try:
+        mine = parse_statement(raw, f"receiver {rank}")
+    except ValueError as e:
+        return str(e)
+    if mine == dict(formats):
+        return ""
+    return "it holds other FP8 formats than the session's engines: give every engine the same quantization"
