@@ -229,3 +229,30 @@ def test_the_vllm_engine_bench_reports_verified_beside_unverified_and_the_disk_p
     assert "checkpoint layout: verified 2.00x unverified (target <= 1.5): NOT met" in lines[3]
     assert "disk path 1.50x the verified refit (target >= 2.0): NOT met" in lines[3]
     assert lines[4].endswith("inside the plan): 200.0 ms")
+
+
+def test_an_fp8_engine_bench_quantizes_each_verified_refit_and_times_the_quantizer(tmp_path) -> None:
+    """--engine-dtype fp8: the trainer holds bf16, the engine FP8 blocks and scales; every refit is verified
+    (the fingerprint proves the engine's FP8 bytes and scales against the trainer's live tensors quantized by
+    the rule) and the quantizer alone is timed against a flat cast-copy, checked bitwise against the rule."""
+    out = tmp_path / "fp8.json"
+    argv = ["bench", "--preset", "tiny", "--transport", "shm", "--engine-dtype", "fp8", "--repeats", "1"]
+    assert main([*argv, "--methods", "floor,fingerprint,quantize", "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())
+    assert r["dtypes"] == ["bfloat16"] and r["engine_dtypes"] == ["bfloat16", "float32", "float8_e4m3fn"]
+    assert r["results"]["fingerprint"]["median_s"] > 0
+    q = r["results"]["quantize"]
+    assert q["ratio_to_cast_floor"] > 0 and q["nbytes"] > r["nbytes"]  # reads bf16, writes FP8 and scales
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--methods", "quantize"], "pass --engine-dtype fp8"),
+        (["--engine-dtype", "fp8", "--methods", "refit,step_delta"], "drop step_delta"),
+        (["--engine-dtype", "fp8", "--engine", "vllm"], "--engine-dtype runs with the module engine"),
+    ],
+)
+def test_fp8_engine_bench_options_that_do_not_combine_are_refused(argv: list[str], fragment: str, capsys) -> None:
+    assert main(["bench", "--preset", "tiny", "--transport", "shm", *argv]) == 2
+    assert fragment in capsys.readouterr().err

@@ -9,18 +9,23 @@ The rule, per block (docs/FP8.md is the user-facing statement):
   q     = clamp(x / scale, -fp8_max, fp8_max) cast to the FP8 dtype, round-to-nearest-even.
 A block holding NaN or +-Inf is refused with ValueError naming the tensor and the block.
 
-Everything is vectorised (one pass over padded blocks, no Python loop over blocks) and gives the same bytes
-on CPU and CUDA: divisions are tensor by tensor, never by a Python scalar (CUDA turns those into a multiply by
-the reciprocal), and the UE8M0 rounding works on the float's bits, not on log2.
+On CUDA with Triton each tensor is one kernel launch (refit.layout.fp8_kernel); elsewhere, and where the
+kernel does not apply, the PyTorch path below runs. Both give the same bytes. The PyTorch path is vectorised
+(one pass over padded blocks, no Python loop over blocks) and gives the same bytes on CPU and CUDA:
+divisions are tensor by tensor, never by a Python scalar (CUDA turns those into a multiply by the
+reciprocal), and the UE8M0 rounding works on the float's bits, not on log2.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
+
+from refit.layout import fp8_kernel
 
 SCALE_SUFFIX = "_scale_inv"
 """What DeepSeek-V3 and Qwen3-FP8 checkpoints (and vLLM's `Fp8LinearMethod`) call a weight's block scales."""
@@ -99,11 +104,63 @@ def quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize `x` by the block rule: (q of x's shape in `fmt.dtype`, scales of `scale_shape` in
     `fmt.scale_dtype`), on x's device. `name` names the tensor in the error for a non-finite block."""
-    _check_source(x)
+    check_source(x)
+    q = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
+    scales = torch.empty(scale_shape(x.shape, fmt), dtype=fmt.scale_dtype, device=x.device)
+    quantize_many([Job(x, fmt, q, scales, name)])
+    return q, scales
+
+
+def quantize_reference(
+    x: torch.Tensor, fmt: BlockFormat = DEFAULT_FORMAT, *, name: str = "tensor"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` by the PyTorch path alone (never the kernel): what the kernel is checked against."""
+    check_source(x)
     q = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
     scales = torch.empty(scale_shape(x.shape, fmt), dtype=fmt.scale_dtype, device=x.device)
     _quantize_to(x, fmt, q, scales, name)
     return q, scales
+
+
+class Job(NamedTuple):
+    """One tensor to quantize: `x` into `q` (x's shape, fmt.dtype) and `scales` (scale_shape, fmt.scale_dtype)."""
+
+    x: torch.Tensor
+    fmt: BlockFormat
+    q: torch.Tensor
+    scales: torch.Tensor
+    name: str
+
+
+def quantize_many(jobs: Sequence[Job]) -> None:
+    """Quantize every job by the rule: one kernel launch each where `fp8_kernel` takes it (CUDA with Triton),
+    the PyTorch path for the rest. The kernel's non-finite flags are read once for all jobs (one host sync,
+    not one per tensor); a flagged tensor goes through the PyTorch path, which refuses it naming the block."""
+    flagged: list[tuple[Job, torch.Tensor]] = []
+    flags: dict[torch.device, torch.Tensor] = {}
+    for job in jobs:
+        x, fmt, q, scales, name = job
+        if x.numel() == 0 or not fp8_kernel.applies(x, fmt.block, q, scales):
+            _quantize_to(x, fmt, q, scales, name)
+            continue
+        if x.device not in flags:
+            flags[x.device] = torch.zeros(len(jobs), dtype=torch.int32, device=x.device)
+        flag = flags[x.device][len(flagged) : len(flagged) + 1]
+        fp8_kernel.launch(
+            x,
+            q,
+            scales,
+            flag,
+            block=fmt.block,
+            fp8_max=fmt.fp8_max,
+            smallest=SMALLEST_SCALE,
+            ue8m0=fmt.scale == "ue8m0",
+        )
+        flagged.append((job, flag))
+    if flagged and any(bool(f.any()) for f in flags.values()):
+        for job, flag in flagged:
+            if flag.item():
+                _quantize_to(*job)  # raises, naming the first non-finite block
 
 
 def quantize_into(
@@ -116,7 +173,7 @@ def quantize_into(
 ) -> None:
     """Quantize `x` straight into bytes of a preallocated bucket: `out_q` (uint8, x.numel() bytes) receives q
     row-major, `out_scale` (uint8, the scales' bytes, offset a multiple of the scale's size) the scales."""
-    _check_source(x)
+    check_source(x)
     shape = scale_shape(x.shape, fmt)
     q_nbytes, scale_nbytes = x.numel() * fmt.dtype.itemsize, math.prod(shape) * fmt.scale_dtype.itemsize
     for what, out, nbytes in (("out_q", out_q, q_nbytes), ("out_scale", out_scale, scale_nbytes)):
@@ -132,7 +189,7 @@ def quantize_into(
         raise ValueError(f"out_scale must start at a multiple of {fmt.scale_dtype.itemsize} bytes to hold the scales")
     q = out_q.view(fmt.dtype).view(x.shape)
     scales = out_scale.view(fmt.scale_dtype).view(shape)
-    _quantize_to(x, fmt, q, scales, name)
+    quantize_many([Job(x, fmt, q, scales, name)])
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, fmt: BlockFormat = DEFAULT_FORMAT) -> torch.Tensor:
@@ -206,7 +263,8 @@ def _check_finite(amax: torch.Tensor, shape: tuple[int, ...], name: str) -> None
     )
 
 
-def _check_source(x: torch.Tensor) -> None:
+def check_source(x: torch.Tensor) -> None:
+    """ValueError unless `x` is a float tensor of at least one dimension (what the rule quantizes)."""
     if x.dtype not in SOURCE_DTYPES:
         raise ValueError(f"x is {x.dtype}; FP8 block quantization takes one of {SOURCE_DTYPES}")
     if x.dim() == 0:

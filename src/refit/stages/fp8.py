@@ -198,15 +198,17 @@ class Quantized(Source):
         # source serves only contiguous runs of its names.
         wanted = list(dict.fromkeys(self._scale_of.get(n, n) for n in names))
         found = dict(zip(wanted, self.source.tensors(wanted)))
+        jobs = []
         for n in wanted:
             f = self.formats.get(n)
             if f is None:
                 continue
+            fp8.check_source(found[n])
             q, scales = self._buffer(n, found[n])
-            with torch.no_grad():
-                out_q, out_scale = q.view(-1).view(torch.uint8), scales.view(-1).view(torch.uint8)
-                fp8.quantize_into(found[n].detach(), f, out_q=out_q, out_scale=out_scale, name=n)
+            jobs.append(fp8.Job(found[n].detach(), f, q, scales, n))
             found[n], found[f.scale_name(n)] = q, scales
+        with torch.no_grad():
+            fp8.quantize_many(jobs)  # one launch per tensor on CUDA, one host sync for the bucket
         return [found[n] for n in names]
 
     def _buffer(self, name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -232,7 +232,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     _check_listen(args)
     reports = []
     layer_counts = _ints(args.layers, "--layers") if args.layers else [None]
-    methods = {t: _bench_methods(args.methods, default_transport(t), args.link_rate is not None) for t in names}
+    methods = {
+        t: _bench_methods(args.methods, default_transport(t), args.link_rate is not None, args.engine_dtype)
+        for t in names
+    }
     rates = [r.strip() for r in args.link_rate.split(",")] if args.link_rate else [None]
     runs = [(t, p, n, k, r) for p in presets for r in rates for t in names for n in receivers for k in layer_counts]
     with progress(quiet=args.verbosity < 0) as bar:
@@ -260,6 +263,8 @@ PLOT_INSTALL = "pip install matplotlib (or pip install -e '.[plot]' from the ref
 def _check_bench(args: argparse.Namespace) -> None:
     """What can be told before the bench starts (missing packages, conflicting options), and the settings
     that options and environment give together."""
+    if args.engine_dtype and (args.ranks or args.engine != "module"):
+        raise ValueError("--engine-dtype runs with the module engine and without --ranks; drop one of them")
     if args.engine == "vllm":
         _need(
             "vllm",
@@ -307,14 +312,22 @@ def _resolve_quick(args: argparse.Namespace) -> None:
     args.repeats = 3 if args.quick else BENCH_REPEATS if args.repeats is None else args.repeats
 
 
-def _bench_methods(text: str | None, transport: str, link: bool = False) -> tuple[str, ...]:
+def _bench_methods(
+    text: str | None, transport: str, link: bool = False, engine_dtype: str | None = None
+) -> tuple[str, ...]:
     """The methods asked for (default: every one that applies; across a link, the floor and refits full and
-    delta); one that measures nothing over `transport` is refused rather than left out of the table."""
+    delta; with an FP8 engine, the refits and the quantizer); one that measures nothing over `transport` is
+    refused rather than left out of the table."""
+    from refit.tools.bench.quantize import FP8_ENGINE, FP8_METHODS
     from refit.tools.bench.runner import LINK_METHODS, METHODS, STEPPED, applicable
 
     applies = applicable(transport)
     if not text:
-        return tuple(m for m in applies if m in LINK_METHODS) if link else tuple(m for m in applies if m not in STEPPED)
+        if engine_dtype == FP8_ENGINE:
+            return tuple(m for m in applies if m in FP8_METHODS)
+        if link:
+            return tuple(m for m in applies if m in LINK_METHODS)
+        return tuple(m for m in applies if m not in STEPPED and m != "quantize")
     asked = tuple(m.strip() for m in text.split(",") if m.strip())
     unknown = [m for m in asked if m not in METHODS]
     if unknown:
@@ -367,6 +380,7 @@ def _bench_config(  # type: ignore[no-untyped-def]
         timeout_s=args.timeout_s,
         methods=methods,
         link_rate=link_rate,
+        engine_dtype=args.engine_dtype,
     )
 
 
@@ -647,6 +661,13 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
         help="comma-separated rates, one run each: the receivers in their own network namespace, joined to the "
         "sender's by a veth limited to this rate (e.g. 1gbit,10gbit; none: the veth's own speed); the floor becomes "
         "a raw TCP send of the model's bytes across it; --plot draws time against the rate (needs root; gloo, nixl)",
+    )
+    bench.add_argument(
+        "--engine-dtype",
+        choices=("float", "fp8"),
+        help="what the engine holds: float (no FP8 anywhere) or fp8 (every linear weight in FP8 128 x 128 blocks "
+        "with float32 scales, which the trainer quantizes each refit; adds the quantize method); default: the "
+        "preset as it is (deepseek-v3 in FP8 on both sides, nothing quantized)",
     )
     bench.add_argument(
         "--engine",

@@ -24,6 +24,7 @@ LABELS = {
     "per_tensor_meta": "per-tensor, metadata every refit",
     "step_full": "refit + fingerprint after an AdamW step (lr 1e-6)",
     "step_delta": "delta refit + fingerprint after an AdamW step (lr 1e-6)",
+    "quantize": "probe: the trainer's FP8 quantizer alone (bytes read + written)",
 }
 
 
@@ -52,6 +53,9 @@ def _name(report: dict) -> str:
 def table(report: dict) -> Table:
     c, link = report["config"], report.get("link")
     dtypes = "+".join(report.get("dtypes") or [c["dtype"]])
+    engine = report.get("engine_dtypes")
+    if engine and engine != report.get("dtypes"):
+        dtypes += f" in the trainer, {'+'.join(engine)} in the engine (GB on the wire)"
     across = f" across a namespaced veth ({link['rate']})" if link else ""
     t = Table(
         title=f"{_name(report)}: {report['tensors']} tensors, {report['nbytes'] / 1e9:.3f} GB {dtypes}, "

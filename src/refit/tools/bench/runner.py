@@ -30,6 +30,7 @@ from refit.sources.module import ModuleSource
 from refit.tools.bench.link import A_ADDR, B_ADDR, NET_ONLY, Link, rate_bits, send_floor
 from refit.tools.bench.memory import MemoryProbe
 from refit.tools.bench.presets import PRESETS, Shape, from_config, specs
+from refit.tools.bench.quantize import FP8_ENGINE, FP8_METHODS, measured, sides
 from refit.tools.bench.report import VERIFIED
 from refit.tools.bench.worker import MARK
 from refit.tools.children import module_command
@@ -52,6 +53,7 @@ METHODS = (
     "per_tensor_meta",
     "step_full",
     "step_delta",
+    "quantize",
 )
 SENDER_STAGES = ("handshake", "pack", "send", "wait", "commit")
 """Sender stages in the report; `handshake` includes the per-refit signature check."""
@@ -136,6 +138,9 @@ class BenchConfig:
     """Put the receivers in their own network namespace, joined to the sender's by a veth pair limited to this
     tc rate ("1gbit", "10gbit"; "none": the veth's own speed), and measure the floor as a raw TCP transfer
     across it (refit.tools.bench.link; needs root). None: no link, everything in this namespace."""
+    engine_dtype: str | None = None
+    """What the engine holds (refit.tools.bench.quantize.sides): None, the shape as it is on both sides;
+    `float`, no FP8 anywhere; `fp8`, every linear weight in FP8 blocks, quantized by the trainer each refit."""
 
     def __post_init__(self) -> None:
         if not self.config and self.preset not in PRESETS:
@@ -150,6 +155,7 @@ class BenchConfig:
         dtype_from_name(self.dtype)
         if self.layers is not None:
             self.shape  # noqa: B018 - validates layers against the model
+        self._check_engine_dtype()
         if self.link_rate is not None:
             rate_bits(self.link_rate)
             if self.transport not in LINKED:
@@ -159,6 +165,21 @@ class BenchConfig:
     def shape(self) -> Shape:
         shape = from_config(self.config) if self.config else PRESETS[self.preset]
         return shape if self.layers is None else shape.truncated(self.layers)
+
+    def specs(self) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """(what the trainer holds, what the engine holds)."""
+        trainer, engine = sides(self.shape, self.engine_dtype)
+        dtype = dtype_from_name(self.dtype)
+        return specs(trainer, dtype), specs(engine, dtype)
+
+    def _check_engine_dtype(self) -> None:
+        sides(self.shape, self.engine_dtype)
+        if self.engine_dtype == FP8_ENGINE:
+            other = [m for m in self.methods if m not in FP8_METHODS]
+            if other:
+                raise ValueError(f"with an FP8 engine the bench runs {', '.join(FP8_METHODS)}; drop {', '.join(other)}")
+        elif "quantize" in self.methods:
+            raise ValueError("the quantize method measures the trainer's FP8 quantizer: pass --engine-dtype fp8")
 
 
 @dataclass(slots=True)
@@ -585,20 +606,25 @@ def _per_tensor(
 
 def measure(cfg: BenchConfig, link: Link | None, on_method: Callable[[str], None] | None) -> dict[str, Result]:
     """Every method's Result, with receivers in `link`'s namespace b when given (this process in a)."""
-    spec_list = specs(cfg.shape, dtype_from_name(cfg.dtype))
+    spec_list, engine_specs = cfg.specs()
     device, worker_devices = _devices(cfg)
     g = torch.Generator(device=device).manual_seed(0)
     tensors = {s.name: torch.randn(s.shape, generator=g, device=device).to(s.dtype) for s in spec_list}
     source = ModuleSource(tensors)
-    nbytes = sum(s.nbytes for s in spec_list)
+    nbytes = sum(s.nbytes for s in engine_specs)  # the wire's bytes: what the engine holds
     results: dict[str, Result] = {}
-    workers = Workers(spec_list, worker_devices, link)
+    workers = Workers(engine_specs, worker_devices, link)
     try:
         for m in cfg.methods:
             if on_method:
                 on_method(m)
             before = link.bytes_a_to_b() if link else 0
-            result = _method(m, workers, source, tensors, spec_list, cfg, device, nbytes)
+            if m == "quantize":
+                times, moved, floors = measured(tensors, engine_specs, lambda fn: _timed(fn, device, cfg))
+                _release(device)
+                result = Result(m, moved, times, floors=floors)
+            else:
+                result = _method(m, workers, source, tensors, spec_list, cfg, device, nbytes)
             if result is not None:
                 result.link_bytes = link.bytes_a_to_b() - before if link else None
                 results[m] = result
@@ -692,9 +718,9 @@ def run_bench(cfg: BenchConfig, on_method: Callable[[str], None] | None = None) 
     called as each method starts (the CLI's progress). With `cfg.link_rate`, across a namespaced link that
     exists only while it runs: the measuring process then runs inside the trainer's namespace
     (`refit.tools.bench.inside`), so that every library in it (UCX too) sees that namespace's devices."""
-    spec_list = specs(cfg.shape, dtype_from_name(cfg.dtype))
+    spec_list, engine_specs = cfg.specs()
     device, _ = _devices(cfg)
-    nbytes = sum(s.nbytes for s in spec_list)
+    nbytes = sum(s.nbytes for s in engine_specs)
     if cfg.link_rate is None:
         results = measure(cfg, None, on_method)
     else:
@@ -713,6 +739,7 @@ def run_bench(cfg: BenchConfig, on_method: Callable[[str], None] | None = None) 
         "tensors": len(spec_list),
         "nbytes": nbytes,
         "dtypes": sorted({dtype_name(s.dtype) for s in spec_list}),
+        "engine_dtypes": sorted({dtype_name(s.dtype) for s in engine_specs}),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "cpu_kernel": device.type == "cpu" and kernel_built(),  # the notes under the table explain figures by it
