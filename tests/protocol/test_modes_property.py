@@ -2,7 +2,8 @@
 refits (new versions and retries), joins, leaves, kills (between refits and mid-refit), engine tensors
 recast or replaced (also while a version waits in staging), trainer tensors replaced or switched to
 another dtype (a new epoch), and `apply_staged()`, with one to three receivers, staged and unstaged,
-holding different rows of one tensor (tensor parallel) or everything.
+holding different rows of one tensor (tensor parallel) or everything. Beside the weights the trainer holds a
+draft head and an integer routing table: the same version moves all of them, or none.
 
 Invariant after every step, for every engine (members and departed ones alike): an engine that reads
 `current` at version v holds, bitwise, the trainer's tensors of v in the wire dtype (its rows only where
@@ -60,9 +61,14 @@ TRAINER = {
     "head.weight": ((16, 64), F32),
     "span.weight": ((128, 128), BF16),
     "q8.weight": ((130, 72), F32),
+    "draft.head.weight": ((16, 32), BF16),
+    "router.table": ((64,), torch.int64),
 }
-"""About 43 KB: at least three buckets of either size below, so every refit has at least three loads; span.weight
-spans buckets (32 KiB), and in a delta session its first half changes densely and the rest sparsely."""
+"""About 44 KB: at least three buckets of either size below, so every refit has at least three loads; span.weight
+spans buckets (32 KiB), and in a delta session its first half changes densely and the rest sparsely. Beside the
+weights, the engine's other state of the same version: a draft head (`draft.`, as a ModuleEngine over a target
+and its draft names it) and a routing table, an integer buffer the trainer also holds."""
+DRAFT, ROUTER = "draft.head.weight", "router.table"
 SPAN = "span.weight"
 Q8 = "q8.weight"
 """In an FP8 session every engine holds it in block FP8 (partial edge blocks) with its scales beside it: the
@@ -70,12 +76,15 @@ trainer quantizes it at every refit (refit.stages.fp8); it spans buckets in FP8 
 Q8_SCALE = BlockFormat().scale_name(Q8)
 DENSE_ROWS = 64
 NAMES = list(TRAINER)
-ENGINE_NAMES = [n for n in NAMES if n != Q8]
-"""What an engine recasts or replaces (an FP8 engine's statement of its formats holds for its session)."""
+ENGINE_NAMES = [n for n in NAMES if n not in (Q8, ROUTER)]
+"""What an engine recasts or replaces (an FP8 engine's statement of its formats holds for its session; an integer
+table is never recast to a float)."""
 TP = "tp.weight"
 ROWS = 4
 """Region k of TP: rows [4k, 4k + 4)."""
-SWITCHED = {n: F32 if dtype == BF16 else BF16 for n, (_, dtype) in TRAINER.items()}
+SWITCHED = {
+    n: F32 if dtype == BF16 else BF16 if dtype.is_floating_point else dtype for n, (_, dtype) in TRAINER.items()
+}
 """The dtype a trainer tensor may switch to (a new epoch), and back: an engine holds bf16 as fp32, never the reverse."""
 DTYPES = {"float64": F64, "float32": F32, "bfloat16": BF16, "float16": F16}
 HOLDS = {(BF16, F32), (F16, F32), (BF16, F64), (F16, F64), (F32, F64)}
