@@ -12,8 +12,7 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu.
 M=floor,refit,fingerprint,zero_copy,zero_copy_fingerprint,digest
 for p in qwen2-7b moe "deepseek-v3 --layers 4"; do
   n=${p%% *}
-  m=$M  # deepseek-v3's engine holds FP8 the trainer quantizes each refit: zero-copy is refused there (c66188e)
-  [ "$n" = deepseek-v3 ] && m=floor,refit,fingerprint,digest
+  m=$M
   timeout 200 python3 -m refit bench --preset $p --transport cuda-ipc --methods $m --repeats 7 \
       --json "$OUT/$TAG-$n.json" >"$OUT/$TAG-$n.txt" 2>&1
   echo "bench $n rc $?"

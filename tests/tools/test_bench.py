@@ -241,6 +241,8 @@ def test_an_fp8_engine_bench_quantizes_each_verified_refit_and_times_the_quantiz
     (r,) = json.loads(out.read_text())
     assert r["dtypes"] == ["bfloat16"] and r["engine_dtypes"] == ["bfloat16", "float32", "float8_e4m3fn"]
     assert r["results"]["fingerprint"]["median_s"] > 0
+    memory = r["results"]["fingerprint"]["memory"]  # the quantized copies the trainer keeps are predicted too
+    assert abs(memory["measured_sender"] - memory["predicted_sender"]) < 0.01 * memory["predicted_sender"], memory
     q = r["results"]["quantize"]
     assert q["ratio_to_cast_floor"] > 0 and q["nbytes"] > r["nbytes"]  # reads bf16, writes FP8 and scales
 

@@ -104,7 +104,8 @@ def test_a_non_finite_block_is_refused_naming_the_tensor_through_the_kernel(bad:
 @pytest.mark.gpu
 def test_a_bucket_of_many_tensors_quantizes_as_each_alone() -> None:
     _cuda()
-    tensors = {f"w{i}": _values((64 + 37 * i, 96 + 53 * i), torch.bfloat16, i, "cuda") for i in range(12)}
+    dtypes = [torch.bfloat16, torch.float32, torch.float16]  # one launch per source dtype
+    tensors = {f"w{i}": _values((64 + 37 * i, 96 + 53 * i), dtypes[i % 3], i, "cuda") for i in range(12)}
     source = Quantized(ModuleSource(tensors), {n: fp8.DEFAULT_FORMAT for n in tensors})
     names = [n for w in tensors for n in (w, w + fp8.SCALE_SUFFIX)]
     got = dict(zip(names, source.tensors(names)))
@@ -117,23 +118,28 @@ _INTERPRETED = r"""
 import torch
 from refit.layout import fp8, fp8_kernel
 for fmt in (fp8.BlockFormat(), fp8.BlockFormat(scale="ue8m0", scale_dtype=torch.uint8), fp8.BlockFormat(block=(16, 32))):
+    items, refs = [], []
     for shape in ((130,), (3, 7), (40, 300), (2, 33, 70)):
         g = torch.Generator().manual_seed(shape[-1])
         x = (torch.randn(shape, generator=g) * torch.logspace(-20, 3, shape[-1])).to(torch.bfloat16)
-        q, s, flag = torch.empty(shape, dtype=fmt.dtype), torch.empty(fp8.scale_shape(shape, fmt), dtype=fmt.scale_dtype), torch.zeros(1, dtype=torch.int32)
+        q, s = torch.empty(shape, dtype=fmt.dtype), torch.empty(fp8.scale_shape(shape, fmt), dtype=fmt.scale_dtype)
         assert fp8_kernel.applies(x, fmt.block, q, s)
-        fp8_kernel.launch(x, q, s, flag, block=fmt.block, fp8_max=fmt.fp8_max, smallest=fp8.SMALLEST_SCALE, ue8m0=fmt.scale == "ue8m0")
-        rq, rs = fp8.quantize_reference(x, fmt)
-        assert torch.equal(s, rs) and flag.item() == 0, (shape, fmt)
-        x.view(-1)[1] = float("nan")
-        fp8_kernel.launch(x, q, s, flag, block=fmt.block, fp8_max=fmt.fp8_max, smallest=fp8.SMALLEST_SCALE, ue8m0=fmt.scale == "ue8m0")
-        assert flag.item() == 1, (shape, fmt)
+        items.append((x, q, s))
+        refs.append(fp8.quantize_reference(x, fmt)[1])
+    group = fp8_kernel.Group(torch.device("cpu"), torch.bfloat16, fmt.dtype, fmt.scale_dtype, fmt.block, fmt.scale == "ue8m0", False)
+    flags = fp8_kernel.launch(group, items, fp8_max=fmt.fp8_max, smallest=fp8.SMALLEST_SCALE)
+    assert flags.tolist() == [0] * len(items), flags
+    assert all(torch.equal(s, r) for (_, _, s), r in zip(items, refs)), fmt
+    items[2][0].view(-1)[5] = float("nan")
+    flags = fp8_kernel.launch(group, items, fp8_max=fmt.fp8_max, smallest=fp8.SMALLEST_SCALE)
+    assert flags.tolist() == [0, 0, 1, 0], flags
 print("ok")
 """
 
 
 def test_the_kernel_under_the_triton_interpreter_gives_the_reference_scales_and_flags() -> None:
-    """For machines with Triton but no GPU: the scales and the non-finite flag, exactly. Not the FP8 bytes: the
+    """For machines with Triton but no GPU: one launch over tensors of several shapes gives each its reference
+    scales, and flags the one holding NaN. Not the FP8 bytes: the
     interpreter's float-to-FP8 cast rounds wrongly where rounding carries into the exponent (31.8 becomes 16,
     not 32) and flushes subnormals; the CUDA tests above check the bytes on the device."""
     pytest.importorskip("triton")

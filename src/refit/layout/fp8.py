@@ -133,34 +133,31 @@ class Job(NamedTuple):
 
 
 def quantize_many(jobs: Sequence[Job]) -> None:
-    """Quantize every job by the rule: one kernel launch each where `fp8_kernel` takes it (CUDA with Triton),
-    the PyTorch path for the rest. The kernel's non-finite flags are read once for all jobs (one host sync,
-    not one per tensor); a flagged tensor goes through the PyTorch path, which refuses it naming the block."""
-    flagged: list[tuple[Job, torch.Tensor]] = []
-    flags: dict[torch.device, torch.Tensor] = {}
+    """Quantize every job by the rule: one kernel launch per group of jobs of one format where `fp8_kernel`
+    takes them (CUDA with Triton), the PyTorch path for the rest. The kernel's non-finite flags are read once
+    (one host sync for all jobs); a flagged tensor goes through the PyTorch path, which refuses it naming the
+    first non-finite block."""
+    groups: dict[fp8_kernel.Group, list[Job]] = {}
     for job in jobs:
         x, fmt, q, scales, name = job
-        if x.numel() == 0 or not fp8_kernel.applies(x, fmt.block, q, scales):
+        if not fp8_kernel.applies(x, fmt.block, q, scales):
             _quantize_to(x, fmt, q, scales, name)
             continue
-        if x.device not in flags:
-            flags[x.device] = torch.zeros(len(jobs), dtype=torch.int32, device=x.device)
-        flag = flags[x.device][len(flagged) : len(flagged) + 1]
-        fp8_kernel.launch(
-            x,
-            q,
-            scales,
-            flag,
-            block=fmt.block,
-            fp8_max=fmt.fp8_max,
-            smallest=SMALLEST_SCALE,
-            ue8m0=fmt.scale == "ue8m0",
+        key = fp8_kernel.Group(
+            x.device, x.dtype, q.dtype, scales.dtype, fmt.block, fmt.scale == "ue8m0", fp8_kernel.aligned(x, q)
         )
-        flagged.append((job, flag))
-    if flagged and any(bool(f.any()) for f in flags.values()):
-        for job, flag in flagged:
-            if flag.item():
-                _quantize_to(*job)  # raises, naming the first non-finite block
+        groups.setdefault(key, []).append(job)
+    flagged = []
+    for key, group in groups.items():
+        fmt = group[0].fmt
+        items = [(j.x, j.q, j.scales) for j in group]
+        flags = fp8_kernel.launch(key, items, fp8_max=fmt.fp8_max, smallest=SMALLEST_SCALE)
+        flagged.append((group, flags))
+    for group, flags in flagged:
+        if bool(flags.any()):
+            for job, flag in zip(group, flags.tolist()):
+                if flag:
+                    _quantize_to(*job)  # raises, naming the first non-finite block
 
 
 def quantize_into(

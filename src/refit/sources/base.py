@@ -52,6 +52,14 @@ class Source(ABC):
         """M:N: this rank's part of each tensor (as `holdings` states it), live, never gathered."""
         return self.tensors(names)
 
+    def held_bytes(self) -> int:
+        """Memory the source keeps for refits beyond the trainer's own tensors (a stage's copies), predicted."""
+        return 0
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors behind `held_bytes` that exist now (what a memory probe measures)."""
+        return []
+
 
 class WireDtypes:
     """The wire-dtype rule shared by sources: one default for floating tensors, plus per-name overrides."""

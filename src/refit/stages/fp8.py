@@ -229,6 +229,14 @@ class Quantized(Source):
     def holdings(self) -> dict[str, Slice | None]:
         raise ValueError("M:N refits do not quantize to FP8 yet: give the engine workers float weights")
 
+    def held_bytes(self) -> int:
+        """The quantized copies kept for the epoch: one FP8 byte per value of each tensor quantized, plus its
+        scales (what `nbytes` measures once every bucket has asked for them)."""
+        return sum(fp8.wire_nbytes(s.shape, f) for s in self.source.specs() if (f := self.formats.get(s.name)))
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [t for pair in self._buffers.values() for t in pair]
+
     @property
     def nbytes(self) -> int:
         """The trainer-side memory of the quantized copies (one FP8 byte per value, plus the scales)."""

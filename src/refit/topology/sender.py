@@ -445,7 +445,7 @@ class Sender:
         if self.manifest is None:
             raise ValueError("no manifest yet: call refit() (or connect and handshake) first")
         f = forecast(self.manifest, num_slots=self.num_slots)
-        return {"sender": f.sender_bytes, "receiver": f.receiver_bytes}
+        return {"sender": f.sender_bytes + self.source.held_bytes(), "receiver": f.receiver_bytes}
 
     def close(self) -> None:
         """End the session: tell receivers, stop heartbeats, release the transport, sockets and buffer views."""

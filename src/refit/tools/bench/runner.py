@@ -131,7 +131,8 @@ class BenchConfig:
     bucket_bytes: int = 1 << 30
     timeout_s: float = 300.0
     """Limit on each wait inside a refit, on both sides (the CLI: REFIT_TIMEOUT when set)."""
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = tuple(m for m in METHODS if m != "quantize")
+    """Default: every method but `quantize`, which needs an FP8 engine (`engine_dtype="fp8"`)."""
     layers: int | None = None
     """Keep only the model's first `layers` layers (None: all)."""
     link_rate: str | None = None
@@ -487,7 +488,8 @@ def _refit(
         warmup=cfg.warmup,
     ) as sender:
         times = _timed(lambda: stats.append(sender.refit(next(version))), device, cfg)
-        sender_peak = probe.measured(sender.transport.buffers if sender.transport is not None else [])
+        buffers = list(sender.transport.buffers) if sender.transport is not None else []
+        sender_peak = probe.measured(buffers + sender.source.held_tensors())
         predicted = sender.predicted_memory()
         nbytes = sender.manifest.nbytes if sender.manifest else 0
     timed = stats[cfg.warmup :]
