@@ -22,11 +22,20 @@ from refit.stages.delta import Costs
 def main() -> int:
     args = json.loads(sys.argv[1])
     tensors = make_tensors(args["specs"], seed=1)
-    source = ModuleSource(tensors, wire_dtype=torch.bfloat16)
+    zero_copy = bool(args.get("zero_copy"))  # engines read the live tensors: they must be in the wire dtype
+    source = ModuleSource(tensors, wire_dtype=None if zero_copy else torch.bfloat16)
     settings = Settings(bucket_bytes=args["bucket_bytes"])
     delta, sparse = bool(args.get("delta")), bool(args.get("sparse"))
     costs = Costs.known(link=1.0, per_op=0.0, per_byte=0.0) if delta else None
-    with Sender(source, transport=args["transport"], settings=settings, delta=delta, delta_costs=costs) as sender:
+    with Sender(
+        source,
+        transport=args["transport"],
+        settings=settings,
+        delta=delta,
+        delta_costs=costs,
+        zero_copy=zero_copy,
+        verify=args.get("verify", "fingerprint"),
+    ) as sender:
         print("@@sender " + json.dumps(sender.rendezvous()), flush=True)
         for version in range(1, args["steps"] + 1):
             for t in tensors.values():

@@ -96,6 +96,33 @@ def test_across_a_rate_limited_link_a_refit_moves_what_it_reports_and_lands_bitw
         assert all(m < full / 4 for m in moved[1:]), moved
 
 
+@pytest.mark.parametrize("verify", [False, True], ids=["unverified", "fingerprint"])
+def test_zero_copy_over_nixl_across_the_link_reads_every_version_bitwise(link: Link, verify: bool) -> None:
+    """Engines READ the trainer's live tensors across the veth. The sender's VERIFY and COMMIT follow BEGIN at
+    once, while the READs still cross a slow link: the engine keeps them for after its READ (it once took them
+    for a sender that gave up and failed every refit)."""
+    net = _nixl_or_skip("nixl")
+    specs = [[f"layer.{i}.weight", [1024, 1024], "bfloat16"] for i in range(8)]  # 16 MiB: 134 ms a READ at 1 Gbit/s
+    args = {"specs": specs, "transport": "nixl", "bucket_bytes": BUCKET, "steps": STEPS, "zero_copy": True,
+            "verify": "fingerprint" if verify else None}  # fmt: skip
+    sender = link.popen("a", [helper("net_sender.py"), json.dumps(args)], _env(REFIT_HOST=A_ADDR, **net))
+    try:
+        info = _json(sender, "@@sender ")
+        before = link.bytes_a_to_b()
+        engine = {"rendezvous": info, "specs": specs, "bucket_bytes": BUCKET}
+        worker = link.popen("b", [helper("peer.py"), json.dumps(engine)], _env(REFIT_HOST=B_ADDR, **net))
+        for version in range(1, STEPS + 1):
+            sent, got = _json(sender, "@@sender "), _json(worker, MARK)
+            assert got["event"] == "refit" and got["version"] == version, got
+            assert got["fingerprints"] == sent["fingerprints"], f"refit {version} did not land bitwise"
+        crossed = link.bytes_a_to_b() - before
+        assert worker.wait(timeout=120) == 0
+    finally:
+        assert sender.wait(timeout=120) == 0
+    model = 1024 * 1024 * 2 * len(specs)
+    assert crossed >= STEPS * model, f"the veth carried {crossed} bytes for {STEPS} READs of {model}"
+
+
 def test_m_to_n_across_the_link_two_trainer_ranks_into_two_workers_bitwise(link: Link) -> None:
     """FSDP2 on two trainer ranks in the trainer's namespace, two engine workers in the engine's, each
     receiving its slices from the rank that holds them over gloo: every byte crosses the veth, bitwise."""

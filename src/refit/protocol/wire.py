@@ -199,6 +199,9 @@ class Channel:
         self.rank = 0
         """The receiver's rank in its session (the sender's channels), else 0."""
         self.stray: tuple[Header, bytes] | None = None
+        self.ahead: tuple[Header, bytes] | None = None
+        """A message read ahead while a transfer was in flight, one the protocol allows there (a zero-copy
+        refit's VERIFY or COMMIT, sent while the receivers still READ): the next `recv` returns it."""
         """The last message `expect` refused (another kind than expected), for a caller that can still use it."""
         self._send_lock = threading.Lock()
         sock.settimeout(timeout_s)
@@ -243,6 +246,9 @@ class Channel:
     ) -> tuple[Header, bytes]:
         """The next message, read whole within the timeout; an ERROR from the peer is raised as PeerFailed (a
         PeerError). A HEARTBEAT is skipped, or with `heartbeats` returned (to a caller that only looks)."""
+        if self.ahead is not None:
+            ahead, self.ahead = self.ahead, None
+            return ahead
         timeout_s = timeout_s or self.timeout_s
         deadline = time.monotonic() + timeout_s
         while True:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from functools import partial
 
 import torch
 
@@ -30,6 +31,8 @@ from refit.topology.shared import Sources, opened
 from refit.topology.stats import RefitStats
 from refit.transports.base import Interrupted, Pending, Transport
 
+AFTER_BEGIN = frozenset({Kind.VERIFY, Kind.COMMIT})
+"""What a zero-copy refit's sender sends right after BEGIN, while the receivers still copy or READ."""
 log = get_logger("receiver")
 
 
@@ -110,7 +113,8 @@ class ReceivePath:
             return IntegrityError("zero-copy refit before the sender shared its tensors (no SOURCES this epoch)")
         t = time.perf_counter()
         try:
-            self.sources.take(self._engine_load, self._wait, f"refit {version}, the shared tensors")
+            wait = partial(self._wait, may_arrive=AFTER_BEGIN)
+            self.sources.take(self._engine_load, wait, f"refit {version}, the shared tensors")
         except PeerError:
             raise
         except Exception as e:  # noqa: BLE001 - any engine error fails the refit, reported to the sender
@@ -172,9 +176,10 @@ class ReceivePath:
         self.channel.send(Header(Kind.ACK, status=int(failure is not None), slot=slot, index=b, version=header.version))
         return failure
 
-    def _wait(self, handle: Pending, stage: str) -> None:
-        """Wait for a transfer, broken off when the sender speaks meanwhile (it gave up) or is gone."""
-        watch = Watch(self.channel, stage)
+    def _wait(self, handle: Pending, stage: str, may_arrive: frozenset[Kind] = frozenset()) -> None:
+        """Wait for a transfer, broken off when the sender speaks meanwhile (it gave up) or is gone; a message
+        of `may_arrive` is kept for later instead (Watch)."""
+        watch = Watch(self.channel, stage, may_arrive)
         try:
             handle.wait(self.settings.timeout_s, watch)
         except Interrupted:
@@ -300,20 +305,25 @@ def _verify(buf: torch.Tensor, header: Header, b: int) -> None:
 
 class Watch:
     """While a bucket is in flight the sender says nothing on the control channel until its ACK, unless it
-    gave up on the refit (REGROUP, ERROR, CLOSE). Called between waits: whether it spoke (heartbeats aside)."""
+    gave up on the refit (REGROUP, ERROR, CLOSE). Called between waits: whether it spoke (heartbeats aside).
+    `may_arrive`: kinds the protocol lets the sender send meanwhile (a zero-copy refit's VERIFY and COMMIT
+    follow BEGIN at once); the first is kept for the next `recv` (`Channel.ahead`), and reading stops there."""
 
-    def __init__(self, channel: Channel, stage: str) -> None:
-        self.channel, self.stage = channel, stage
+    def __init__(self, channel: Channel, stage: str, may_arrive: frozenset[Kind] = frozenset()) -> None:
+        self.channel, self.stage, self.may_arrive = channel, stage, may_arrive
         self.error: RefitError | None = None
         """What reading its message raised: its ERROR (PeerFailed), or the connection's end."""
 
     def __call__(self) -> bool:
-        while readable(self.channel):
+        while self.channel.ahead is None and readable(self.channel):
             try:
                 header, payload = self.channel.recv(self.stage, heartbeats=True)
             except RefitError as e:
                 self.error = e
                 return True
+            if header.kind in self.may_arrive:
+                self.channel.ahead = (header, payload)
+                return False
             if header.kind != Kind.HEARTBEAT:
                 self.channel.stray = (header, payload)  # for the caller that handles it (a REGROUP, a CLOSE)
                 return True
