@@ -118,7 +118,7 @@ def test_the_docs_list_the_blocks_ci_runs_and_mark_the_others(path: str, kinds: 
 
 def test_more_of_the_demo_lists_the_cpu_commands() -> None:
     [more] = [b for b in _all_blocks() if "refit bench --quick" in b.code]
-    assert len(_commands(more.code)) == 6, more.code
+    assert len(_commands(more.code)) == 7, more.code
     assert any("refit plan" in b.code for b in _all_blocks())
 
 
