@@ -152,6 +152,28 @@ def test_the_watch_keeps_the_senders_error_and_the_connections_end() -> None:
     assert "closed the connection during refit 7, bucket 3" in str(ended.broken_off())
 
 
+def test_a_message_the_protocol_allows_mid_transfer_is_kept_for_the_next_recv_and_the_end_still_seen() -> None:
+    """Zero-copy: the sender's VERIFY and COMMIT follow BEGIN while the engine still READs. The watch keeps the
+    first for later (no break), reads nothing after it, and still sees the sender's connection end."""
+    ch, sender = _pair()
+    peer = Channel(sender, peer="receiver", timeout_s=5.0)
+    watch = Watch(ch, "refit 7, the shared tensors", frozenset({Kind.VERIFY, Kind.COMMIT}))
+    peer.send(Header(Kind.VERIFY, version=7), {"digests": []})
+    peer.send(Header(Kind.COMMIT, version=7))
+    assert not watch() and not watch()
+    assert ch.ahead is not None and ch.ahead[0].kind == Kind.VERIFY
+    header, payload = ch.recv("commit of version 7")
+    assert (header.kind, header.version, payload) == (Kind.VERIFY, 7, b'{"digests":[]}')
+    assert ch.recv("commit of version 7")[0].kind == Kind.COMMIT  # read after it, in order
+    watch = Watch(ch, "refit 8, the shared tensors", frozenset({Kind.VERIFY, Kind.COMMIT}))
+    peer.send(Header(Kind.COMMIT, version=8))
+    assert not watch()
+    sender.close()
+    assert watch()
+    assert "closed the connection during refit 8, the shared tensors" in str(watch.broken_off())
+    assert ch.recv("commit of version 8")[0].kind == Kind.COMMIT  # the message that came first stays
+
+
 def test_a_channel_on_a_descriptor_past_1023_is_watched_not_taken_for_closed() -> None:
     ours, theirs = socket.socketpair()
     high = os.dup2(ours.fileno(), 1500)  # select() refuses it; an engine with many files open hands such out

@@ -273,6 +273,16 @@ class Channel:
                 raise Left(self.peer, leave_reason(payload))
             return header, payload
 
+    def ended(self) -> bool:
+        """Whether the peer closed the connection (its end is next to read), reading nothing: a message that
+        came first stays. For a wait that already holds a message read ahead and must not read past it."""
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
     def expect(self, kind: Kind, stage: str) -> tuple[Header, bytes]:
         header, payload = self.recv(stage)
         if header.kind != kind:

@@ -315,7 +315,12 @@ class Watch:
         """What reading its message raised: its ERROR (PeerFailed), or the connection's end."""
 
     def __call__(self) -> bool:
-        while self.channel.ahead is None and readable(self.channel):
+        if self.channel.ahead is not None:  # read no further; only the connection's end is looked for
+            if readable(self.channel) and self.channel.ended():
+                self.error = PeerError(f"{self.channel.peer} closed the connection during {self.stage}")
+                return True
+            return False
+        while readable(self.channel):
             try:
                 header, payload = self.channel.recv(self.stage, heartbeats=True)
             except RefitError as e:
@@ -323,7 +328,7 @@ class Watch:
                 return True
             if header.kind in self.may_arrive:
                 self.channel.ahead = (header, payload)
-                return False
+                return self()
             if header.kind != Kind.HEARTBEAT:
                 self.channel.stray = (header, payload)  # for the caller that handles it (a REGROUP, a CLOSE)
                 return True
