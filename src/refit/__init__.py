@@ -23,6 +23,8 @@ _EXPORTS = {
     "Settings": "refit.settings",
     "SenderOptions": "refit.topology.options",
     "Commit": "refit.topology.policies",
+    "Canary": "refit.checks.canary",
+    "causal_lm": "refit.checks.canary",
     "Source": "refit.sources.base",
     "ModuleSource": "refit.sources.module",
     "FsdpSource": "refit.sources.fsdp",
@@ -46,6 +48,8 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     # What type checkers see (`X as X`: an explicit re-export); at run time `__getattr__` imports each on first use.
+    from refit.checks.canary import Canary as Canary
+    from refit.checks.canary import causal_lm as causal_lm
     from refit.engines.base import Engine as Engine
     from refit.engines.module import ModuleEngine as ModuleEngine
     from refit.engines.versions import State as State

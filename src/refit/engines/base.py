@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -109,6 +110,11 @@ class Engine(ABC):
         """What else this engine states with READY, by key, as JSON (the LoRA stage's engine half states its
         adapter and base digest under "lora": refit.stages.lora); the trainer checks it. The default: nothing."""
         return {}
+
+    def scoring(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """How this engine scores a canary probe with what it computes with (refit.checks.canary): token ids in,
+        each token's log-probability given the ones before it out; None (the default) when it cannot."""
+        return None
 
     def release_buffers(self) -> None:
         """Drop every view this engine keeps into the receive buffers (cached copy plans and the like),

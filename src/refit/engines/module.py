@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
+from refit.checks.canary import causal_lm
 from refit.checks.copy_digest import FusedCopy, widens
 from refit.checks.manifest_check import waived
 from refit.engines.base import Engine
@@ -33,6 +34,7 @@ class ModuleEngine(Engine):
         ignore: Iterable[str] = (),
         shards: Mapping[str, Slice] | None = None,
         fp8: Mapping[str, BlockFormat] | BlockFormat | None = None,
+        probe: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """`name_map` maps sender names to this module's names where they differ; `ignore`: sender names
         (or fnmatch patterns) never loaded nor checked, whether or not the module has them (reported).
@@ -40,10 +42,13 @@ class ModuleEngine(Engine):
         module's tensor holds (its shape is the slice's); names not listed are held whole.
         `fp8`: how the module's FP8 tensors were quantized, one format for all or per sender name; by default
         each FP8 tensor with float32 scales beside it named `<name>_scale_inv` is taken as 128 x 128 blocks
-        (DeepSeek-V3's layout) when the scales' shape fits that (`formats`)."""
+        (DeepSeek-V3's layout) when the scales' shape fits that (`formats`).
+        `probe`: how this engine scores a canary probe (refit.checks.canary); by default a module is scored as a
+        causal language model (`causal_lm`: its forward maps input_ids to logits)."""
         super().__init__()
         self.optional_names = frozenset(ignore)
         self.module = module
+        self._probe = probe
         self._layout = StateLayout(module) if isinstance(module, nn.Module) else None
         self._computed = non_persistent_buffers(module) if isinstance(module, nn.Module) else []
         own = self._own()
@@ -123,6 +128,11 @@ class ModuleEngine(Engine):
     def formats(self) -> dict[str, BlockFormat]:
         specs = {n: s for s in self.specs() for n in s.names}
         return block_formats(specs, self._fp8)
+
+    def scoring(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if self._probe is not None:
+            return self._probe
+        return causal_lm(self.module) if isinstance(self.module, nn.Module) else None
 
     def release_buffers(self) -> None:
         self._plans, self._fused, self._used = {}, {}, set()

@@ -10,6 +10,7 @@ import contextlib
 import threading
 import time
 
+from refit.checks import canary
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.log import get_logger
 from refit.protocol.wire import Channel, Header, Kind
@@ -262,6 +263,7 @@ class Elastic(Fixed):
         for ch in joiners:
             stated = members.stated.pop(ch.rank, b"")
             why = fp8.mismatch(stated, self.s.formats, ch.rank) or lora.mismatch(stated, self.s.source, ch.rank)
+            why = why or (canary.mismatch(stated, ch.rank) if self.s.canary is not None else "")
             why = why or (self.vet(stated) if self.vet else "")
             if not why:
                 kept.append(ch)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
+from refit.checks.canary import Canary
 from refit.layout.budget import NUM_SLOTS
 from refit.stages import names, registered
 from refit.stages.delta import Costs
@@ -41,7 +42,10 @@ class SenderOptions:
     time its bytes would save, from `delta_costs` (default: measured in this session; `Costs.known` fixes them).
     Verification is unchanged: whole tensors against the trainer's live ones.
     `stages`: names of more stages (refit.stages.register) every refit's buckets pass through, after delta's;
-    each engine process must have registered them too, or its handshake refuses the manifest naming them."""
+    each engine process must have registered them too, or its handshake refuses the manifest naming them.
+    `canary` (refit.checks.canary.Canary): every `canary.every` refits the engines score a fixed probe with what
+    they compute with and compare it with the trainer's scores before they commit; a token beyond the tolerance
+    fails the refit, named. Every engine must say how it scores a probe (READY), or the handshake refuses it."""
 
     transport: str = "shm"
     num_receivers: int = 1
@@ -56,6 +60,7 @@ class SenderOptions:
     delta_threshold: float = 0.25
     delta_costs: Costs | None = None
     stages: tuple[str, ...] = ()
+    canary: Canary | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))  # a list given is kept as the tuple it means

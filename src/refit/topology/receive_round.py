@@ -11,6 +11,7 @@ import contextlib
 import time
 from typing import Protocol
 
+from refit.checks import canary
 from refit.checks.manifest_check import validate
 from refit.engines.base import Engine
 from refit.engines.staging import Split
@@ -54,6 +55,9 @@ class ReceiveRound:
         self.version = begin.version
         self.two_phase = bool(Begin.TWO_PHASE & begin.status)
         """A vote across trainer ranks, or strict: the engine's commit is held open until the verdict."""
+        self.probe: canary.Probe | None = None
+        """The trainer's canary reference, when COMMIT carried one (refit.checks.canary)."""
+        self.canary_s = 0.0
 
     def run(self) -> RefitStats | None:
         s, version, begin = self.s, self.version, self.begin
@@ -79,6 +83,8 @@ class ReceiveRound:
         t = time.perf_counter()
         self._flush()
         self._commit(failure, done)
+        if self.probe is not None:
+            stats.add("canary", self.canary_s)
         log.info("committed version %d (%d bytes, %d bucket(s))", version, m.nbytes, m.num_buckets)
         stats.add("commit", time.perf_counter() - t)
         stats.control_bytes = ch.bytes_sent + ch.bytes_received - ctrl0
@@ -108,13 +114,17 @@ class ReceiveRound:
             header, payload = ch.recv(f"commit of version {version}")
         if header.kind != Kind.COMMIT:
             raise PeerError(f"{ch.peer} sent {header.kind.name} during commit of version {version}, expected COMMIT")
+        try:
+            self.probe = _probe(payload)
+        except IntegrityError as e:
+            failure = failure or e
         return failure, done
 
     def _commit(self, failure: RefitError | None, done: dict) -> None:
         """Commit the engine and answer DONE; two-phase, hold the version open until the verdict."""
         s, version, ch = self.s, self.version, self.s.channel
         assert ch is not None
-        failure = failure or self._finalize()
+        failure = failure or self._finalize() or self._canary()
         if failure is not None:
             self._fail(str(failure))
             log.error("refit of version %d failed: %s", version, failure)
@@ -164,6 +174,16 @@ class ReceiveRound:
         s.landing.relaid(m)
         return None
 
+    def _canary(self) -> RefitError | None:
+        """After the engine's own commit (its post-processing ran): score the probe with what it computes with."""
+        if self.probe is None:
+            return None
+        engine, t = self.s.engine, time.perf_counter()
+        dtypes = [spec.dtype for spec in engine.specs()]
+        failure = canary.check(engine.scoring(), self.probe, dtypes, self.version)
+        self.canary_s = time.perf_counter() - t
+        return failure
+
     def _await_verdict(self) -> None:
         """The engine stays 'updating' until every worker committed; any error or silence here fails it."""
         s, version = self.s, self.version
@@ -205,6 +225,16 @@ class ReceiveRound:
         except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
         return None
+
+
+def _probe(payload: bytes) -> canary.Probe | None:
+    """COMMIT's canary, if it carries one; anything else in it is a broken protocol."""
+    if not payload:
+        return None
+    obj = parse_json(payload, "COMMIT")
+    if set(obj) - {"canary"}:
+        raise IntegrityError(f"COMMIT carries unknown fields {sorted(obj)[:5]}; only 'canary' is defined")
+    return canary.parse(obj.get("canary"))
 
 
 def _count_staged(stats: RefitStats, split: Split | None) -> None:

@@ -130,7 +130,7 @@ class Receiver:
     def _statement(self) -> dict | None:
         """What READY tells the trainer: M:N shards, block-FP8 tensors, and what else the engine states."""
         formats = fp8.checked(self.engine.formats(), self.engine.specs(), exact_shapes=self.engine.exact_shapes)
-        stated = self.engine.statement()
+        stated = {**self.engine.statement(), **({"canary": True} if self.engine.scoring() is not None else {})}
         if not formats and not stated:
             return self.statement
         return {**(self.statement or {}), **stated, **({"formats": fp8.formats_to_json(formats)} if formats else {})}

@@ -57,13 +57,17 @@ class Round:
             status=flags,
             base=base or 0,
         )
+        t = time.perf_counter()
+        probe = s.canary_probe()  # before BEGIN: a trainer's scoring that raises leaves the session as it was
+        if probe is not None:
+            stats.add("canary", time.perf_counter() - t)
         path.ready(s.device)
         lost = s.membership.lost
         try:
             each(s.channels, lambda ch: ch.send(begin), lost)
             s.mark_begun()
             errors = path.send(s.source, version, stats, s.generation, verify_checksum=s.verify_checksum, on_lost=lost)
-            self._commit(m, stats, errors)
+            self._commit(m, stats, errors, probe)
         except BaseException:
             for stage in stages:
                 stage.failed()
@@ -81,11 +85,12 @@ class Round:
         )
         return stats
 
-    def _commit(self, m: Manifest, stats: RefitStats, errors: list[str]) -> None:
+    def _commit(self, m: Manifest, stats: RefitStats, errors: list[str], probe: dict | None) -> None:
         s, version = self.s, self.version
         t = time.perf_counter()
         commit = Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest)
-        each(s.channels, lambda ch: ch.send(commit), s.membership.lost)
+        payload = {"canary": probe} if probe is not None else None
+        each(s.channels, lambda ch: ch.send(commit, payload), s.membership.lost)
         failures, committed, names = self._collect(stats)
         stats.add("commit", time.perf_counter() - t)
         _set_unverified_names(stats, sorted(names))

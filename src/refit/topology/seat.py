@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from refit.checks.canary import Canary
 from refit.layout.fp8 import BlockFormat
 from refit.layout.manifest import Manifest
 from refit.protocol.wire import Channel
@@ -54,6 +55,7 @@ class SenderInterface(Protocol):
     transport_name: str
     verify_checksum: bool
     commit: Commit
+    canary: Canary | None
 
     @property
     def manifest(self) -> Manifest | None: ...
@@ -92,6 +94,8 @@ class SenderInterface(Protocol):
     def prepare(self, joiners: list[Channel]) -> bool: ...
 
     def mark_begun(self) -> None: ...
+
+    def canary_probe(self) -> dict | None: ...
 
     def offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]: ...
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from refit import stages, transports
+from refit.checks import canary
 from refit.checks.manifest_check import Report
 from refit.errors import HandshakeError, PeerError, RefitError
 from refit.layout.budget import bucket_capacity, free_bytes, needed_bytes
@@ -84,6 +85,8 @@ class Sender:
         self.elastic, self.min_receivers = o.elastic, o.min_receivers
         self.verify_checksum, self.num_receivers = o.verify_checksum, o.num_receivers
         self.commit = Commit.matching(commit, o.verify)
+        self.canary = o.canary
+        self._refits = 0
         self._broken = ""
         self._connected = False
         self.source = source
@@ -207,6 +210,8 @@ class Sender:
         source checks that they hold its adapter's layout over its base. A refusal is told to every engine."""
         try:
             added = lora.adapt(self.source, self.statements)
+            if self.canary is not None:
+                canary.refuse_unable(self.statements)
             self.formats = fp8.stated(self.statements)
             self.source, self._added = fp8.adapt(self.source, self.formats, zero_copy=self.zero_copy)
             self._added += added
@@ -396,6 +401,11 @@ class Sender:
         """The round told its receivers BEGIN: a trainer-side failure from now on is told to every receiver, and a
         group broken by a dead member may be retried (refit.topology.elastic)."""
         self._begun = True
+
+    def canary_probe(self) -> dict | None:
+        """This refit's canary reference (the trainer's scores of the probe), when one is due; else None."""
+        n, self._refits = self._refits, self._refits + 1
+        return self.canary.reference_payload() if self.canary is not None and self.canary.due(n) else None
 
     def answered(self, ch: Channel) -> bool:
         """Whether `ch` answered the current epoch's manifest with a REPORT (one lost before it did has not)."""

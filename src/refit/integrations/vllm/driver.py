@@ -9,8 +9,12 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+import torch
+
+from refit.checks.canary import Canary, diverged, parse, tolerance_for
 from refit.errors import HandshakeError, RefitError
 from refit.integrations.vllm.cache import CachePolicy, VersionSalt, check_cache_policy, salted
+from refit.integrations.vllm.canary import score
 from refit.integrations.vllm.draft import DRAFT_PREFIX
 from refit.integrations.vllm.engine import VllmOptions
 from refit.log import get_logger
@@ -102,6 +106,7 @@ class VllmRefit:
         options: VllmOptions | None = None,
         staged: bool = False,
         cache_policy: CachePolicy = "reset",
+        canary: Canary | None = None,
     ) -> None:
         """`staged`: the workers receive each refit into staging memory on a background thread while vLLM
         keeps generating with its current version; generation pauses (vLLM's `pause_generation(mode="keep")`,
@@ -110,7 +115,12 @@ class VllmRefit:
         `cache_policy`: what vLLM's prefix cache does at each commit (refit.integrations.vllm.cache):
         'reset' (the default) drops every KV block; 'salt' drops none but starts a new `cache_salt`
         (`self.cache_salt`), which `generate()` puts on every prompt and other clients must send with each
-        request; 'keep' leaves KV of older versions to be hit (stale: for measuring only)."""
+        request; 'keep' leaves KV of older versions to be hit (stale: for measuring only).
+
+        `canary` (refit.checks.canary.Canary): at the first refit and every `canary.every`-th after it, vLLM
+        scores the probe after the commit's post-processing (what it computes with, repacked tensors included)
+        and the driver compares it with the trainer's scores; a token beyond the tolerance fails the refit,
+        named, and `generate` is refused until a refit passes. Give it here, not to the Sender."""
         self.llm = llm
         self.sender = sender
         self.staged = staged
@@ -122,6 +132,10 @@ class VllmRefit:
                 "cache_policy 'keep': vLLM's prefix cache keeps KV computed with older versions after each "
                 "refit, so a cached prompt is served partly with old weights (stale)"
             )
+        if canary is not None and isinstance(llm, HttpEngine):
+            raise ValueError("a canary needs an offline vllm.LLM (it reads prompt log-probabilities), not HttpEngine")
+        self.canary = canary
+        self._refits = 0
         self._connected = False
         self._thread: threading.Thread | None = None
         self._rpc_warned = False
@@ -221,13 +235,37 @@ class VllmRefit:
         self.failure = ""
         self._settle_cache(version)
         self._add_engine_seconds(stats)
+        self._probe(version, stats)
         return stats
 
     def _refit_staged(self, version: int) -> Any:
         stats = self.stage(version)
         stats.seconds["pause"] = self.apply(version)
         self._add_engine_seconds(stats)
+        self._probe(version, stats)
         return stats
+
+    def _probe(self, version: int, stats: Any) -> None:
+        """The canary, when due: vLLM's scores of the probe against the trainer's; a failure marks the version
+        failed (generate refused) and raises RefitError naming the first token that diverges."""
+        n, self._refits = self._refits, self._refits + 1
+        if self.canary is None or not self.canary.due(n):
+            return
+        t = time.perf_counter()
+        reference = parse(self.canary.reference_payload())
+        assert reference is not None
+        dtype = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "dtype", None)
+        tol = reference.tolerance or tolerance_for([dtype] if isinstance(dtype, torch.dtype) else [])
+        try:
+            mine = score(self.llm, reference.tokens, self.cache_salt)
+            failure = diverged(mine, reference, tol, version)
+        except Exception as e:  # noqa: BLE001 - vLLM's own failure to run the probe fails the refit, named
+            failure = RefitError(f"the canary probe failed on vLLM at refit {version}: {type(e).__name__}: {e}")
+        stats.seconds["canary"] = time.perf_counter() - t
+        if failure is not None:
+            self.failure = str(failure)
+            self._rpc("refit_fail", version, self.failure)
+            raise failure
 
     def stage(self, version: int) -> Any:
         """Staged only: push `version` into the workers' staging memory while vLLM keeps generating with the
@@ -310,15 +348,19 @@ class VllmRefit:
         if ok is False:
             log.warning("vLLM did not reset its prefix cache after version %d: KV of the old weights remains", version)
 
-    def _add_engine_seconds(self, stats: Any) -> None:
+    def _rpc(self, method: str, *args: Any) -> Any:
+        """`collective_rpc(method)` where the workers carry RefitWorkerExtension; None where they do not."""
         rpc = getattr(self.llm, "collective_rpc", None)
         config = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
         extension = str(getattr(getattr(config, "parallel_config", None), "worker_extension_cls", "") or "")
         if rpc is None or (config is not None and "RefitWorkerExtension" not in extension):
             # An RPC the workers lack fails inside vLLM's executor, which then stops serving: never send one.
-            return
+            return None
+        return rpc(method, args=args) if args else rpc(method)
+
+    def _add_engine_seconds(self, stats: Any) -> None:
         try:
-            per_worker = rpc("refit_engine_seconds")
+            per_worker = self._rpc("refit_engine_seconds")
         except Exception as e:  # noqa: BLE001 - vLLM re-raises a worker's error under its own types; the refit itself succeeded
             if not self._rpc_warned:
                 self._rpc_warned = True
@@ -328,6 +370,8 @@ class VllmRefit:
                     type(e).__name__,
                     e,
                 )
+            return
+        if per_worker is None:
             return
         for key in ("copy", "post", "load", "apply"):
             if key != "apply" or any(key in w for w in per_worker):  # 'apply': the staged final copy only

@@ -103,6 +103,12 @@ class RefitWorkerExtension:
         w = engine.weights
         return {"state": w.state.value, "version": w.version, "target": w.target, "reason": w.reason}
 
+    def refit_fail(self, version: int, reason: str) -> None:
+        """Mark `version` failed in this worker's state (the driver's canary refused what vLLM computes with)."""
+        engine = worker_engine(self)
+        if engine is not None:
+            engine.versions.fail(version, reason)
+
     def refit_staged_version(self) -> int | None:
         """Staged refits: the version verified and committed into staging memory and not yet applied
         (vLLM still runs `refit_weights_version`'s); None when nothing is staged or refits are unstaged."""
