@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from refit.checks.tensor_digest import digests
+from refit.layout.build_lock import build_lock
 from refit.layout.copy_kernel import BatchedCopy
 from refit.log import get_logger
 from refit.settings import cpu_kernel_enabled
@@ -218,30 +219,14 @@ def _built(where: Path) -> Path | None:
 
 
 def _build(where: Path) -> Path:
-    """Build under an flock of our own: the kernel drops it when its holder dies, so a process killed mid-build
-    never leaves the others waiting (torch's own lock file would stay behind, and every later build would wait
-    on it forever). Bounded: past BUILD_WAIT_S the caller takes the PyTorch path."""
-    import fcntl
-    import time
-
+    """Build under the build lock (refit.layout.build_lock); past BUILD_WAIT_S the caller takes the PyTorch
+    path."""
     from torch.utils import cpp_extension
 
-    with open(where / "refit.lock", "w") as held:
-        deadline = time.monotonic() + BUILD_WAIT_S
-        while True:
-            try:
-                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"another process held the kernel's build lock for {BUILD_WAIT_S:.0f} s"
-                    ) from None
-                time.sleep(0.05)
+    with build_lock(where, "the kernel", BUILD_WAIT_S):
         done = _built(where)
         if done is not None:
             return done
-        (where / "lock").unlink(missing_ok=True)  # torch's, left by a process killed inside its build
         src = where / "refit_fused.cpp"
         src.write_text(_SOURCE)
         path = cpp_extension.load(

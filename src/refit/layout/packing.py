@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from refit.layout.manifest import Manifest
-from refit.layout.tensor_guard import tensor_guard
+from refit.layout.tensor_guard import layout_snapshot, tensor_guard
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 
@@ -79,18 +79,22 @@ def layout_key(tensors: Sequence[torch.Tensor]) -> LayoutKey:
 
 
 class LayoutGuard:
-    """A snapshot of what `layout_key` covers, checked again by `holds` at a third of its cost: addresses in
-    one C pass, then shapes, strides, dtypes and devices in one more (`refit.layout.tensor_guard`). Where that
-    check is unavailable, `holds` compares `layout_key` itself."""
+    """A snapshot of what `layout_key` covers, checked again by `holds` in one C pass where the compiled helper
+    is built (`refit.layout.tensor_guard.layout_snapshot`: type, storage, address, dtype, device, dispatch keys,
+    shape and strides, not the objects' identity: a fresh view of the same memory holds); else addresses in
+    one C pass and shapes, strides, dtypes and devices in one more (`tensor_guard`); else `layout_key` itself."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self._num = len(tensors)
-        self._ptrs = tuple(map(torch.Tensor.data_ptr, tensors))
-        self._check = tensor_guard(tensors)
-        self._key = layout_key(tensors) if self._check is None else None
+        self._same = layout_snapshot(tensors, identity=False)
+        self._ptrs = tuple(map(torch.Tensor.data_ptr, tensors)) if self._same is None else ()
+        self._check = tensor_guard(tensors) if self._same is None else None
+        self._key = layout_key(tensors) if self._same is None and self._check is None else None
 
     def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
         """True only when every tensor has the address, dtype, device, shape and strides it had at the snapshot."""
+        if self._same is not None:
+            return self._same(tensors)
         if len(tensors) != self._num or tuple(map(torch.Tensor.data_ptr, tensors)) != self._ptrs:
             return False
         if self._check is None:

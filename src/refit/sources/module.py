@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -10,6 +10,7 @@ from torch import nn
 from refit.layout.packing import LayoutGuard, layout_key
 from refit.layout.spec import Slice, TensorSpec
 from refit.layout.state_layout import StateLayout, non_persistent_buffers, with_buffers
+from refit.layout.tensor_guard import layout_snapshot
 from refit.sources.base import Source, WireDtypes
 
 
@@ -40,7 +41,8 @@ class ModuleSource(WireDtypes, Source):
         self._layout = StateLayout(weights) if isinstance(weights, nn.Module) else None
         self._buffers = non_persistent_buffers(weights) if non_persistent and isinstance(weights, nn.Module) else []
         self._mapping = weights
-        self._last: tuple[tuple, LayoutGuard, Hashable] | None = None
+        self._last: tuple[tuple, Callable[[], bool], Hashable] | None = None
+        """(wire-dtype overrides, a check that nothing read moved, the signature) of the last `signature`."""
         self._tensors: dict[str, torch.Tensor] = self._read()
         self._init_wire(wire_dtype, overrides)
         for name, _, _ in self._buffers:  # computed state goes exactly as the module holds it, never cast
@@ -61,18 +63,36 @@ class ModuleSource(WireDtypes, Source):
         return with_buffers(self._layout.read(), self._buffers)
 
     def signature(self) -> Hashable:
-        """Re-reads the live tensors (called at the start of every refit). Changes when any tensor is
-        replaced, moved, reshaped, restrided or recast, or a name appears or vanishes; the Sender then
-        compares full specs (a new epoch only if a spec or an alias changed)."""
-        self._tensors = self._read()
+        """Checks the live tensors (called at the start of every refit), re-reading them unless `_still` proves
+        nothing moved. Changes when any tensor is replaced, moved, reshaped, restrided or recast, or a name
+        appears or vanishes; the Sender then compares full specs (a new epoch only if a spec or an alias changed)."""
         overrides = tuple(sorted(self._overrides.items(), key=str)) if self._overrides else ()
-        names, values = tuple(self._tensors), list(self._tensors.values())
         last = self._last
-        if last is not None and last[0] == (names, overrides) and last[1].holds(values):
+        if last is not None and last[0] == overrides and last[1]():
             return last[2]  # the very same object: nothing it covers moved
+        self._tensors = self._read()
+        names, values = tuple(self._tensors), list(self._tensors.values())
         signature = names, layout_key(values), overrides
-        self._last = ((names, overrides), LayoutGuard(values), signature)
+        self._last = (overrides, self._still(names, values), signature)
         return signature
+
+    def _still(self, names: tuple[str, ...], values: list[torch.Tensor]) -> Callable[[], bool]:
+        """A check that holds only while the weights hold the tensors just read as `_tensors`, in their layout
+        (then `_tensors` is current). A plain dict is compared in one C pass without being read: the very same
+        key and tensor objects in the same order, each in the same storage and layout (`_tensors` keeps them
+        alive, so no address compared there is reused). Anything else is read again and guarded."""
+        mapping = self._mapping
+        if type(mapping) is dict and self._layout is None:
+            same = layout_snapshot(mapping)
+            if same is not None:
+                return lambda: same(mapping)
+        guard = LayoutGuard(values)
+
+        def reread() -> bool:
+            self._tensors = self._read()
+            return tuple(self._tensors) == names and guard.holds(list(self._tensors.values()))
+
+        return reread
 
     @property
     def lookup_only(self) -> bool:

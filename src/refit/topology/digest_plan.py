@@ -146,7 +146,7 @@ class DigestPlan:
                 v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for v, (_, t, _) in zip(views, items)
             )
             slots = torch.tensor([self._slot[k] for k in keys], dtype=torch.int64)
-            held = (generation, views, keys, slots, prepared(views) if aliases else None)
+            held = (generation, views, keys, slots, _planned(views) if aliases else None)
             self._all = held if aliases else None
         if held[4] is not None:
             self._pending.add_digests(held[4]())
@@ -266,6 +266,13 @@ def compare(
     got_hex = pending.hexes()
     bad = {name for (name, _, _), g, w in zip(held, got_hex, wanted) if g != w.lower()}
     return sorted(bad | lossy | {names[i] for i in differ}), unreadable
+
+
+def _planned(views: list[torch.Tensor]) -> Callable[[], torch.Tensor] | None:
+    """The digests of `views` planned once: the CUDA kernel's table, or on CPU the fused kernel's (else None)."""
+    if views and all(t.device.type == "cpu" for t in views):
+        return prepared_digests(views)
+    return prepared(views)
 
 
 def _add(pending: Pending, tensors: list[torch.Tensor]) -> None:
