@@ -2,7 +2,9 @@
 tensors where those are contiguous in the wire dtype (else through a scratch buffer and `Engine.load`). Bitwise
 after every refit with the fingerprint on or off; every way a trainer tensor can change is re-shared or refused,
 never read stale; an engine tensor that moved is registered again; a sender that dies mid-refit fails the engine
-within the timeout."""
+within the timeout. Tensors adjacent in memory on both sides (views of one flat buffer) are READ as one
+descriptor per run, never across a region either side registered apart, and the engine still refuses a range
+outside what the trainer registered."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from sessions import assert_current, session, step  # noqa: E402
 from refit import HandshakeError, ModuleEngine, ModuleSource, PeerError, Receiver, RefitError, Sender, Settings  # noqa: E402
 from refit.checks.fingerprints import fingerprints  # noqa: E402
 from refit.transports import nixl  # noqa: E402
+from refit.transports.nixl_tensors import Exposed, Remote, Sources, Targets  # noqa: E402
 
 SPECS = [[f"w{i}", [32, 32], "float32"] for i in range(6)]
 TIMEOUT_S = 20.0
@@ -108,13 +111,15 @@ def test_every_way_a_trainer_tensor_changes_is_shared_again_or_refused_never_rea
 
 
 def _receive_in_thread(engine: ModuleEngine, rendezvous: dict) -> tuple[threading.Thread, queue.Queue]:
+    """A receiver in a thread: after each refit it puts the refit's stats and its READ's descriptor count."""
     out: queue.Queue = queue.Queue()
 
     def run() -> None:
         try:
             with Receiver(engine, rendezvous, settings=Settings(timeout_s=TIMEOUT_S)) as r:
                 while (stats := r.receive()) is not None:
-                    out.put(stats)
+                    assert r.path is not None and r.path.sources is not None
+                    out.put((stats, r.path.sources.descriptors))  # type: ignore[attr-defined]
         except RefitError as e:
             out.put(e)
 
@@ -135,7 +140,7 @@ def test_an_engine_tensor_that_moved_is_registered_again_and_the_old_one_left_al
         def refit(version: int) -> int:
             before = nixl.counts()["registered"]
             sender.refit(version)
-            assert out.get(timeout=60).version == version
+            assert out.get(timeout=60)[0].version == version
             assert fingerprints(own.items(), wire) == fingerprints(trainer.items(), wire)
             return nixl.counts()["registered"] - before
 
@@ -154,6 +159,94 @@ def test_an_engine_tensor_that_moved_is_registered_again_and_the_old_one_left_al
         assert own["w1"].stride() == (1, 32)
     thread.join(60)
     assert not thread.is_alive()
+
+
+def _views(flat: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Named views of `flat`, one after the other in the order given (a flat buffer's parameters)."""
+    return dict(zip(sizes, flat.split(list(sizes.values()))))
+
+
+def _refits(trainer: dict[str, torch.Tensor], own: dict[str, torch.Tensor], versions: int) -> list[int]:
+    """Zero-copy refits over nixl from `trainer` into a ModuleEngine over `own`, each checked bitwise (and the
+    trainer's values stepped in place between them); each refit's READ descriptor count."""
+    engine = ModuleEngine(own)
+    settings = Settings(bucket_bytes=4096, timeout_s=TIMEOUT_S)
+    counts = []
+    with Sender(ModuleSource(trainer), transport="nixl", zero_copy=True, settings=settings) as sender:
+        thread, out = _receive_in_thread(engine, sender.rendezvous())
+        for version in range(1, versions + 1):
+            sender.refit(version)
+            stats, descriptors = out.get(timeout=60)
+            assert stats.version == version
+            assert all(torch.equal(own[n], t) for n, t in trainer.items()), version
+            counts.append(descriptors)
+            step(trainer)
+    thread.join(60)
+    assert not thread.is_alive()
+    return counts
+
+
+SIZES = {"embed": 3 * 97, "q": 1021, "k": 64, "v": 7, "o": 1021, "norm": 13}
+"""Element counts, most of them odd: views at every alignment."""
+
+
+def test_views_of_one_flat_buffer_on_both_sides_are_read_in_one_descriptor_bitwise() -> None:
+    g = torch.Generator().manual_seed(3)
+    trainer = _views(torch.randn(sum(SIZES.values()), generator=g), SIZES)
+    own = _views(torch.zeros(sum(SIZES.values())), SIZES)
+    assert _refits(trainer, own, versions=3) == [1, 1, 1]
+
+
+def test_adjacent_and_apart_tensors_mixed_land_bitwise_with_one_descriptor_per_run_adjacent_on_both_sides() -> None:
+    g = torch.Generator().manual_seed(4)
+    trainer = {
+        **_views(torch.randn(1021 + 64 + 7 + 13, generator=g), {"q": 1021, "k": 64, "v": 7, "norm": 13}),
+        "alone": torch.randn(291, generator=g),
+        **_views(torch.randn(2 * 1021, generator=g), {"o": 1021, "up": 1021}),
+    }
+    own = {
+        **_views(torch.zeros(1021 + 64 + 13 + 7), {"q": 1021, "k": 64, "norm": 13, "v": 7}),  # v, norm swapped
+        "alone": torch.zeros(291),
+        "o": torch.zeros(1021),  # apart here: its run with "up" breaks
+        "up": torch.zeros(2 * 1021)[::2],  # not contiguous: READ into scratch, loaded from there
+    }
+    # q+k, v, norm, alone, o, up (scratch)
+    assert _refits(trainer, own, versions=2) == [6, 6]
+
+
+def test_tensors_adjacent_but_registered_apart_by_the_trainer_are_read_per_region() -> None:
+    raw = bytearray(torch.randn(4 * 64, generator=torch.Generator().manual_seed(5)).numpy().tobytes())
+    apart = [torch.frombuffer(raw, dtype=torch.float32, count=64, offset=256 * i) for i in range(4)]
+    exposed = Exposed(apart)  # four storages back to back: four regions, no descriptor may span two
+    assert len(exposed.regions) == 4
+    remote = Remote(Sources.parse(exposed.info, [t.nbytes for t in apart]))
+    targets = list(torch.zeros(4 * 64).split(64))
+    registered = Targets(targets)
+    reads = remote.reads(range(4), targets, registered)
+    assert reads.descriptors == 4
+    remote.read(list(range(4)), targets, "a test READ", reads).wait(30)
+    assert all(torch.equal(a, b) for a, b in zip(apart, targets))
+
+
+def test_a_range_outside_the_registered_views_is_refused_though_it_lies_in_their_storage() -> None:
+    flat = torch.randn(400)
+    views = [flat[0:100], flat[100:200], flat[300:400]]  # flat[200:300] belongs to no tensor: not registered
+    exposed = Exposed(views)
+    assert [n for _, n, _ in exposed.regions] == [800, 400]
+    sizes = [t.nbytes for t in views]
+    info = exposed.info
+    gap = [flat[200:300].data_ptr(), 400, 0]
+    straddling = [flat[300:400].data_ptr() + 4, 400, 0]
+    for hostile in (gap, straddling):
+        with pytest.raises(PeerError, match="did not register"):
+            Remote(Sources.parse({**info, "tensors": [*info["tensors"][:2], hostile]}, sizes))
+    remote = Remote(Sources.parse(info, sizes))
+    targets = list(torch.zeros(300).split(100))
+    registered = Targets(targets)
+    reads = remote.reads([0, 1, 2], targets, registered)
+    assert reads.descriptors == 2  # the first two views, then the third after the gap
+    remote.read([0, 1, 2], targets, "a test READ", reads).wait(30)
+    assert all(torch.equal(a, b) for a, b in zip(views, targets))
 
 
 @pytest.mark.slow

@@ -4,13 +4,14 @@ and read straight into the engine at each refit (BEGIN with ZERO_COPY, no bucket
 Over cuda-ipc the trainer's tensors are mapped from their IPC handles and copied in through `Engine.load`.
 Over nixl they are READ one-sided: where the engine states a live tensor a READ may fill (`Engine.writable`:
 contiguous, the wire dtype and shape), straight into it; every other tensor into a scratch buffer and then
-through `Engine.load`. The engine's targets are registered once and again only when their layout moved.
+through `Engine.load`. The engine's targets are registered once and again only when their layout moved, and
+so is the READ's plan: one descriptor per run of tensors adjacent on both sides.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,14 +20,19 @@ from refit.errors import IntegrityError, PeerError
 from refit.layout.manifest import Manifest
 from refit.layout.packing import LayoutGuard, typed_view
 from refit.layout.spec import TensorSpec
+from refit.log import get_logger
 from refit.protocol.wire import parse_json
 from refit.transports.base import Pending
+
+if TYPE_CHECKING:
+    from refit.transports.nixl_tensors import Remote
 
 Load = Callable[[list[tuple[str, torch.Tensor]]], None]
 """Loads named tensors into the engine (the receive path's load, which digests them for the fingerprint)."""
 Wait = Callable[[Pending, str], None]
 """Waits for a transfer in flight, stopped early when the sender speaks or dies (the receive path's)."""
 ALIGN = 64
+log = get_logger("receiver")
 
 
 class Sources(Protocol):
@@ -67,9 +73,15 @@ class NixlSources:
         self.remote = Remote(Sources.parse(parse_json(payload, "SOURCES"), [p.nbytes for p in m.entries]))
         self._plan: _Plan | None = None
 
+    @property
+    def descriptors(self) -> int:
+        """How many descriptors each READ of this epoch takes (0 before the first refit)."""
+        return self._plan.reads.descriptors if self._plan is not None else 0
+
     def take(self, load: Load, wait: Wait, stage: str) -> None:
         plan = self._planned()
-        wait(self.remote.read(plan.indices, plan.targets, f"NIXL READ of {len(plan.indices)} tensor(s)"), stage)
+        what = f"NIXL READ of {len(plan.indices)} tensor(s) in {plan.reads.descriptors} descriptor(s)"
+        wait(self.remote.read(plan.indices, plan.targets, what, plan.reads), stage)
         if plan.staged:
             load(plan.staged)
 
@@ -80,15 +92,19 @@ class NixlSources:
         plan = self._plan
         if plan is None or not plan.holds(live):
             self._plan = plan = None  # the old registration goes before the new one is made
-            plan = self._plan = _Plan(self.manifest, live, self.device)
+            plan = self._plan = _Plan(self.manifest, live, self.device, self.remote)
+            log.info(
+                "zero-copy over nixl: %d tensor(s) READ in %d descriptor(s)", len(plan.indices), plan.reads.descriptors
+            )
         return plan
 
 
 class _Plan:
     """Where each trainer tensor lands: straight in the engine's live tensor, or staged in a scratch buffer and
-    loaded from there. Holds the registration of both (and so the targets, whose memory stays registered)."""
+    loaded from there. Holds the registration of both (and so the targets, whose memory stays registered), and
+    the READ's descriptors over them."""
 
-    def __init__(self, m: Manifest, live: list[torch.Tensor | None], device: torch.device) -> None:
+    def __init__(self, m: Manifest, live: list[torch.Tensor | None], device: torch.device, remote: Remote) -> None:
         from refit.transports.nixl_tensors import Targets
 
         self._slots = [t is not None for t in live]
@@ -108,6 +124,7 @@ class _Plan:
             for i, p in ((i, m.entries[i]) for i in self.indices if i not in direct)
         ]
         self._registered = Targets([*direct.values(), *([scratch] if size else [])])
+        self.reads = remote.reads(self.indices, self.targets, self._registered)
 
     def holds(self, live: list[torch.Tensor | None]) -> bool:
         """Whether `live` are the very targets planned for, in the same layout."""
