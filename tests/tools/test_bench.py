@@ -91,6 +91,20 @@ def test_quick_bench_reports_every_method_and_refit_beats_per_tensor_metadata(tm
     assert re.search(r"probe: digest of the tensors alone .*│ copy [0-9.]+ \(x[0-9.]+\) read [0-9.]+ \(x[0-9.]+\)", out)
 
 
+@pytest.mark.slow
+def test_delta_worst_case_changes_every_value_so_every_refit_moves_the_full_bytes(tmp_path) -> None:
+    """step_delta_worst: delta refits after steps that change every trained value; each moves the model's bytes
+    (against step_delta, whose small steps move less), so its time is delta's worst case beside step_full's."""
+    out = tmp_path / "worst.json"
+    argv = ["bench", "--preset", "tiny", "--transport", "shm", "--repeats", "2", "--json", str(out)]
+    assert main([*argv, "--methods", "step_delta,step_delta_worst"]) == 0
+    (r,) = json.loads(out.read_text())
+    small, worst = r["results"]["step_delta"], r["results"]["step_delta_worst"]
+    assert worst["delta_refits"] == small["delta_refits"] == 2  # the timed refits went as deltas
+    assert worst["wire_bytes"] == r["nbytes"] * 4 > small["wire_bytes"]  # 1 primes, 1 warms up, 2 timed
+    assert worst["median_s"] > 0
+
+
 def test_bench_passes_verify_explicitly_to_every_refit_method(monkeypatch: pytest.MonkeyPatch) -> None:
     """`refit` and `zero_copy` stay unverified and the fingerprint methods verified whatever Sender's default."""
     from refit.tools.bench import runner

@@ -424,7 +424,7 @@ def test_bench_help_lists_every_method() -> None:
     from refit.tools.bench.runner import METHODS
 
     text = " ".join(_subparsers(build_parser())["bench"].format_help().split())
-    assert len(METHODS) == 16
+    assert len(METHODS) == 17
     assert f"comma-separated subset of {', '.join(METHODS)} (default: all that apply" in text
     assert f"with --ranks: {', '.join(COLOCATED)}" in text
 

@@ -5,7 +5,9 @@ padded to whole units). The sender packs a bucket as for a full refit, compares 
 bf16 or fp16 value, half of a wider one) with its image, and, when few enough units changed, rewrites the slot
 as a delta payload (docs/PROTOCOL.md, Delta refits): the count, per block of 65536 units how many changed, each
 changed unit's 16-bit offset in its block, then the changed units. The receiver scatters them into its image
-and loads the whole bucket from there, so its engine is written as by a full refit.
+and loads the whole bucket from there, so its engine is written as by a full refit. On CUDA with Triton the
+sender's scan and the receiver's scatter run as kernels (refit.layout.delta_kernel) that give the PyTorch
+path's bytes and choices here, with one host sync per bucket.
 
 `DeltaStage` holds both halves: the trainer's names the base version at BEGIN and encodes each bucket; the
 engine's checks the base and decodes. Each side's image version is written here alone.
@@ -13,12 +15,14 @@ engine's checks the base and decodes. Each side's image version is written here 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 
 import torch
 
 from refit.errors import IntegrityError, RefitError
+from refit.layout import delta_kernel
 from refit.layout.manifest import Manifest
 from refit.protocol.wire import Bucket
 from refit.stages.base import Stage
@@ -199,6 +203,8 @@ class WireImage:
             self.absorb(b, buf)
             self.reason = "full-reprime"
             return None, True
+        if delta_kernel.scans(buf, self.images[b], nb):
+            return self._encode_by_kernel(b, buf, threshold)
         if self._surely_dense(b, buf, threshold):
             self.drop(b)
             self.reason = "full-dense-sample"
@@ -217,6 +223,32 @@ class WireImage:
             self.reason = "full-dense-scan"
             return None, True
         self._write(nb, buf, idx, values)
+        self.reason = "delta"
+        return size, True
+
+    def _encode_by_kernel(self, b: int, buf: torch.Tensor, threshold: float) -> tuple[int | None, bool]:
+        """`encode` of a kept bucket by the Triton kernels (refit.layout.delta_kernel): the same choices and
+        bytes as the PyTorch path, with one host sync."""
+        nb = self.manifest.bucket_nbytes[b]
+        at = self._sample_at(b, buf)
+        bound = 0.0 if at is None else 1.5 * (threshold / 2) * at.numel()  # as `_surely_dense`
+        counted = delta_kernel.count(
+            buf, self.images[b], nb, at=at, limit=_most_not_dense(bound), scratch=self._scratch
+        )
+        if at is not None and counted.sampled > bound:
+            self.drop(b)
+            self.reason = "full-dense-sample"
+            return None, False
+        size = payload_nbytes(nb, counted.count)
+        if size > threshold * nb or size > buf.numel():
+            self.absorb(b, buf)
+            self.reason = "full-dense-scan"
+            return None, True
+        head = table_nbytes(nb, counted.count)
+        if counted.count:
+            delta_kernel.write(counted, buf, self.images[b], head=head, block=BLOCK, scratch=self._scratch)
+        else:
+            buf[:head].zero_()
         self.reason = "delta"
         return size, True
 
@@ -289,18 +321,27 @@ class WireImage:
 
     def _surely_dense(self, b: int, buf: torch.Tensor, threshold: float) -> bool:
         """A sample of the units says a delta of bucket `b` would be well over `threshold` of its bytes."""
+        at = self._sample_at(b, buf)
+        if at is None:
+            return False
+        whole = self.manifest.bucket_nbytes[b] // UNIT
+        new = buf[: whole * UNIT].view(torch.int16).index_select(0, at)
+        old = self.images[b][: whole * UNIT].view(torch.int16).index_select(0, at)
+        # a payload costs 2 * UNIT bytes per changed unit: over `threshold` beyond 1.5x the changed fraction
+        return int(torch.count_nonzero(torch.ne(new, old))) > 1.5 * (threshold / 2) * new.numel()
+
+    def _sample_at(self, b: int, buf: torch.Tensor) -> torch.Tensor | None:
+        """The units of bucket `b` its sample compares (drawn once per epoch), on `buf`'s device; None for a
+        bucket too small to sample."""
         whole = self.manifest.bucket_nbytes[b] // UNIT
         if whole < 64 * SAMPLE:
-            return False
+            return None
         at = self._samples.get(b)
         if at is None:
             runs = whole // SAMPLE
             jitter = torch.randint(0, SAMPLE, (runs,), generator=torch.Generator().manual_seed(b))
             at = self._samples[b] = (torch.arange(runs) * SAMPLE + jitter).to(buf.device)
-        new = buf[: whole * UNIT].view(torch.int16).index_select(0, at)
-        old = self.images[b][: whole * UNIT].view(torch.int16).index_select(0, at)
-        # a payload costs 2 * UNIT bytes per changed unit: over `threshold` beyond 1.5x the changed fraction
-        return int(torch.count_nonzero(torch.ne(new, old))) > 1.5 * (threshold / 2) * new.numel()
+        return at
 
     def decode(self, b: int, buf: torch.Tensor, nbytes: int) -> int:
         """Scatter the delta payload of bucket `b` (`nbytes` in `buf`) into the image; returns its unit count.
@@ -318,17 +359,39 @@ class WireImage:
             )
         if not count:
             return 0
+        head = table_nbytes(nb, count)
+        if delta_kernel.scatters(buf, self.images[b]):
+            wrong = delta_kernel.scatter(
+                buf, self.images[b], units=n, count=count, head=head, block=BLOCK, scratch=self._scratch
+            )
+            if wrong is not None:
+                raise _malformed(b, count, n, wrong)
+            return count
         counts = buf[8 : 8 + 4 * blocks].view(torch.int32).to(torch.int64)
         at = 8 + 4 * blocks
         offsets = buf[at : at + 2 * count].view(torch.int16).to(torch.int64) & 0xFFFF
         if int(counts.min()) < 0 or int(counts.sum()) != count:
-            raise IntegrityError(f"delta bucket {b}: its per-block counts do not add up to {count}")
+            raise _malformed(b, count, n, "sum")
         idx = torch.repeat_interleave(torch.arange(blocks, device=buf.device) * BLOCK, counts) + offsets
         if int(idx[-1]) >= n or (count > 1 and not bool((idx[1:] > idx[:-1]).all())):
-            raise IntegrityError(f"delta bucket {b}: changed units are not increasing within 0..{n - 1}")
-        head = table_nbytes(nb, count)
+            raise _malformed(b, count, n, "order")
         self.images[b].view(torch.int16).index_copy_(0, idx, buf[head:nbytes].view(torch.int16))
         return count
+
+
+def _malformed(b: int, count: int, n: int, wrong: str) -> IntegrityError:
+    """The error for a payload whose block counts do not add up to `count` ("sum") or whose units do not
+    increase within the bucket's `n` ("order")."""
+    if wrong == "sum":
+        return IntegrityError(f"delta bucket {b}: its per-block counts do not add up to {count}")
+    return IntegrityError(f"delta bucket {b}: changed units are not increasing within 0..{n - 1}")
+
+
+def _most_not_dense(bound: float) -> int:
+    """The most changed units a sample may hold and not be dense (`count > bound`), as an int32 (NaN: any)."""
+    if math.isnan(bound):
+        return delta_kernel.INT32_MAX
+    return math.floor(max(min(bound, delta_kernel.INT32_MAX), -1))
 
 
 class DeltaStage(Stage):

@@ -24,6 +24,7 @@ LABELS = {
     "per_tensor_meta": "per-tensor, metadata every refit",
     "step_full": "refit + fingerprint after an AdamW step (lr 1e-6)",
     "step_delta": "delta refit + fingerprint after an AdamW step (lr 1e-6)",
+    "step_delta_worst": "delta refit + fingerprint, every value changed (AdamW lr 1e-2)",
     "quantize": "probe: the trainer's FP8 quantizer alone (bytes read + written)",
 }
 

@@ -53,6 +53,7 @@ METHODS = (
     "per_tensor_meta",
     "step_full",
     "step_delta",
+    "step_delta_worst",
     "quantize",
 )
 SENDER_STAGES = ("handshake", "pack", "send", "wait", "commit")
@@ -66,11 +67,14 @@ PROBES = {"digest", "copy_digest"}
 model's bytes on the same device (copy_digest: with the fused CUDA kernel only). Not stages of a verified
 refit: it takes its digests inside the copies it makes anyway."""
 COLOCATED = {"shm", "cuda-ipc"}
-STEPPED = {"step_full", "step_delta"}
+STEPPED = {"step_full", "step_delta", "step_delta_worst"}
 """Refits after a real optimizer step each (fp32 master weights, AdamW at STEP_LR, sent in the wire dtype):
-full, and delta (only the chunks changed since the last commit). Disaggregated transports only."""
+full, and delta (only the chunks changed since the last commit); delta's worst case at WORST_LR."""
 STEP_LR = 1e-6
 """RL post-training's learning rates are 1e-6 to 1e-5: each step changes a small fraction of bf16 values."""
+WORST_LR = 1e-2
+"""AdamW moves each value by about its learning rate: at 1e-2, far over a bf16 step of any weight drawn at std
+0.02, so every trained value changes every step (delta's worst case: it must cost no more than a full refit)."""
 LINKED = ("gloo", "nixl")
 """Transports the bench runs across a namespaced link. Not nixl yet: this process enters the trainer's
 namespace per thread (setns) and keeps the host's /sys, where UCX lists network devices, so UCX's TCP
@@ -508,11 +512,12 @@ def _refit(
 
 
 def _stepped(
-    workers: Workers, spec_list: list[TensorSpec], cfg: BenchConfig, device: torch.device, *, delta: bool
+    workers: Workers, spec_list: list[TensorSpec], cfg: BenchConfig, device: torch.device, *, method: str
 ) -> Result:
-    """Refits with the fingerprint on, each after one AdamW step (lr STEP_LR, seeded gradients, untimed) on fp32
-    master weights drawn like a fresh LM's (std 0.02) and sent in each tensor's wire dtype; `delta`: as deltas
-    against the last commit, where the Sender finds they pay."""
+    """Refits with the fingerprint on, each after one AdamW step (lr STEP_LR, WORST_LR for step_delta_worst;
+    seeded gradients, untimed) on fp32 master weights drawn like a fresh LM's (std 0.02) and sent in each
+    tensor's wire dtype; step_delta*: as deltas against the last commit, where the Sender finds they pay."""
+    delta = method != "step_full"
     g = torch.Generator(device=device).manual_seed(1)
     masters = {
         s.name: (torch.randn(s.shape, generator=g, device=device) * 0.02).to(
@@ -521,7 +526,7 @@ def _stepped(
         for s in spec_list
     }
     trained = [t for t in masters.values() if t.dtype == torch.float32]
-    opt = torch.optim.AdamW(trained, lr=STEP_LR)
+    opt = torch.optim.AdamW(trained, lr=WORST_LR if method == "step_delta_worst" else STEP_LR)
     source = ModuleSource(masters, overrides={s.name: s.dtype for s in spec_list})
     bucket_bytes = min(cfg.bucket_bytes, align_up(sum(s.nbytes for s in spec_list), 256))
     stats, times = [], []
@@ -543,7 +548,7 @@ def _stepped(
     stages = {k: statistics.median(s.seconds.get(k, 0.0) for s in timed) for k in SENDER_STAGES}
     stages |= {f"recv.{k}": received[k] for k in RECEIVER_STAGES if k in received}
     return Result(
-        "step_delta" if delta else "step_full",
+        method,
         sum(s.nbytes for s in spec_list),
         times[cfg.warmup + 1 :],
         stages,
@@ -699,7 +704,7 @@ def _method(
         verify = "fingerprint" if m == "zero_copy_fingerprint" else None
         return refit_(zero_copy=True, verify=verify)
     if m in STEPPED:
-        return _stepped(workers, spec_list, cfg, device, delta=m == "step_delta")
+        return _stepped(workers, spec_list, cfg, device, method=m)
     return _per_tensor(workers, source, spec_list, cfg, device, meta=m == "per_tensor_meta")
 
 
@@ -732,7 +737,7 @@ def run_bench(cfg: BenchConfig, on_method: Callable[[str], None] | None = None) 
     summaries = {k: r.summary(floor) for k, r in results.items()}
     bits = rate_bits(cfg.link_rate) if cfg.link_rate is not None else 0
     for k, r in results.items() if bits else ():  # a delta moves less than the model's bytes: no share of the rate
-        summaries[k]["link_fraction"] = None if k == "step_delta" else r.nbytes * 8 / r.median / bits
+        summaries[k]["link_fraction"] = None if k.startswith("step_delta") else r.nbytes * 8 / r.median / bits
     for verified, plain in VERIFIED.items():
         if verified in results and plain in results:
             summaries[verified]["ratio_to_unverified"] = results[verified].median / results[plain].median
