@@ -108,3 +108,25 @@ def test_the_canary_costs_one_short_prompt(world: dict) -> None:
         assert [r for r, _ in ran] == [True, False, True, False]
     finally:
         driver.close()
+
+
+def test_staged_apply_scores_the_probe_taken_at_stage_before_generation_resumes(
+    world: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the public stage()/apply(): the trainer's scores are taken when the version is staged (the trainer
+    may step before apply), vLLM's once it is applied; a refused one is never served."""
+    model = build_model(world["config"], seed=0)
+    driver = _driver(world, model, staged=True, canary=Canary(world["probe"], causal_lm(model)))
+    try:
+        driver.stage(1)
+        _reseed(model, world["config"], 2)  # the trainer moves on before the apply: the probe is still version 1's
+        driver.apply(1)
+        assert driver.generate(["The trainer"], use_tqdm=False)
+        driver.stage(2)
+        monkeypatch.setattr(vllm_plan, "_reprocess", lambda lp: None)
+        with pytest.raises(RefitError, match="canary failed at refit 2"):
+            driver.apply(2)
+        with pytest.raises(RefitError, match="canary failed at refit 2"):
+            driver.generate(["The trainer"], use_tqdm=False)
+    finally:
+        driver.close()

@@ -12,7 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from threaded import Peer, refit_both, session
 
-from refit import Canary, HandshakeError, ModuleEngine, ModuleSource, Receiver, RefitError, Sender, Settings, State
+from refit import (
+    Canary,
+    HandshakeError,
+    ModuleEngine,
+    ModuleSource,
+    Receiver,
+    RefitError,
+    Sender,
+    Settings,
+    State,
+    causal_lm,
+)
 from refit.checks import canary
 from refit.errors import IntegrityError
 from refit.topology.stats import RefitStats
@@ -240,3 +251,49 @@ def test_a_canary_is_checked_when_made() -> None:
     ):
         with pytest.raises(ValueError, match="canary"):
             Canary(**{"tokens": PROBE, "reference": score, **kwargs})
+
+
+def test_a_refit_that_failed_its_canary_is_retried_with_it_and_the_engine_reports_its_last_version() -> None:
+    trainer, engine = _lm(0), Repacked(_lm(1))
+    with session(ModuleSource(trainer), engine, SETTINGS, canary=Canary(PROBE, causal_lm(trainer), every=2)) as (
+        sender,
+        peer,
+    ):
+        for version in (1, 2):
+            _step(trainer, version)
+            stats, got = refit_both(sender, peer, version)
+            assert isinstance(got, RefitStats) and ("canary" in got.seconds) == (version == 1), got
+        engine.stale = True
+        _step(trainer, 3)
+        stats, got = refit_both(sender, peer, 3)
+        assert isinstance(stats, RefitError) and "canary failed at refit 3" in str(stats), stats
+        w = engine.weights
+        assert (w.state, w.version, w.target) == (State.FAILED, 2, 3)  # never reported as holding 3
+        engine.stale = False
+        stats, got = refit_both(sender, peer, 3)  # the retry carries the probe it was due
+        assert isinstance(got, RefitStats) and "canary" in got.seconds, got
+        assert engine.weights.version == 3 and engine.weights.state == State.CURRENT
+
+
+def test_the_trainers_scoring_runs_in_eval_mode_and_leaves_the_training_mode_alone() -> None:
+    from transformers import LlamaForCausalLM
+
+    from refit.tools.demo.model import model_config
+
+    config = model_config(layers=2, hidden=64, ffn=128)
+    config.attention_dropout = 0.5
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).train()
+    score = causal_lm(model)
+    ids = torch.tensor(PROBE)
+    assert torch.equal(score(ids), score(ids))  # no dropout: the same scores twice
+    assert model.training and all(m.training for m in model.modules())
+
+
+def test_a_probe_token_beyond_the_vocabulary_is_refused_before_the_forward() -> None:
+    model = _lm(0)
+    with pytest.raises(ValueError, match=r"probe token id 5000 is beyond the model's vocabulary of 1024"):
+        causal_lm(model)(torch.tensor([1, 5000]))
+    probe = canary.Probe((1, 5000), (-1.0,), None)
+    failure = canary.check(causal_lm(model), probe, [torch.float32], 4)
+    assert failure is not None and "beyond the model's vocabulary" in str(failure)

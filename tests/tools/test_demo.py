@@ -41,6 +41,23 @@ def test_demo_lora_moves_only_the_adapter_and_verifies_every_refit(tmp_path, cap
         assert 0 < r["nbytes"] < r["full_model_bytes"] / 10  # the adapter, not the model
 
 
+@pytest.mark.slow
+def test_demo_canary_runs_at_the_first_refit_and_every_nth_and_passes(tmp_path, capsys) -> None:
+    out_json = tmp_path / "demo.json"
+    code = main(["demo", "--canary", "2", "--transport", "shm", "--steps", "3", "--json", str(out_json), *SMALL])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "canary at version(s) 1, 3: the engine scored the probe as the trainer did" in out
+    [result] = json.loads(out_json.read_text())
+    assert ["canary_seconds" in r for r in result["refits"]] == [True, False, True]
+
+
+def test_demo_canary_with_an_fp8_engine_is_refused_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    assert main(["demo", "--canary", "1", "--engine-dtype", "fp8", *SMALL]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--canary (1) runs with the plain trainer" in err[0], err
+
+
 STAGES = ("handshake", "pack", "send", "wait", "verify", "commit", "other")
 """The trainer's columns that add up to the total, 'other' being what the named stages leave."""
 

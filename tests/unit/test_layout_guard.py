@@ -80,6 +80,19 @@ def test_the_compiled_layout_check_is_in_use_on_this_machine() -> None:
     assert layout_snapshot([]) is None and layout_snapshot([_tensors()[0].as_subclass(_Sub)]) is None
 
 
+def test_the_compiled_check_fails_when_a_freed_storage_is_replaced_at_the_same_address() -> None:
+    """Offload and reload can hand a tensor new memory at its old address: the storage it had died, so the
+    snapshot fails (its storages are held weakly), though address, layout and object are all the same."""
+    memory = bytearray(1 << 20)
+    ts = [torch.frombuffer(memory, dtype=torch.float32)]
+    guard, same, address = LayoutGuard(ts), layout_snapshot(ts), ts[0].data_ptr()
+    assert same is not None and guard.holds(ts) and same(ts)
+    ts[0].data = torch.empty(0)  # the storage dies ...
+    ts[0].data = torch.frombuffer(memory, dtype=torch.float32)  # ... and a new one takes its very address
+    assert ts[0].data_ptr() == address
+    assert not guard.holds(ts) and not same(ts)
+
+
 def test_a_layout_guard_holds_for_a_fresh_view_of_the_same_memory_and_the_identity_check_does_not() -> None:
     """LayoutGuard's callers may hand it new view objects each time (an engine's `.data`): only memory and layout
     count there; the source's cache needs the very objects it keeps."""

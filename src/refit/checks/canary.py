@@ -48,8 +48,11 @@ class Canary:
     `tokens`: the probe's token ids (2 to 512; a few are enough). `reference`: the trainer's scoring, called on
     its live model at the refit (`causal_lm(model)` for a model that returns logits); under a sharded trainer
     whose forward is collective, give every rank's Sender the canary. `every`: the canary runs at the first
-    refit of a session and every `every`-th after it. `tolerance`: nats per token; None takes the engine's
-    (`TOLERANCES` for the lowest-precision float dtype among the tensors it holds)."""
+    refit of a session and every `every`-th committed one after it; a refit that failed is retried with the
+    probe it was due, and one that reaches a receiver the last probe did not always carries it. `tolerance`:
+    nats per token; None takes the engine's (`TOLERANCES` for the lowest-precision float dtype among the
+    tensors it holds and the wire dtypes they were sent in: bf16 weights held in float32 compute with bf16's
+    precision)."""
 
     tokens: Sequence[int]
     reference: Logprobs = field(repr=False)
@@ -70,9 +73,10 @@ class Canary:
         if not callable(self.reference):
             raise ValueError("a canary's reference must be a callable scoring the probe (e.g. causal_lm(model))")
 
-    def due(self, refits: int) -> bool:
-        """Whether the canary runs at a session's refit number `refits` (0: its first)."""
-        return refits % self.every == 0
+    def due(self, since: int | None) -> bool:
+        """Whether the canary runs at a refit `since` refits committed after the last probed one committed
+        (counting that one; None: none has been probed)."""
+        return since is None or since >= self.every
 
     def reference_payload(self) -> dict:
         """The trainer's log-probabilities of the probe, as COMMIT carries them."""
@@ -94,13 +98,25 @@ class Probe:
 
 def causal_lm(model: torch.nn.Module) -> Logprobs:
     """The scoring of a causal language model that maps `input_ids` to logits (a transformers model, or one that
-    returns the logits tensor itself): log_softmax over the vocabulary in float32, read at each next token."""
+    returns the logits tensor itself): in eval mode (no dropout; running statistics left alone), log_softmax over
+    the vocabulary in float32, read at each next token. A token id beyond the model's vocabulary is refused
+    before the forward (on CUDA an embedding lookup out of range would end the process)."""
 
     def score(tokens: torch.Tensor) -> torch.Tensor:
+        embed = getattr(model, "get_input_embeddings", None)
+        vocab = getattr(embed() if callable(embed) else None, "num_embeddings", None)
+        if isinstance(vocab, int) and int(tokens.max()) >= vocab:
+            raise ValueError(f"probe token id {int(tokens.max())} is beyond the model's vocabulary of {vocab}")
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         ids = tokens.to(device)
-        with torch.no_grad():
-            out = model(ids[None])
+        modes = [(m, m.training) for m in model.modules()]
+        model.eval()
+        try:
+            with torch.inference_mode():
+                out = model(ids[None])
+        finally:
+            for m, training in modes:
+                m.training = training
         logits = out if isinstance(out, torch.Tensor) else out.logits
         logp = logits[0, :-1].float().log_softmax(-1)
         return logp.gather(-1, ids[1:, None].to(logp.device))[:, 0].cpu()

@@ -114,9 +114,13 @@ namespace {
 // Records each field; a check records into a scratch vector and compares it with the snapshot at the end.
 // Without `identity` the tensor objects themselves are not recorded (another object over the same memory,
 // in the same layout, passes): a caller whose tensors are fresh views each time still matches.
+// `held` (a snapshot only) keeps a weak reference to each storage: while one is held the StorageImpl object is
+// never freed, so no other storage can take its address; a storage that died (expired) fails the check.
+using Weak = std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>;
 struct Sink {
     std::vector<int64_t>& out;
     bool identity;
+    Weak* held;
     void put(int64_t v) { out.push_back(v); }
 };
 
@@ -129,6 +133,7 @@ bool record(PyObject* key, PyObject* o, Sink& s) {
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
     if (impl->layout() != c10::kStrided || !impl->has_storage() || impl->has_symbolic_sizes_strides()) return false;
     const c10::Storage& storage = impl->storage();
+    if (s.held) s.held->push_back(storage.getWeakStorageImpl());
     const char* base = static_cast<const char*>(storage.data());  // const: never materialises a lazy copy
     s.put(s.identity ? word(o) : 0);
     s.put(s.identity ? word(key) : 0);
@@ -163,31 +168,54 @@ bool walk(PyObject* items, Sink& s) {
     return true;
 }
 
+const char* WEAK = "refit_layout_storages";
+
+void drop(PyObject* capsule) { delete static_cast<Weak*>(PyCapsule_GetPointer(capsule, WEAK)); }
+
 PyObject* take(PyObject*, PyObject* args) {
     PyObject* items;
     int identity;
     if (!PyArg_ParseTuple(args, "Op", &items, &identity)) return nullptr;
     std::vector<int64_t> out;
-    Sink s{out, identity != 0};
+    Weak* held = new Weak();
+    Sink s{out, identity != 0, held};
     try {
-        if (!walk(items, s)) Py_RETURN_NONE;
+        if (!walk(items, s)) {
+            delete held;
+            Py_RETURN_NONE;
+        }
     } catch (...) {
+        delete held;
         Py_RETURN_NONE;
     }
-    return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
+    PyObject* capsule = PyCapsule_New(held, WEAK, drop);
+    if (!capsule) {
+        delete held;
+        return nullptr;
+    }
+    const char* raw = reinterpret_cast<const char*>(out.data());
+    PyObject* bytes = PyBytes_FromStringAndSize(raw, out.size() * sizeof(int64_t));
+    if (!bytes) {
+        Py_DECREF(capsule);
+        return nullptr;
+    }
+    return Py_BuildValue("(NN)", bytes, capsule);
 }
 
 PyObject* same(PyObject*, PyObject* args) {
-    PyObject *items, *snap;
-    if (!PyArg_ParseTuple(args, "OS", &items, &snap)) return nullptr;
+    PyObject *items, *snap, *capsule;
+    if (!PyArg_ParseTuple(args, "OSO", &items, &snap, &capsule)) return nullptr;
+    Weak* held = static_cast<Weak*>(PyCapsule_GetPointer(capsule, WEAK));
+    if (!held) return nullptr;
     static std::vector<int64_t> now;  // under the GIL: one caller at a time
     now.clear();
     const int64_t* want = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(snap));
-    Sink s{now, PyBytes_GET_SIZE(snap) >= 8 && want[0] != 0};
+    Sink s{now, PyBytes_GET_SIZE(snap) >= 8 && want[0] != 0, nullptr};
     bool ok;
     try {
         ok = walk(items, s) && static_cast<Py_ssize_t>(now.size() * sizeof(int64_t)) == PyBytes_GET_SIZE(snap) &&
              std::memcmp(now.data(), PyBytes_AS_STRING(snap), PyBytes_GET_SIZE(snap)) == 0;
+        for (size_t i = 0; ok && i < held->size(); ++i) ok = !(*held)[i].expired();
     } catch (...) {
         ok = false;
     }
@@ -274,6 +302,7 @@ def _probe(snapshot: Callable[[list[torch.Tensor]], Callable[[Items], bool] | No
         lambda ts: ts.__setitem__(1, ts[1]._neg_view()),
         lambda ts: ts.__setitem__(1, ts[1].as_subclass(_Probe)),
         lambda ts: ts.append(torch.zeros(1)),
+        lambda ts: (setattr(ts[1], "data", torch.empty(0)), setattr(ts[1], "data", torch.zeros(16))),
     ]
     for change in changes:
         ts = [torch.zeros(4, 4), torch.zeros(16)]
@@ -296,11 +325,12 @@ def _flat(items: Items) -> Items:
 
 
 def _checker(lib: ModuleType, items: Items, identity: bool = True) -> Callable[[Items], bool] | None:
-    snap = lib.take(_flat(items), identity)
-    if snap is None:
+    taken = lib.take(_flat(items), identity)
+    if taken is None:
         return None
+    snap, storages = taken  # the storages weakly held: a freed one fails the check, its address is never reused
     same = lib.same
-    return lambda now: bool(same(_flat(now), snap))
+    return lambda now: bool(same(_flat(now), snap, storages))
 
 
 def layout_snapshot(items: Items, *, identity: bool = True) -> Callable[[Items], bool] | None:
@@ -309,10 +339,15 @@ def layout_snapshot(items: Items, *, identity: bool = True) -> Callable[[Items],
     the same dtype, device, dispatch keys (negated or conjugated views), shape and strides (values may change);
     with `identity`, also the very same tensor object, and for a mapping the same key object in the same order.
     One C pass. None where the compiled helper is unavailable or an item is no plain strided tensor.
-    Objects are compared by address: keep them alive while the check is in use, or a new object at a freed
-    one's address, in the same memory and layout, passes for it."""
+    Storages are held weakly, so one freed since the snapshot fails it even where a new one took its address;
+    tensor and key objects are compared by address: keep them alive while the check is in use."""
     tensors = list(items.values()) if isinstance(items, Mapping) else items
     if not tensors or not plain(tensors):
         return None
     lib = _helper()
     return None if lib is None else _checker(lib, items, identity)
+
+
+def prepare() -> None:
+    """Build (or load) the compiled helper now, at a session's connect, so that no refit waits for its build."""
+    _helper()

@@ -175,6 +175,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 lr=3e-3 if args.lr is None else args.lr,
                 engine_dtype=args.engine_dtype,
                 lora=args.lora or 0,
+                canary=args.canary or 0,
             )
             if cfg.trainer in ("fsdp", "megatron"):
                 from refit.tools.demo.sharded import launch
@@ -581,6 +582,13 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
     )
     demo.add_argument(
         "--delta", action="store_true", help="delta refits: send only the wire chunks changed since the last commit"
+    )
+    demo.add_argument(
+        "--canary",
+        type=_at_least_one,
+        metavar="N",
+        help="every N refits (the first included) the engine scores a probe with what it computes with and "
+        "compares it with the trainer's scores before it commits (--trainer plain)",
     )
     demo.add_argument("--lr", type=float, help="the trainer's AdamW learning rate (default 3e-3; --trainer plain)")
     demo.add_argument(

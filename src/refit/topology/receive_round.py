@@ -133,6 +133,8 @@ class ReceiveRound:
         ch.send(Header(Kind.DONE, version=version), done or None)
         if self.two_phase:
             self._await_verdict()
+        elif self.probe is not None:
+            s.engine.versions.commit(version)  # held 'updating' through the canary (`_finalize`)
         assert s.path is not None
         for stage in s.path.stages:
             stage.committed(version, [s.rank])
@@ -178,8 +180,9 @@ class ReceiveRound:
         """After the engine's own commit (its post-processing ran): score the probe with what it computes with."""
         if self.probe is None:
             return None
-        engine, t = self.s.engine, time.perf_counter()
-        dtypes = [spec.dtype for spec in engine.specs()]
+        engine, m, t = self.s.engine, self.s.manifest, time.perf_counter()
+        assert m is not None
+        dtypes = [spec.dtype for spec in engine.specs()] + [p.spec.dtype for p in m.entries]  # what it holds, as sent
         failure = canary.check(engine.scoring(), self.probe, dtypes, self.version)
         self.canary_s = time.perf_counter() - t
         return failure
@@ -220,7 +223,7 @@ class ReceiveRound:
         last = engine.versions.weights.version  # updating since BEGIN: the last committed version
         try:
             engine.commit(version)
-            if self.two_phase:
+            if self.two_phase or self.probe is not None:  # a failed verdict or canary leaves `last` current
                 engine.versions.await_verdict(version, last)
         except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")

@@ -13,6 +13,7 @@ import torch
 from refit.engines.base import Engine
 from refit.engines.staging import Split, Staging
 from refit.errors import PeerError
+from refit.layout import tensor_guard
 from refit.layout.manifest import Manifest
 from refit.layout.spec import TensorSpec
 from refit.log import get_logger
@@ -108,6 +109,7 @@ class Receiver:
         told why and the socket is closed."""
         if self.channel is not None:
             return
+        tensor_guard.prepare()  # the layout check's one-time build, before the trainer waits on us
         ready = self._statement()  # a format the engine misstates fails here, before the trainer waits on us
         host, port = self.rendezvous.get("host"), self.rendezvous.get("port")
         try:

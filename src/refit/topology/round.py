@@ -34,6 +34,10 @@ class Round:
         joiners = s.membership.gather(version, self.retry)
         if isinstance(joiners, RefitStats):  # no receiver to reach, and that may pass
             return joiners
+        t = time.perf_counter()
+        # before the handshake, so a forward that moves the source's tensors is seen by this refit's check
+        probe = s.canary_probe(frozenset(ch.rank for ch in [*s.channels, *joiners]))
+        canary_s = time.perf_counter() - t
         handshake = s.prepare(joiners)
         m, path = s.manifest, s.path
         assert m is not None
@@ -41,7 +45,7 @@ class Round:
             version=version, epoch=m.epoch, handshake=handshake, num_buckets=m.num_buckets, nbytes=m.nbytes
         )
         stats.add("connect", t0 - self.t_connect)
-        stats.add("handshake", time.perf_counter() - t0)
+        stats.add("handshake", time.perf_counter() - t0 - canary_s)
         ctrl0 = _control_bytes(s.channels)
         flags = path.flags | (Begin.TWO_PHASE if s.commit.two_phase else Begin(0))
         stages = path.stages
@@ -57,10 +61,8 @@ class Round:
             status=flags,
             base=base or 0,
         )
-        t = time.perf_counter()
-        probe = s.canary_probe()  # before BEGIN: a trainer's scoring that raises leaves the session as it was
         if probe is not None:
-            stats.add("canary", time.perf_counter() - t)
+            stats.add("canary", canary_s)
         path.ready(s.device)
         lost = s.membership.lost
         try:
@@ -74,6 +76,7 @@ class Round:
             raise
         for stage in stages:
             stage.committed(version, stats.receivers)
+        s.canary_committed(probe is not None, stats.receivers)
         stats.control_bytes = max(0, _control_bytes(s.channels) - ctrl0)  # a receiver dropped mid-refit takes its count
         stats.seconds["total"] = time.perf_counter() - t0
         log.info(

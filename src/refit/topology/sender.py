@@ -18,6 +18,7 @@ from refit import stages, transports
 from refit.checks import canary
 from refit.checks.manifest_check import Report
 from refit.errors import HandshakeError, PeerError, RefitError
+from refit.layout import tensor_guard
 from refit.layout.budget import bucket_capacity, free_bytes, needed_bytes
 from refit.layout.fp8 import BlockFormat
 from refit.layout.manifest import Manifest
@@ -86,7 +87,10 @@ class Sender:
         self.verify_checksum, self.num_receivers = o.verify_checksum, o.num_receivers
         self.commit = Commit.matching(commit, o.verify)
         self.canary = o.canary
-        self._refits = 0
+        self._since_probe: int | None = None
+        """Refits committed since the last probed one committed, counting it (None: none probed yet)."""
+        self._probed: frozenset[int] = frozenset()
+        """The receivers the last committed probe reached."""
         self._broken = ""
         self._connected = False
         self.source = source
@@ -170,6 +174,7 @@ class Sender:
             raise PeerError(f"this session broke earlier ({self._broken}); close() it and build a new Sender")
         if self._connected:
             return
+        tensor_guard.prepare()  # the layout check's one-time build, before any receiver waits on a refit
         try:
             self._connect()
         except BaseException as e:
@@ -402,10 +407,19 @@ class Sender:
         group broken by a dead member may be retried (refit.topology.elastic)."""
         self._begun = True
 
-    def canary_probe(self) -> dict | None:
-        """This refit's canary reference (the trainer's scores of the probe), when one is due; else None."""
-        n, self._refits = self._refits, self._refits + 1
-        return self.canary.reference_payload() if self.canary is not None and self.canary.due(n) else None
+    def canary_probe(self, ranks: frozenset[int]) -> dict | None:
+        """This refit's canary reference (the trainer's scores of the probe), when one is due: by the count of
+        committed refits, or because it reaches receivers (`ranks`) the last probe did not; else None."""
+        c = self.canary
+        due = c is not None and (c.due(self._since_probe) or not ranks <= self._probed)
+        return c.reference_payload() if due and c is not None else None
+
+    def canary_committed(self, probed: bool, ranks: list[int]) -> None:
+        """A refit committed on `ranks`, with the probe or without: the canary's count moves (never on failure)."""
+        if probed:
+            self._since_probe, self._probed = 1, frozenset(ranks)
+        elif self._since_probe is not None:
+            self._since_probe += 1
 
     def answered(self, ch: Channel) -> bool:
         """Whether `ch` answered the current epoch's manifest with a REPORT (one lost before it did has not)."""

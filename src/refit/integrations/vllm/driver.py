@@ -9,12 +9,10 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-import torch
-
-from refit.checks.canary import Canary, diverged, parse, tolerance_for
+from refit.checks.canary import Canary
 from refit.errors import HandshakeError, RefitError
 from refit.integrations.vllm.cache import CachePolicy, VersionSalt, check_cache_policy, salted
-from refit.integrations.vllm.canary import score
+from refit.integrations.vllm.canary import VllmCanary
 from refit.integrations.vllm.draft import DRAFT_PREFIX
 from refit.integrations.vllm.engine import VllmOptions
 from refit.log import get_logger
@@ -134,8 +132,7 @@ class VllmRefit:
             )
         if canary is not None and isinstance(llm, HttpEngine):
             raise ValueError("a canary needs an offline vllm.LLM (it reads prompt log-probabilities), not HttpEngine")
-        self.canary = canary
-        self._refits = 0
+        self._canary = VllmCanary(canary) if canary is not None else None
         self._connected = False
         self._thread: threading.Thread | None = None
         self._rpc_warned = False
@@ -220,6 +217,9 @@ class VllmRefit:
         if self.staged:
             return self._refit_staged(version)
 
+        if self._canary is not None:
+            self._canary.reference(version)
+
         def engine_side() -> None:
             self._start_update()
             self.llm.update_weights({"update_info": {"version": version}})
@@ -235,37 +235,32 @@ class VllmRefit:
         self.failure = ""
         self._settle_cache(version)
         self._add_engine_seconds(stats)
-        self._probe(version, stats)
+        if self._probed(version):
+            stats.seconds["canary"] = self._canary.seconds  # type: ignore[union-attr]
         return stats
 
     def _refit_staged(self, version: int) -> Any:
         stats = self.stage(version)
         stats.seconds["pause"] = self.apply(version)
         self._add_engine_seconds(stats)
-        self._probe(version, stats)
+        if self._canary is not None and self._canary.ran == version:  # apply() ran the probe
+            stats.seconds["canary"] = self._canary.seconds
         return stats
 
-    def _probe(self, version: int, stats: Any) -> None:
-        """The canary, when due: vLLM's scores of the probe against the trainer's; a failure marks the version
-        failed (generate refused) and raises RefitError naming the first token that diverges."""
-        n, self._refits = self._refits, self._refits + 1
-        if self.canary is None or not self.canary.due(n):
-            return
-        t = time.perf_counter()
-        reference = parse(self.canary.reference_payload())
-        assert reference is not None
-        dtype = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "dtype", None)
-        tol = reference.tolerance or tolerance_for([dtype] if isinstance(dtype, torch.dtype) else [])
+    def _probed(self, version: int) -> bool:
+        """The canary after `version` was applied, before generation goes on; a failure marks every worker's
+        version failed, refuses `generate` and raises RefitError naming the first token that diverges."""
+        if self._canary is None:
+            return False
+        manifest = getattr(self.sender, "manifest", None)
+        dtypes = [p.spec.dtype for p in manifest.entries] if manifest is not None else []
+        config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
         try:
-            mine = score(self.llm, reference.tokens, self.cache_salt)
-            failure = diverged(mine, reference, tol, version)
-        except Exception as e:  # noqa: BLE001 - vLLM's own failure to run the probe fails the refit, named
-            failure = RefitError(f"the canary probe failed on vLLM at refit {version}: {type(e).__name__}: {e}")
-        stats.seconds["canary"] = time.perf_counter() - t
-        if failure is not None:
-            self.failure = str(failure)
+            return self._canary.check(self.llm, version, self.cache_salt, [*dtypes, getattr(config, "dtype", None)])
+        except RefitError as e:
+            self.failure = str(e)
             self._rpc("refit_fail", version, self.failure)
-            raise failure
+            raise
 
     def stage(self, version: int) -> Any:
         """Staged only: push `version` into the workers' staging memory while vLLM keeps generating with the
@@ -274,6 +269,8 @@ class VllmRefit:
         if not self.staged:
             raise ValueError("stage() needs VllmRefit(..., staged=True); refit() loads unstaged refits")
         self.connect()
+        if self._canary is not None:
+            self._canary.reference(version)  # the trainer as it is now: what is staged
         try:
             return self.sender.refit(version)
         except RefitError:
@@ -294,19 +291,20 @@ class VllmRefit:
         if paused:
             pause(mode="keep")
         try:
-            self._start_update()
-            self.llm.update_weights({"update_info": {"version": version}})
-            self.llm.finish_weight_update(weight_version=str(version))
-            self.failure = ""
-        except Exception as e:
-            self.failure = f"applying staged version {version} failed: {e}"
-            raise RefitError(f"vLLM worker failed: {e}") from e
-        finally:
             try:
-                self._settle_cache(version)
+                self._start_update()
+                self.llm.update_weights({"update_info": {"version": version}})
+                self.llm.finish_weight_update(weight_version=str(version))
+                self.failure = ""
+            except Exception as e:
+                self.failure = f"applying staged version {version} failed: {e}"
+                raise RefitError(f"vLLM worker failed: {e}") from e
             finally:
-                if paused:
-                    resume()
+                self._settle_cache(version)
+            self._probed(version)  # before the resume: no request runs on weights the canary refuses
+        finally:
+            if paused:
+                resume()
         return time.perf_counter() - t
 
     def _start_update(self) -> None:

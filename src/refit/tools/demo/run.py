@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import refit
+from refit.checks.canary import Canary, causal_lm
 from refit.checks.fingerprints import differences, fingerprints
 from refit.errors import RefitError
 from refit.log import configure, get_logger
@@ -84,6 +85,9 @@ class DemoConfig:
     lora: int = 0
     """LoRA rank: > 0 trains a PEFT LoRA adapter of this rank on every linear layer, over a base the engine
     already holds, and refits the adapter alone (refit.stages.lora); 0 trains and refits the whole model."""
+    canary: int = 0
+    """> 0: the canary every this many refits (refit.checks.canary): the engine scores the first prompt with what it
+    computes with and compares it with the trainer's scores before it commits; 0: off."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -117,6 +121,10 @@ class DemoConfig:
             raise ValueError(f"--lora ({self.lora}) is a rank >= 1, with the plain trainer and the module engine")
         if self.lora and self.engine_dtype != "float":
             raise ValueError("--lora and --engine-dtype fp8 do not combine: the adapter moves alone, in bf16")
+        if self.canary < 0 or (self.canary and (self.trainer, self.engine_dtype, self.lora) != ("plain", "float", 0)):
+            raise ValueError(f"--canary ({self.canary}) runs with the plain trainer, a float engine and no --lora")
+        if self.canary and self.engine_tp > 1:
+            raise ValueError("--canary runs with --engine-tp 1 (an M:N refit has no canary)")
         if self.engine_tp < 1 or (self.engine_tp > 1 and self.engine != "vllm"):
             raise ValueError(
                 f"--engine-tp ({self.engine_tp}) is vLLM's tensor-parallel size: use it with --engine vllm"
@@ -236,9 +244,17 @@ class VllmSide:
     """A vLLM engine (default multiprocess mode) that starts from dummy weights, refitted via backend 'refit'."""
 
     def __init__(
-        self, sender, model: torch.nn.Module, tok, prompts: list[list[int]], workdir: str, tp: int = 1
+        self,
+        sender,
+        model: torch.nn.Module,
+        tok,
+        prompts: list[list[int]],
+        workdir: str,
+        tp: int = 1,
+        canary: Canary | None = None,
     ) -> None:  # type: ignore[no-untyped-def]
-        """`sender`: a Sender, or a MeshRefit (M:N: each of the `tp` workers receives only its slices)."""
+        """`sender`: a Sender, or a MeshRefit (M:N: each of the `tp` workers receives only its slices). `canary`:
+        scored by vLLM through the driver, after its post-processing."""
         from vllm import LLM
 
         from refit.integrations.vllm import VllmRefit
@@ -265,7 +281,7 @@ class VllmSide:
             tensor_parallel_size=tp,
             distributed_executor_backend="mp" if tp > 1 else None,
         )
-        self.driver = VllmRefit(self.llm, sender)
+        self.driver = VllmRefit(self.llm, sender, canary=canary)
         self.sender, self.prompts = sender, prompts
         self._seconds: dict[str, float] = {}
 
@@ -421,6 +437,7 @@ def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | No
         f"LM, {nparams / 1e6:.1f}M params, {sent}, {_plural(cfg.steps, 'step')}{_sharding(cfg)}"
     )
     settings = session_settings(cfg)
+    canary = Canary(prompts[0], causal_lm(trainer.model), every=cfg.canary) if cfg.canary else None
     # every refit ends with the engine's digests checked against the trainer's live tensors
     sender = (
         MeshRefit(
@@ -432,10 +449,17 @@ def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | No
             delta=cfg.delta,
         )
         if cfg.mesh
-        else Sender(source, transport=cfg.transport, settings=settings, verify="fingerprint", delta=cfg.delta)
+        else Sender(
+            source,
+            transport=cfg.transport,
+            settings=settings,
+            verify="fingerprint",
+            delta=cfg.delta,
+            canary=canary if cfg.engine == "module" else None,
+        )
     )
     with tempfile.TemporaryDirectory() as workdir:
-        engine = _start_engine(cfg, console, sender, (model, tok, prompts), workdir, process)
+        engine = _start_engine(cfg, console, sender, (model, tok, prompts, canary), workdir, process)
         try:
             ok, rows = _loop(cfg, console, trainer, engine, (reference, quantized), prompts)
         finally:
@@ -502,13 +526,15 @@ def _start_engine(
     cfg: DemoConfig, console: Console, sender: Sender, trained: tuple, workdir: str, process: EngineProcess | None
 ) -> EngineProcess | VllmSide:
     """The engine for `sender`: vLLM started now, or the engine process (already started) told where to
-    connect. `trained`: the trainer's model, tokenizer and prompts."""
-    model, tok, prompts = trained
+    connect. `trained`: the trainer's model, tokenizer, prompts and canary (vLLM's driver runs it)."""
+    model, tok, prompts, canary = trained
     if process is None:
         t0 = time.perf_counter()
         status = progress_console(quiet=cfg.verbosity < 0).status
         with status("starting vLLM from dummy weights (a minute or two on CPU; -v shows its logs)"):
-            engine: EngineProcess | VllmSide = VllmSide(sender, model, tok, prompts, workdir, tp=cfg.engine_tp)
+            engine: EngineProcess | VllmSide = VllmSide(
+                sender, model, tok, prompts, workdir, tp=cfg.engine_tp, canary=canary
+            )
         log.info("vLLM started in %.1f s", time.perf_counter() - t0)
         return engine
     process.attach(sender, {"rendezvous": sender.rendezvous(), "prompts": prompts})
@@ -570,6 +596,13 @@ def _show(cfg: DemoConfig, console: Console, rows: list[dict], mem: dict, ok: bo
         f"memory allocated or mapped (predicted): sender {mem.get('sender', 0) / 2**20:.1f} MiB, "
         f"receiver {mem.get('receiver', 0) / 2**20:.1f} MiB"
     )
+    ran = [r for r in rows if "canary_seconds" in r]
+    if ran:
+        console.print(
+            f"canary at version(s) {', '.join(str(r['version']) for r in ran)}: the engine scored the probe as the "
+            f"trainer did, within its dtype's tolerance ({ran[-1]['canary_seconds'] * 1e3:.1f} ms the last time, "
+            "before the commit)"
+        )
     console.print("[green]all refits verified[/]" if ok else "[red]verification FAILED[/]")
 
 
@@ -662,6 +695,7 @@ def _row(s: RefitStats, row: Row, loss: float) -> dict:
         "seconds": _trainer_seconds(s),
         "engine_seconds": dict(row.engine["stats"]["seconds"]),
         "connect_seconds": s.seconds.get("connect", 0.0),
+        **({"canary_seconds": s.seconds["canary"]} if "canary" in s.seconds else {}),
         "gbps": s.gbps,
         **({"model_bytes": s.model_bytes, "worker_bytes": s.worker_bytes} if s.worker_bytes else {}),
         "params_ok": row.params_ok,
