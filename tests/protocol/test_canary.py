@@ -155,7 +155,8 @@ def test_a_bf16_engine_passes_within_its_dtype_tolerance_and_a_tighter_one_fails
         assert isinstance(stats, RefitStats) and isinstance(got, RefitStats), (stats, got)
         gap = (canary.causal_lm(engine.module)(ids) - canary.causal_lm(trainer)(ids)).abs().max().item()
         assert 0 < gap < canary.TOLERANCES[torch.bfloat16], gap  # bf16 rounding moves it, within the tolerance
-        sender.canary = Canary(PROBE, canary.causal_lm(trainer), tolerance=gap / 2)
+        held = next(h for h in sender.handlers if h.name == "canary")
+        held.canary = Canary(PROBE, canary.causal_lm(trainer), tolerance=gap / 2)  # type: ignore[attr-defined]
         _step(trainer, 2)
         stats, got = refit_both(sender, peer, 2)
     assert isinstance(stats, RefitError) and "canary failed at refit 2" in str(stats), stats

@@ -35,7 +35,7 @@ def test_predicted_and_measured_memory_agree_on_each_transport(transport: str, b
     assert sender.transport is not None and sender.manifest is not None
     measured = probe.measured([*sender.transport.buffers, *held(receiver)])
     predicted = sender.predicted_memory()
-    slack = 2 * sender.num_slots * mmap.PAGESIZE  # a shared segment is mapped in whole pages
+    slack = 2 * sender.options.num_slots * mmap.PAGESIZE  # a shared segment is mapped in whole pages
     assert 0 <= measured - (predicted["sender"] + predicted["receiver"]) < slack
     assert (sender.manifest.max_split_nbytes > 0) == (bucket_bytes == 64 << 10)
     sender.close()

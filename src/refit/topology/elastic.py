@@ -10,11 +10,9 @@ import contextlib
 import threading
 import time
 
-from refit.checks import canary
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.log import get_logger
 from refit.protocol.wire import Channel, Header, Kind
-from refit.stages import fp8, lora
 from refit.topology.membership import Membership, hung_up, readable
 from refit.topology.policies import Vet
 from refit.topology.seat import SenderInterface
@@ -110,7 +108,7 @@ class Elastic(Fixed):
             heartbeat_s=interval,
             timeout_s=s.settings.timeout_s,
         )
-        members.start(first_rank=s.num_receivers)
+        members.start(first_rank=s.options.num_receivers)
         self.detect_s = DETECT_BEATS * interval
         self.group = list(s.channels)
         s.serve_joiners(members)
@@ -257,13 +255,13 @@ class Elastic(Fixed):
         return late
 
     def _vetted(self, joiners: list[Channel]) -> list[Channel]:
-        """The joiners whose READY statement `vet` accepts; each other one is told why and dropped."""
+        """The joiners whose READY statement every handler (refit.stages.handler) and `vet` accept; each other
+        one is told why and dropped."""
         members = self.members
         kept = []
         for ch in joiners:
             stated = members.stated.pop(ch.rank, b"")
-            why = fp8.mismatch(stated, self.s.formats, ch.rank) or lora.mismatch(stated, self.s.source, ch.rank)
-            why = why or (canary.mismatch(stated, ch.rank) if self.s.canary is not None else "")
+            why = next((w for h in self.s.handlers if (w := h.vet(stated, ch.rank))), "")
             why = why or (self.vet(stated) if self.vet else "")
             if not why:
                 kept.append(ch)

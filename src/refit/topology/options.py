@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from refit.checks.canary import Canary
 from refit.layout.budget import NUM_SLOTS
+from refit.layout.manifest import MAX_STAGES
 from refit.stages import names, registered
 from refit.stages.delta import Costs
 
@@ -122,6 +123,14 @@ RULES: tuple[Rule, ...] = (
     ),
     (lambda o: "delta" in o.stages, lambda o: "the delta stage is delta=True, not a name in stages"),
     (
+        lambda o: len(set(o.stages)) != len(o.stages),
+        lambda o: f"stages {list(o.stages)} name {_twice(o.stages)!r} twice; a manifest lists each stage once",
+    ),
+    (
+        lambda o: len(o.stage_names) > MAX_STAGES,
+        lambda o: f"{len(o.stage_names)} stages given (delta counts as one); a manifest lists at most {MAX_STAGES}",
+    ),
+    (
         lambda o: bool(o.stages) and o.zero_copy,
         lambda o: "stages cannot be combined with zero_copy (zero-copy moves no bucket to transform)",
     ),
@@ -131,3 +140,23 @@ RULES: tuple[Rule, ...] = (
     ),
 )
 """Every rule SenderOptions checks at construction, in order: the first broken one is raised as ValueError."""
+
+
+def _twice(names: tuple[str, ...]) -> str:
+    return next(n for i, n in enumerate(names) if n in names[:i])
+
+
+def stage_rules(added: tuple[str, ...], own: tuple[str, ...]) -> None:
+    """The manifest's rules for the stages the engines' statements `added` before the session's `own`:
+    ValueError names the broken one (a stage named twice, or more than the manifest lists)."""
+    both = (*added, *own)
+    if len(set(both)) != len(both):
+        raise ValueError(
+            f"what the engines state adds stage(s) {list(added)}, and the Sender's options name "
+            f"{_twice(both)!r} too; a manifest lists each stage once: drop it from stages"
+        )
+    if len(both) > MAX_STAGES:
+        raise ValueError(
+            f"what the engines state adds stage(s) {list(added)} to the {len(own)} the Sender's options name; "
+            f"a manifest lists at most {MAX_STAGES}: name fewer stages"
+        )

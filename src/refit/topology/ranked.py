@@ -131,7 +131,7 @@ class RankedRefit:
 
     @property
     def _elastic(self) -> bool:
-        return self.sender.elastic
+        return self.sender.options.elastic
 
     @property
     def settings(self) -> Settings:

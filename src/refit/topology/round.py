@@ -13,7 +13,7 @@ from refit.errors import IntegrityError, RefitError
 from refit.layout.manifest import Manifest
 from refit.log import get_logger
 from refit.protocol.wire import Begin, Channel, Done, Header, Kind, parse_json
-from refit.stages import Stage
+from refit.stages import Handler, Stage
 from refit.topology.seat import SenderInterface
 from refit.topology.send_path import each
 from refit.topology.stats import RefitStats
@@ -34,10 +34,8 @@ class Round:
         joiners = s.membership.gather(version, self.retry)
         if isinstance(joiners, RefitStats):  # no receiver to reach, and that may pass
             return joiners
-        t = time.perf_counter()
         # before the handshake, so a forward that moves the source's tensors is seen by this refit's check
-        probe = s.canary_probe(frozenset(ch.rank for ch in [*s.channels, *joiners]))
-        canary_s = time.perf_counter() - t
+        carried, checks_s = _due(s.handlers, frozenset(ch.rank for ch in [*s.channels, *joiners]))
         handshake = s.prepare(joiners)
         m, path = s.manifest, s.path
         assert m is not None
@@ -45,7 +43,7 @@ class Round:
             version=version, epoch=m.epoch, handshake=handshake, num_buckets=m.num_buckets, nbytes=m.nbytes
         )
         stats.add("connect", t0 - self.t_connect)
-        stats.add("handshake", time.perf_counter() - t0 - canary_s)
+        stats.add("handshake", time.perf_counter() - t0 - sum(checks_s.values()))
         ctrl0 = _control_bytes(s.channels)
         flags = path.flags | (Begin.TWO_PHASE if s.commit.two_phase else Begin(0))
         stages = path.stages
@@ -61,22 +59,24 @@ class Round:
             status=flags,
             base=base or 0,
         )
-        if probe is not None:
-            stats.add("canary", canary_s)
+        for name, seconds in checks_s.items():
+            stats.add(name, seconds)
         path.ready(s.device)
         lost = s.membership.lost
         try:
             each(s.channels, lambda ch: ch.send(begin), lost)
             s.mark_begun()
-            errors = path.send(s.source, version, stats, s.generation, verify_checksum=s.verify_checksum, on_lost=lost)
-            self._commit(m, stats, errors, probe)
+            checksum = s.options.verify_checksum
+            errors = path.send(s.source, version, stats, s.generation, verify_checksum=checksum, on_lost=lost)
+            self._commit(m, stats, errors, carried)
         except BaseException:
             for stage in stages:
                 stage.failed()
             raise
         for stage in stages:
             stage.committed(version, stats.receivers)
-        s.canary_committed(probe is not None, stats.receivers)
+        for handler in s.handlers:
+            handler.committed(stats.receivers, handler.name in carried)
         stats.control_bytes = max(0, _control_bytes(s.channels) - ctrl0)  # a receiver dropped mid-refit takes its count
         stats.seconds["total"] = time.perf_counter() - t0
         log.info(
@@ -88,12 +88,11 @@ class Round:
         )
         return stats
 
-    def _commit(self, m: Manifest, stats: RefitStats, errors: list[str], probe: dict | None) -> None:
+    def _commit(self, m: Manifest, stats: RefitStats, errors: list[str], carried: dict[str, object]) -> None:
         s, version = self.s, self.version
         t = time.perf_counter()
         commit = Header(Kind.COMMIT, epoch=m.epoch, version=version, digest=m.digest)
-        payload = {"canary": probe} if probe is not None else None
-        each(s.channels, lambda ch: ch.send(commit, payload), s.membership.lost)
+        each(s.channels, lambda ch: ch.send(commit, carried or None), s.membership.lost)
         failures, committed, names = self._collect(stats)
         stats.add("commit", time.perf_counter() - t)
         _set_unverified_names(stats, sorted(names))
@@ -151,6 +150,18 @@ class Round:
             if verdict
             else ""
         )
+
+
+def _due(handlers: list[Handler], ranks: frozenset[int]) -> tuple[dict[str, object], dict[str, float]]:
+    """What this refit's COMMIT carries, by handler name (refit.stages.handler), and the seconds each took."""
+    carried: dict[str, object] = {}
+    seconds: dict[str, float] = {}
+    for handler in handlers:
+        t = time.perf_counter()
+        got = handler.due(ranks)
+        if got is not None:
+            carried[handler.name], seconds[handler.name] = got, time.perf_counter() - t
+    return carried, seconds
 
 
 def _base(stages: list[Stage], version: int, ranks: list[int]) -> int | None:

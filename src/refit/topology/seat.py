@@ -5,18 +5,17 @@ calls on the membership policy. They are given the session, never import it, and
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
 from typing import Protocol
 
 import torch
 
-from refit.checks.canary import Canary
-from refit.layout.fp8 import BlockFormat
 from refit.layout.manifest import Manifest
 from refit.protocol.wire import Channel
 from refit.settings import Settings
 from refit.sources.base import Source
+from refit.stages.handler import Handler
 from refit.topology.membership import Membership
+from refit.topology.options import SenderOptions
 from refit.topology.policies import Commit
 from refit.topology.send_path import Lost, SendPath
 from refit.topology.stats import RefitStats
@@ -50,12 +49,11 @@ class SenderInterface(Protocol):
     source: Source
     settings: Settings
     device: torch.device
+    options: SenderOptions
     capacity: int
-    num_receivers: int
     transport_name: str
-    verify_checksum: bool
     commit: Commit
-    canary: Canary | None
+    handlers: list[Handler]
 
     @property
     def manifest(self) -> Manifest | None: ...
@@ -76,9 +74,6 @@ class SenderInterface(Protocol):
     def epoch(self) -> int: ...
 
     @property
-    def formats(self) -> Mapping[str, BlockFormat]: ...
-
-    @property
     def generation(self) -> int: ...
 
     @property
@@ -94,10 +89,6 @@ class SenderInterface(Protocol):
     def prepare(self, joiners: list[Channel]) -> bool: ...
 
     def mark_begun(self) -> None: ...
-
-    def canary_probe(self, ranks: frozenset[int]) -> dict | None: ...
-
-    def canary_committed(self, probed: bool, ranks: list[int]) -> None: ...
 
     def offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]: ...
 

@@ -9,40 +9,36 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 
 from refit import stages, transports
-from refit.checks import canary
-from refit.checks.manifest_check import Report
 from refit.errors import HandshakeError, PeerError, RefitError
 from refit.layout import tensor_guard
 from refit.layout.budget import bucket_capacity, free_bytes, needed_bytes
-from refit.layout.fp8 import BlockFormat
 from refit.layout.manifest import Manifest
 from refit.layout.planner import forecast, plan
 from refit.log import get_logger
-from refit.protocol import auth
-from refit.protocol.auth import manifest_binding
 from refit.protocol.lobby import Lobby
 from refit.protocol.store import AuthenticatedStores
-from refit.protocol.wire import Channel, Header, Kind, Offer, parse_json
+from refit.protocol.wire import Channel, Header, Kind
 from refit.settings import Settings
 from refit.sources.base import Source
-from refit.stages import Stage, fp8, lora
+from refit.stages import Stage
 from refit.stages.delta import Costs
 from refit.topology.admission import admit, falls_back, welcome
-from refit.topology.digest_plan import DigestPlan, parse_regions
+from refit.topology.digest_plan import DigestPlan
 from refit.topology.elastic import Elastic, Fixed
 from refit.topology.held import Held
 from refit.topology.membership import Membership
-from refit.topology.options import VERIFY_MODES, SenderOptions
+from refit.topology.offer import Offers
+from refit.topology.options import VERIFY_MODES, SenderOptions, stage_rules
 from refit.topology.policies import Commit, Vet
 from refit.topology.pulse import HEARTBEAT_MAX_S, Pulse
 from refit.topology.round import Round
-from refit.topology.send_path import SendPath, each
+from refit.topology.send_path import SendPath
 from refit.topology.stats import RefitStats
 from refit.topology.zero_copy import ZeroCopyPath
 from refit.transports import address
@@ -75,22 +71,15 @@ class Sender:
         or any of them as keyword arguments (`Sender(source, transport="gloo")`).
         `commit`: how a refit is decided (default from `verify`: strict or not); per-rank and M:N drivers pass
         `Commit(vote=...)`. `vet` (elastic M:N): judges what a joiner states with READY before it is taken in."""
-        o = SenderOptions.of(options, overrides)
+        o = self.options = SenderOptions.of(options, overrides)
         self._paths: type[SendPath] = ZeroCopyPath if o.zero_copy else SendPath
         """The epoch's data path, chosen once: packed buckets, or the source's tensors read in place."""
         self._paths.check(source)
-        self.options = o
         self.delta_costs = o.delta_costs or Costs()
         """The link's and the delta scan's costs measured in this session (they outlive an epoch)."""
-        self.num_slots, self.zero_copy, self.verify = o.num_slots, o.zero_copy, o.verify
-        self.elastic, self.min_receivers = o.elastic, o.min_receivers
-        self.verify_checksum, self.num_receivers = o.verify_checksum, o.num_receivers
         self.commit = Commit.matching(commit, o.verify)
-        self.canary = o.canary
-        self._since_probe: int | None = None
-        """Refits committed since the last probed one committed, counting it (None: none probed yet)."""
-        self._probed: frozenset[int] = frozenset()
-        """The receivers the last committed probe reached."""
+        self.handlers = stages.handlers(o)
+        """Readers of what the engines state with READY, and the checks COMMIT carries (refit.stages.handler)."""
         self._broken = ""
         self._connected = False
         self.source = source
@@ -104,8 +93,7 @@ class Sender:
         self.membership: Fixed = Elastic(self, min_receivers=o.min_receivers, vet=vet) if o.elastic else Fixed(self)
         self.capacity = 0
         self.manifest: Manifest | None = None
-        self._regions: dict[int, dict] = {}
-        """Per receiver rank: the regions (shards) it named at its handshake (fingerprint check)."""
+        self._offers = Offers(fingerprint=bool(o.verify))
         self._digests: DigestPlan | None = None
         self._signature: Hashable = None
         self._path: SendPath | None = None
@@ -113,11 +101,9 @@ class Sender:
         self._generation = 0
         self._begun = False
         self.statements: list[bytes] = []
-        self.formats: dict[str, BlockFormat] = {}
-        """The block FP8 formats the engines stated (refit.stages.fp8): the source is sent quantized to them."""
+        """What each receiver sent with READY (JSON, by rank; empty when it states nothing)."""
         self._added: tuple[str, ...] = ()
-        """Stages the engines' statements added (fp8), before the session's own."""
-        """What each receiver sent with READY: M:N shard statements (JSON; refit.topology.mesh), else empty."""
+        """Stages the handlers added for what the engines stated, before the session's own."""
 
     @property
     def channels(self) -> list[Channel]:
@@ -186,23 +172,24 @@ class Sender:
     def _connect(self) -> None:
         if falls_back(self.transport_name, self._paths.in_place, self.device, self.settings):
             self.transport_name, self._transport_cls, self.device = "shm", transports.get("shm"), torch.device("cpu")
-        limits = admit(self._session.lobby, self.num_receivers, self.settings, into=self.channels)
+        o = self.options
+        limits = admit(self._session.lobby, o.num_receivers, self.settings, into=self.channels)
         own = bucket_capacity(
             bucket_bytes=self.settings.bucket_bytes,
             ratio=self.settings.ratio,
             free=free_bytes(self.device),
-            num_slots=self.num_slots,
+            num_slots=o.num_slots,
             needed=needed_bytes(self.source.specs()),
         )
         # Fixed for the session: a model that grows later (a dtype switch) takes more buckets of this size.
         self.capacity = min([own, *limits])
-        transport, info = self.offer_transport(self.num_receivers)
+        transport, info = self.offer_transport(o.num_receivers)
         interval = min(HEARTBEAT_MAX_S, self.settings.timeout_s / 4)
         setup = {"capacity": self.capacity, "transport": self.transport_name, "info": info, "heartbeat_s": interval}
         welcome(self.channels, {**setup, **self.membership.welcome_fields()})
         transport.establish()
         self.statements = [ch.expect(Kind.READY, "transport setup")[1] for ch in self.channels]
-        self._quantize()
+        self._adapt()
         self.membership.start(transport, info, interval)
         waiting = self._session.members.waiting if self._session.members else None
         self._session.pulse = Pulse(self._session.channels, interval, waiting)
@@ -210,16 +197,16 @@ class Sender:
             "connected %d receiver(s) over %s, buckets of %d B", len(self.channels), self.transport_name, self.capacity
         )
 
-    def _quantize(self) -> None:
-        """Where the engines hold block FP8 (their READY says), send from the source as they hold it; a LoRA
-        source checks that they hold its adapter's layout over its base. A refusal is told to every engine."""
+    def _adapt(self) -> None:
+        """Every handler reads what the engines stated with READY: the source the session sends from and the
+        stages that adds (refit.stages.handler). A refusal is told to every engine."""
         try:
-            added = lora.adapt(self.source, self.statements)
-            if self.canary is not None:
-                canary.refuse_unable(self.statements)
-            self.formats = fp8.stated(self.statements)
-            self.source, self._added = fp8.adapt(self.source, self.formats, zero_copy=self.zero_copy)
-            self._added += added
+            added: tuple[str, ...] = ()
+            for handler in self.handlers:
+                self.source, more = handler.adapt(self.source, self.statements)
+                added += more
+            stage_rules(added, self.options.stage_names)
+            self._added = added
         except ValueError as e:
             for ch in self.channels:
                 with contextlib.suppress(PeerError):
@@ -241,7 +228,7 @@ class Sender:
             self.transport,
             self.channels,
             settings=self.settings,
-            num_slots=self.num_slots,
+            num_slots=self.options.num_slots,
             digests=digests,
             stages=self._stages(manifest),
         )
@@ -264,32 +251,11 @@ class Sender:
     def offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]:
         """Send `manifest` to `channels` and read each REPORT (keeping its regions); returns their refusals, each
         as 'receiver R: why'. A channel lost meanwhile goes to the membership's `lost` (see `answered`)."""
-        payload, (flags, regions) = manifest.to_json(), _offered(bool(self.verify))
-
-        def offer(ch: Channel) -> None:  # each receiver's copy is bound to its session: digest is a MAC under its key
-            binding = auth.tag(ch.key, b"MANIFEST", manifest_binding(manifest.epoch, manifest.digest))
-            ch.send(Header(Kind.MANIFEST, epoch=manifest.epoch, digest=binding, status=flags), payload)
-
-        failures: list[str] = []
-
-        def report(ch: Channel) -> None:
-            obj = parse_json(ch.expect(Kind.REPORT, "handshake")[1], "REPORT")
-            report = Report.from_json(obj)
-            self._regions[ch.rank] = regions(obj.get("regions"), manifest)
-            if not report.ok:
-                failures.append(f"receiver {ch.rank}: {report.message()}")
-            elif report.unsynced:
-                log.warning("receiver %d: %s", ch.rank, report.unsynced_message())
-
-        each(channels, offer, self.membership.lost)
-        each(channels, report, self.membership.lost)
-        return failures
+        return self._offers.offer(manifest, channels, self.membership.lost)
 
     def _digest_plan(self, manifest: Manifest | None) -> DigestPlan | None:
         """The fingerprint plan for `manifest` and the current receivers (regions by receiver rank)."""
-        if not self.verify or manifest is None:
-            return None
-        return DigestPlan(manifest, {ch.rank: self._regions.get(ch.rank, {}) for ch in self.channels})
+        return self._offers.plan(manifest, self.channels)
 
     def prepare(self, joiners: list[Channel]) -> bool:
         """At a round's start: a new epoch's handshake (with `joiners`) if there is none yet or the source's
@@ -394,7 +360,7 @@ class Sender:
 
     def refuse_joiners(self) -> None:
         """From now on the lobby answers every receiver that connects late with an error (a fixed membership)."""
-        self._session.lobby.refuse_late(self.num_receivers)
+        self._session.lobby.refuse_late(self.options.num_receivers)
 
     def serve_joiners(self, members: Membership) -> None:
         """From now on the lobby hands every receiver that connects late to `members` (an elastic membership),
@@ -407,23 +373,9 @@ class Sender:
         group broken by a dead member may be retried (refit.topology.elastic)."""
         self._begun = True
 
-    def canary_probe(self, ranks: frozenset[int]) -> dict | None:
-        """This refit's canary reference (the trainer's scores of the probe), when one is due: by the count of
-        committed refits, or because it reaches receivers (`ranks`) the last probe did not; else None."""
-        c = self.canary
-        due = c is not None and (c.due(self._since_probe) or not ranks <= self._probed)
-        return c.reference_payload() if due and c is not None else None
-
-    def canary_committed(self, probed: bool, ranks: list[int]) -> None:
-        """A refit committed on `ranks`, with the probe or without: the canary's count moves (never on failure)."""
-        if probed:
-            self._since_probe, self._probed = 1, frozenset(ranks)
-        elif self._since_probe is not None:
-            self._since_probe += 1
-
     def answered(self, ch: Channel) -> bool:
         """Whether `ch` answered the current epoch's manifest with a REPORT (one lost before it did has not)."""
-        return ch.rank in self._regions
+        return self._offers.answered(ch.rank)
 
     def refresh_digests(self) -> None:
         """The fingerprint plan follows the receivers now in the session (after joiners were admitted)."""
@@ -436,7 +388,7 @@ class Sender:
             self.channels.remove(ch)
         if self._digests is not None:
             self._digests.forget(ch.rank)
-        self._regions.pop(ch.rank, None)
+        self._offers.forget(ch.rank)
 
     def offer_transport(self, num_receivers: int) -> tuple[Transport, dict]:
         """A new transport of the session's kind and capacity for `num_receivers`, held as the session's (the one
@@ -445,7 +397,7 @@ class Sender:
         store = {"store": AuthenticatedStores(self.settings.token, self.settings)} if self.uses_store else {}
         transport, info = self._transport_cls.offer(
             capacity=self.capacity,
-            num_slots=self.num_slots,
+            num_slots=self.options.num_slots,
             num_receivers=num_receivers,
             device=self.device,
             settings=self.settings,
@@ -468,7 +420,7 @@ class Sender:
         """Predicted bytes each side allocates or maps for the manifest (`bench.memory.MemoryProbe` measures it)."""
         if self.manifest is None:
             raise ValueError("no manifest yet: call refit() (or connect and handshake) first")
-        f = forecast(self.manifest, num_slots=self.num_slots)
+        f = forecast(self.manifest, num_slots=self.options.num_slots)
         return {"sender": f.sender_bytes + self.source.held_bytes(), "receiver": f.receiver_bytes}
 
     def close(self) -> None:
@@ -481,12 +433,3 @@ class Sender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _offered(fingerprint: bool) -> tuple[Offer, Callable[[object, Manifest], dict]]:
-    """MANIFEST's flags, and how each REPORT's regions (shards it holds) are read: only for the fingerprint."""
-    return (Offer.FINGERPRINT, parse_regions) if fingerprint else (Offer(0), _no_regions)
-
-
-def _no_regions(obj: object, manifest: Manifest) -> dict:
-    return {}

@@ -1,0 +1,46 @@
+"""The canary's handler: with `SenderOptions.canary` set, every engine must state that it scores a probe
+(READY), and each refit the canary is due for carries the trainer's scores in COMMIT, where the engines check
+their own before they commit (refit.checks.canary)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from refit.checks import canary
+from refit.sources.base import Source
+from refit.stages.handler import Handler
+
+
+class CanaryHandler(Handler):
+    name = "canary"
+
+    def __init__(self, options: Any) -> None:
+        super().__init__(options)
+        self.canary: canary.Canary | None = getattr(options, "canary", None)
+        self.since: int | None = None
+        """Refits committed since the last probed one committed, counting it (None: none probed yet)."""
+        self.probed: frozenset[int] = frozenset()
+        """The receivers the last committed probe reached."""
+
+    def adapt(self, source: Source, statements: Sequence[bytes]) -> tuple[Source, tuple[str, ...]]:
+        if self.canary is not None:
+            canary.refuse_unable(statements)
+        return source, ()
+
+    def vet(self, raw: bytes, rank: int) -> str:
+        return canary.mismatch(raw, rank) if self.canary is not None else ""
+
+    def due(self, ranks: frozenset[int]) -> object | None:
+        """The trainer's scores of the probe when due: by the count of committed refits, or because the refit
+        reaches receivers the last probe did not."""
+        c = self.canary
+        if c is None or not (c.due(self.since) or not ranks <= self.probed):
+            return None
+        return c.reference_payload()
+
+    def committed(self, ranks: list[int], carried: bool) -> None:
+        if carried:
+            self.since, self.probed = 1, frozenset(ranks)
+        elif self.since is not None:
+            self.since += 1
