@@ -211,7 +211,7 @@ def test_fingerprint_check_compares_a_tensor_parallel_shard_with_its_region_of_t
             for peer in peers:
                 report = peer.report()
                 assert report["state"] == "current" and report["fingerprints"] == expected
-        assert sender._regions[1] == {"c": (1, 10, 30)}
+        assert sender._offers.regions[1] == {"c": (1, 10, 30)}
 
 
 def _change(live: dict[str, torch.Tensor], how: str) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
+from refit.engines.base import Engine
 from refit.layout.manifest import Manifest
 from refit.protocol.wire import Bucket
 from refit.stages.base import Stage
@@ -29,7 +30,19 @@ from refit.stages.handler import Handler
 from refit.stages.lora import LoraStage
 from refit.stages.lora_handler import LoraHandler
 
-__all__ = ["Bucket", "Handler", "Stage", "handlers", "make", "names", "register", "register_handler", "registered"]
+__all__ = [
+    "Bucket",
+    "Handler",
+    "Stage",
+    "engine_statement",
+    "handler_class",
+    "handlers",
+    "make",
+    "names",
+    "register",
+    "register_handler",
+    "registered",
+]
 
 _NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 _REGISTRY: dict[str, type[Stage]] = {}
@@ -61,6 +74,19 @@ def register_handler(name: str, cls: type[Handler]) -> None:
 def handlers(options: object) -> list[Handler]:
     """One of each registered handler for a session of `options`, in the order they were registered."""
     return [cls(options) for cls in _HANDLERS.values()]
+
+
+def handler_class(name: str) -> type[Handler] | None:
+    """The handler registered as `name` (an engine reads what COMMIT carries under it), or None."""
+    return _HANDLERS.get(name)
+
+
+def engine_statement(engine: Engine) -> dict:
+    """What `engine` states with READY: its own statement, then each registered handler's, by key."""
+    out = dict(engine.statement())
+    for cls in _HANDLERS.values():
+        out.update(cls.stated(engine))
+    return out
 
 
 def registered(name: str) -> bool:

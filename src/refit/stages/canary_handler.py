@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from refit.checks import canary
+from refit.engines.base import Engine
+from refit.errors import RefitError
+from refit.layout.manifest import Manifest
 from refit.sources.base import Source
 from refit.stages.handler import Handler
 
@@ -44,3 +47,18 @@ class CanaryHandler(Handler):
             self.since, self.probed = 1, frozenset(ranks)
         elif self.since is not None:
             self.since += 1
+
+    @classmethod
+    def stated(cls, engine: Engine) -> dict:
+        return {"canary": True} if engine.scoring() is not None else {}
+
+    @classmethod
+    def parse(cls, value: object) -> object:
+        return canary.parse(value)
+
+    @classmethod
+    def veto(cls, parsed: object, engine: Engine, manifest: Manifest, version: int) -> RefitError | None:
+        """Score the probe with what the engine computes with, against the trainer's scores."""
+        assert isinstance(parsed, canary.Probe)
+        dtypes = [spec.dtype for spec in engine.specs()] + [p.spec.dtype for p in manifest.entries]  # held, as sent
+        return canary.check(engine.scoring(), parsed, dtypes, version)

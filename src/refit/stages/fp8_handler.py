@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from refit.engines.base import Engine
 from refit.layout.fp8 import BlockFormat
 from refit.sources.base import Source
 from refit.stages import fp8
@@ -32,3 +33,8 @@ class Fp8Handler(Handler):
 
     def vet(self, raw: bytes, rank: int) -> str:
         return fp8.mismatch(raw, self.formats, rank)
+
+    @classmethod
+    def stated(cls, engine: Engine) -> dict:
+        formats = fp8.checked(engine.formats(), engine.specs(), exact_shapes=engine.exact_shapes)
+        return {"formats": fp8.formats_to_json(formats)} if formats else {}

@@ -12,13 +12,20 @@ handler at the same fixed points and names none of them:
   engines' check before they commit (a check's veto point: a failed check fails the version everywhere it runs);
   None carries nothing;
 - after each refit commits, `committed` is told on which receivers, and whether it carried something.
+
+Its engine half is class-level (an engine process makes no session): `stated` adds to the engine's READY
+statement, `parse` reads what COMMIT carried under the handler's name (before the engine loads a byte more),
+and `veto`, after the engine's own commit ran and before the version reads current there, may fail it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
+from refit.engines.base import Engine
+from refit.errors import RefitError
+from refit.layout.manifest import Manifest
 from refit.sources.base import Source
 
 
@@ -48,3 +55,31 @@ class Handler:
 
     def committed(self, ranks: list[int], carried: bool) -> None:
         """A refit committed on `ranks`; `carried`: its COMMIT carried what `due` gave (never called on failure)."""
+
+    # -- the engine's half -------------------------------------------------------------------------
+
+    @classmethod
+    def stated(cls, engine: Engine) -> dict:
+        """What `engine` states with READY for this handler, by key (JSON-able); ValueError for an engine that
+        misstates what it holds (its connect fails, naming it)."""
+        return {}
+
+    @classmethod
+    def parse(cls, value: object) -> object:
+        """What COMMIT carried under this handler's name, checked field by field (IntegrityError fails the refit)."""
+        return value
+
+    @classmethod
+    def veto(cls, parsed: object, engine: Engine, manifest: Manifest, version: int) -> RefitError | None:
+        """Before `version` reads current on `engine` (its own commit ran): the reason it fails here, or None."""
+        return None
+
+
+def adapt(handlers: Iterable[Handler], source: Source, statements: Sequence[bytes]) -> tuple[Source, tuple[str, ...]]:
+    """Every handler's `adapt` in turn, each on the source the one before returned: (the source to send from,
+    the stages they add, in their order). The first ValueError refuses the session."""
+    added: tuple[str, ...] = ()
+    for handler in handlers:
+        source, more = handler.adapt(source, statements)
+        added += more
+    return source, added

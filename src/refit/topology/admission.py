@@ -9,6 +9,8 @@ import warnings
 import torch
 
 from refit.errors import PeerError
+from refit.layout.budget import bucket_capacity, free_bytes, needed_bytes
+from refit.layout.spec import TensorSpec
 from refit.log import get_logger
 from refit.protocol import auth
 from refit.protocol.lobby import Lobby
@@ -33,6 +35,22 @@ def admit(lobby: Lobby, count: int, settings: Settings, *, into: list[Channel]) 
             raise PeerError(f"receiver {rank} sent an invalid capacity limit {limit!r}")
         limits.append(limit)
     return limits
+
+
+def agreed_capacity(
+    limits: list[int], settings: Settings, device: torch.device, num_slots: int, specs: list[TensorSpec]
+) -> int:
+    """The session's bucket capacity: the trainer's own (for `specs`, `num_slots` slots on `device`) or the
+    smallest of the receivers' `limits`. Fixed for the session: a model that grows later (a dtype switch) takes
+    more buckets of this size."""
+    own = bucket_capacity(
+        bucket_bytes=settings.bucket_bytes,
+        ratio=settings.ratio,
+        free=free_bytes(device),
+        num_slots=num_slots,
+        needed=needed_bytes(specs),
+    )
+    return min([own, *limits])
 
 
 def welcome(channels: list[Channel], setup: dict) -> None:

@@ -32,6 +32,18 @@ class Held:
             self.transport.close()
             self.transport = None
 
+    def tell(self, message: str) -> None:
+        """Send ERROR(`message`) to every channel still open (a peer already gone is skipped)."""
+        for ch in self.channels:
+            with contextlib.suppress(PeerError):
+                ch.send(Header(Kind.ERROR), {"message": message})
+
+    def drop_transport(self) -> None:
+        """Abort the transport, so that every peer still blocked in it fails at once, and hold none."""
+        transport, self.transport = self.transport, None
+        if transport is not None:
+            transport.abort()
+
     def close(self) -> None:
         if self.pulse is not None:
             self.pulse.stop()

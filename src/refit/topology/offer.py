@@ -64,6 +64,15 @@ class Offers:
         self.regions.pop(rank, None)
 
 
+def described(manifest: Manifest) -> str:
+    """A manifest in one line, for the logs."""
+    m = manifest
+    return (
+        f"epoch {m.epoch}, digest {m.digest.hex()[:12]}, {len(m.entries)} tensors, "
+        f"{m.num_buckets} bucket(s) of {m.capacity} bytes"
+    )
+
+
 def _offered(fingerprint: bool) -> tuple[Offer, Callable[[object, Manifest], dict]]:
     """MANIFEST's flags, and how each REPORT's regions (shards it holds) are read: only for the fingerprint."""
     return (Offer.FINGERPRINT, parse_regions) if fingerprint else (Offer(0), _no_regions)

@@ -11,7 +11,7 @@ import contextlib
 import time
 from typing import Protocol
 
-from refit.checks import canary
+from refit import stages
 from refit.checks.manifest_check import validate
 from refit.engines.base import Engine
 from refit.engines.staging import Split
@@ -55,9 +55,9 @@ class ReceiveRound:
         self.version = begin.version
         self.two_phase = bool(Begin.TWO_PHASE & begin.status)
         """A vote across trainer ranks, or strict: the engine's commit is held open until the verdict."""
-        self.probe: canary.Probe | None = None
-        """The trainer's canary reference, when COMMIT carried one (refit.checks.canary)."""
-        self.canary_s = 0.0
+        self.carried: dict[str, object] = {}
+        """What COMMIT carried for the handlers' checks before commit, by handler name (refit.stages.handler)."""
+        self.checks_s: dict[str, float] = {}
 
     def run(self) -> RefitStats | None:
         s, version, begin = self.s, self.version, self.begin
@@ -83,8 +83,8 @@ class ReceiveRound:
         t = time.perf_counter()
         self._flush()
         self._commit(failure, done)
-        if self.probe is not None:
-            stats.add("canary", self.canary_s)
+        for name, seconds in self.checks_s.items():
+            stats.add(name, seconds)
         log.info("committed version %d (%d bytes, %d bucket(s))", version, m.nbytes, m.num_buckets)
         stats.add("commit", time.perf_counter() - t)
         stats.control_bytes = ch.bytes_sent + ch.bytes_received - ctrl0
@@ -115,7 +115,7 @@ class ReceiveRound:
         if header.kind != Kind.COMMIT:
             raise PeerError(f"{ch.peer} sent {header.kind.name} during commit of version {version}, expected COMMIT")
         try:
-            self.probe = _probe(payload)
+            self.carried = _carried(payload)
         except IntegrityError as e:
             failure = failure or e
         return failure, done
@@ -124,7 +124,7 @@ class ReceiveRound:
         """Commit the engine and answer DONE; two-phase, hold the version open until the verdict."""
         s, version, ch = self.s, self.version, self.s.channel
         assert ch is not None
-        failure = failure or self._finalize() or self._canary()
+        failure = failure or self._finalize() or self._vetoed()
         if failure is not None:
             self._fail(str(failure))
             log.error("refit of version %d failed: %s", version, failure)
@@ -133,8 +133,8 @@ class ReceiveRound:
         ch.send(Header(Kind.DONE, version=version), done or None)
         if self.two_phase:
             self._await_verdict()
-        elif self.probe is not None:
-            s.engine.versions.commit(version)  # held 'updating' through the canary (`_finalize`)
+        elif self.carried:
+            s.engine.versions.commit(version)  # held 'updating' through the checks (`_finalize`)
         assert s.path is not None
         for stage in s.path.stages:
             stage.committed(version, [s.rank])
@@ -176,16 +176,17 @@ class ReceiveRound:
         s.landing.relaid(m)
         return None
 
-    def _canary(self) -> RefitError | None:
-        """After the engine's own commit (its post-processing ran): score the probe with what it computes with."""
-        if self.probe is None:
-            return None
-        engine, m, t = self.s.engine, self.s.manifest, time.perf_counter()
+    def _vetoed(self) -> RefitError | None:
+        """After the engine's own commit (its post-processing ran): each check COMMIT carried may fail it."""
+        m = self.s.manifest
         assert m is not None
-        dtypes = [spec.dtype for spec in engine.specs()] + [p.spec.dtype for p in m.entries]  # what it holds, as sent
-        failure = canary.check(engine.scoring(), self.probe, dtypes, self.version)
-        self.canary_s = time.perf_counter() - t
-        return failure
+        for name, parsed in self.carried.items():
+            t, handler = time.perf_counter(), stages.handler_class(name)
+            failure = handler.veto(parsed, self.s.engine, m, self.version) if handler else None
+            self.checks_s[name] = time.perf_counter() - t
+            if failure is not None:
+                return failure
+        return None
 
     def _await_verdict(self) -> None:
         """The engine stays 'updating' until every worker committed; any error or silence here fails it."""
@@ -223,21 +224,24 @@ class ReceiveRound:
         last = engine.versions.weights.version  # updating since BEGIN: the last committed version
         try:
             engine.commit(version)
-            if self.two_phase or self.probe is not None:  # a failed verdict or canary leaves `last` current
+            if self.two_phase or self.carried:  # a failed verdict or check leaves `last` current
                 engine.versions.await_verdict(version, last)
         except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
         return None
 
 
-def _probe(payload: bytes) -> canary.Probe | None:
-    """COMMIT's canary, if it carries one; anything else in it is a broken protocol."""
+def _carried(payload: bytes) -> dict[str, object]:
+    """What COMMIT carries for the handlers' checks, each parsed by its handler; a field no registered handler
+    reads is a broken protocol."""
     if not payload:
-        return None
+        return {}
     obj = parse_json(payload, "COMMIT")
-    if set(obj) - {"canary"}:
-        raise IntegrityError(f"COMMIT carries unknown fields {sorted(obj)[:5]}; only 'canary' is defined")
-    return canary.parse(obj.get("canary"))
+    unknown = sorted(n for n in obj if stages.handler_class(n) is None)
+    if unknown:
+        raise IntegrityError(f"COMMIT carries unknown fields {unknown[:5]}; no handler registered here reads them")
+    parsed = {name: handler.parse(value) for name, value in obj.items() if (handler := stages.handler_class(name))}
+    return {name: value for name, value in parsed.items() if value is not None}
 
 
 def _count_staged(stats: RefitStats, split: Split | None) -> None:

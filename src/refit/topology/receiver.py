@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from refit import stages
 from refit.engines.base import Engine
 from refit.engines.staging import Split, Staging
 from refit.errors import PeerError
@@ -25,7 +26,6 @@ from refit.protocol.wire import (
     Offer,
 )
 from refit.settings import Settings, check_bucket_bytes
-from refit.stages import fp8
 from refit.topology.joining import Joiner
 from refit.topology.landing import landing
 from refit.topology.receive_handshake import answer, prepare_stages, read_manifest
@@ -130,12 +130,9 @@ class Receiver:
         log.info("joined as receiver %d over %s", self.rank, self.joiner.cls.name)
 
     def _statement(self) -> dict | None:
-        """What READY tells the trainer: M:N shards, block-FP8 tensors, and what else the engine states."""
-        formats = fp8.checked(self.engine.formats(), self.engine.specs(), exact_shapes=self.engine.exact_shapes)
-        stated = {**self.engine.statement(), **({"canary": True} if self.engine.scoring() is not None else {})}
-        if not formats and not stated:
-            return self.statement
-        return {**(self.statement or {}), **stated, **({"formats": fp8.formats_to_json(formats)} if formats else {})}
+        """What READY tells the trainer: M:N shards, then what the engine and each handler state (refit.stages)."""
+        stated = stages.engine_statement(self.engine)
+        return {**(self.statement or {}), **stated} if stated else self.statement
 
     def receive(self) -> RefitStats | None:
         """Handle messages until one refit is committed (returns its stats) or the sender closes (None).

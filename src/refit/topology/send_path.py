@@ -88,6 +88,15 @@ class SendPath:
     def check(cls, source: Source) -> None:
         """Raise ValueError, saying why, when this path cannot send from `source` (any source can be packed)."""
 
+    @classmethod
+    def changed(cls, source: Source, manifest: Manifest) -> bool:
+        """The source's cheap signature moved since `manifest`: does that need a new epoch? Yes if any spec or
+        alias changed, and on a path that reads the source in place also when only storage or layout moved (what
+        it shared is the old memory)."""
+        if cls.restarts_on_move:
+            return True
+        return sorted(source.specs(), key=lambda s: s.name) != [p.spec for p in manifest.entries]
+
     def share(self, source: Source) -> None:
         """Once per epoch, after the handshake: give the receivers what this path's refits read (packed: nothing)."""
 

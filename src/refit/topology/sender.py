@@ -5,7 +5,6 @@ commit (`Commit`, refit.topology.policies)."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import weakref
@@ -17,23 +16,22 @@ import torch
 from refit import stages, transports
 from refit.errors import HandshakeError, PeerError, RefitError
 from refit.layout import tensor_guard
-from refit.layout.budget import bucket_capacity, free_bytes, needed_bytes
 from refit.layout.manifest import Manifest
 from refit.layout.planner import forecast, plan
 from refit.log import get_logger
 from refit.protocol.lobby import Lobby
 from refit.protocol.store import AuthenticatedStores
-from refit.protocol.wire import Channel, Header, Kind
+from refit.protocol.wire import Channel, Kind
 from refit.settings import Settings
 from refit.sources.base import Source
-from refit.stages import Stage
+from refit.stages import handler
 from refit.stages.delta import Costs
-from refit.topology.admission import admit, falls_back, welcome
+from refit.topology.admission import admit, agreed_capacity, falls_back, welcome
 from refit.topology.digest_plan import DigestPlan
 from refit.topology.elastic import Elastic, Fixed
 from refit.topology.held import Held
 from refit.topology.membership import Membership
-from refit.topology.offer import Offers
+from refit.topology.offer import Offers, described
 from refit.topology.options import VERIFY_MODES, SenderOptions, stage_rules
 from refit.topology.policies import Commit, Vet
 from refit.topology.pulse import HEARTBEAT_MAX_S, Pulse
@@ -122,9 +120,8 @@ class Sender:
         """The slot buffer bucket `b` of `manifest` will be packed into (None before the first handshake).
         A gathering source may fill it in place (bytes laid out as `manifest` says) so packing copies nothing."""
         path = self._path
-        if path is None or path.manifest is not self.manifest or self.transport is None:
-            return None
-        return path.buffer(b)
+        current = path is not None and path.manifest is self.manifest and self.transport is not None
+        return path.buffer(b) if current and path is not None else None
 
     def rendezvous(self) -> dict:
         """JSON-able info a Receiver needs: address, token and transport."""
@@ -174,15 +171,7 @@ class Sender:
             self.transport_name, self._transport_cls, self.device = "shm", transports.get("shm"), torch.device("cpu")
         o = self.options
         limits = admit(self._session.lobby, o.num_receivers, self.settings, into=self.channels)
-        own = bucket_capacity(
-            bucket_bytes=self.settings.bucket_bytes,
-            ratio=self.settings.ratio,
-            free=free_bytes(self.device),
-            num_slots=o.num_slots,
-            needed=needed_bytes(self.source.specs()),
-        )
-        # Fixed for the session: a model that grows later (a dtype switch) takes more buckets of this size.
-        self.capacity = min([own, *limits])
+        self.capacity = agreed_capacity(limits, self.settings, self.device, o.num_slots, self.source.specs())
         transport, info = self.offer_transport(o.num_receivers)
         interval = min(HEARTBEAT_MAX_S, self.settings.timeout_s / 4)
         setup = {"capacity": self.capacity, "transport": self.transport_name, "info": info, "heartbeat_s": interval}
@@ -201,16 +190,10 @@ class Sender:
         """Every handler reads what the engines stated with READY: the source the session sends from and the
         stages that adds (refit.stages.handler). A refusal is told to every engine."""
         try:
-            added: tuple[str, ...] = ()
-            for handler in self.handlers:
-                self.source, more = handler.adapt(self.source, self.statements)
-                added += more
-            stage_rules(added, self.options.stage_names)
-            self._added = added
+            self.source, self._added = handler.adapt(self.handlers, self.source, self.statements)
+            stage_rules(self._added, self.options.stage_names)
         except ValueError as e:
-            for ch in self.channels:
-                with contextlib.suppress(PeerError):
-                    ch.send(Header(Kind.ERROR), {"message": f"the trainer refused this engine: {e}"})
+            self._session.tell(f"the trainer refused this engine: {e}")
             raise HandshakeError(str(e)) from None
 
     def _handshake(self) -> None:
@@ -222,7 +205,9 @@ class Sender:
             self.manifest, self._signature = None, None
             raise HandshakeError(" | ".join(failures))
         assert self.transport is not None
-        digests = self._digest_plan(manifest)
+        digests = self._offers.plan(manifest, self.channels)
+        session = {"delta_threshold": self.options.delta_threshold, "delta_costs": self.delta_costs}
+        made = stages.make(manifest.stages, manifest, self.device, trainer=True, session=session)
         path = self._paths(
             manifest,
             self.transport,
@@ -230,39 +215,23 @@ class Sender:
             settings=self.settings,
             num_slots=self.options.num_slots,
             digests=digests,
-            stages=self._stages(manifest),
+            stages=made,
         )
         path.share(self.source)
         self.manifest, self._digests, self._path = manifest, digests, path
-        log.info(
-            "handshake: epoch %d, digest %s, %d tensors, %d bucket(s) of %d bytes",
-            manifest.epoch,
-            manifest.digest.hex()[:12],
-            len(manifest.entries),
-            manifest.num_buckets,
-            manifest.capacity,
-        )
-
-    def _stages(self, manifest: Manifest) -> list[Stage]:
-        """The trainer's half of each stage the manifest lists, for this epoch."""
-        session = {"delta_threshold": self.options.delta_threshold, "delta_costs": self.delta_costs}
-        return stages.make(manifest.stages, manifest, self.device, trainer=True, session=session)
+        log.info("handshake: %s", described(manifest))
 
     def offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]:
         """Send `manifest` to `channels` and read each REPORT (keeping its regions); returns their refusals, each
         as 'receiver R: why'. A channel lost meanwhile goes to the membership's `lost` (see `answered`)."""
         return self._offers.offer(manifest, channels, self.membership.lost)
 
-    def _digest_plan(self, manifest: Manifest | None) -> DigestPlan | None:
-        """The fingerprint plan for `manifest` and the current receivers (regions by receiver rank)."""
-        return self._offers.plan(manifest, self.channels)
-
     def prepare(self, joiners: list[Channel]) -> bool:
         """At a round's start: a new epoch's handshake (with `joiners`) if there is none yet or the source's
         tensors changed, else the joiners validate the current manifest alone. True for a handshake."""
         signature = self.source.signature()
         moved = signature != self._signature
-        handshake = self.manifest is None or (moved and self._changed())
+        handshake = self.manifest is None or (moved and self._paths.changed(self.source, self.manifest))
         if handshake:
             self.channels.extend(joiners)
             self._handshake()
@@ -272,14 +241,6 @@ class Sender:
             self._generation += 1  # cached copy plans must check their tensors' layout again
         self._signature = signature
         return handshake
-
-    def _changed(self) -> bool:
-        """The cheap signature moved: does that need a new epoch? Yes if any spec or alias changed, and on a path
-        that reads the source in place also when only storage or layout moved (what it shared is the old memory)."""
-        assert self.manifest is not None
-        if self._paths.restarts_on_move:
-            return True
-        return sorted(self.source.specs(), key=lambda s: s.name) != [p.spec for p in self.manifest.entries]
 
     def refit(self, version: int) -> RefitStats:
         """Send the source's current weights as `version`; returns when every receiver committed.
@@ -322,9 +283,7 @@ class Sender:
         waits out its timeout, and end the session (their weights are mixed; they report 'failed')."""
         self._broken = f"the trainer failed during refit {version}: {type(error).__name__}: {error}"
         log.error("aborting refit %d: %s", version, self._broken)
-        for ch in self.channels:
-            with contextlib.suppress(PeerError):
-                ch.send(Header(Kind.ERROR), {"message": self._broken})
+        self._session.tell(self._broken)
 
     # What a round and the membership policy call (refit.topology.seat.SenderInterface); nothing else reaches in.
 
@@ -380,7 +339,7 @@ class Sender:
     def refresh_digests(self) -> None:
         """The fingerprint plan follows the receivers now in the session (after joiners were admitted)."""
         path = self.path
-        self._digests = path.digests = self._digest_plan(self.manifest)
+        self._digests = path.digests = self._offers.plan(self.manifest, self.channels)
 
     def forget(self, ch: Channel) -> None:
         """Receiver `ch` left: out of the session's channels, the fingerprint plan and the regions it named."""
@@ -408,9 +367,7 @@ class Sender:
 
     def drop_transport(self) -> None:
         """Abort the session's transport, so that every peer still blocked in it fails at once, and hold none."""
-        transport, self._session.transport = self._session.transport, None
-        if transport is not None:
-            transport.abort()
+        self._session.drop_transport()
 
     def end_epoch(self) -> None:
         """Forget the epoch's manifest and send path (its receivers' paths are gone): the next round handshakes."""
