@@ -179,3 +179,25 @@ def test_a_stage_that_resizes_without_its_flag_is_refused_on_the_trainer() -> No
         peer.ask("receive")
         with pytest.raises(ValueError, match="stage shrink made bucket 0"):
             sender.refit(1)
+
+
+def test_the_manifests_stage_rules_are_checked_where_the_options_are_made() -> None:
+    source = ModuleSource(_trainer(), wire_dtype=BF16)
+    with pytest.raises(ValueError, match=r"name 'mask' twice; a manifest lists each stage once"):
+        Sender(source, transport="shm", settings=SETTINGS, stages=["mask", "mask"])
+    many = [f"s{i}" for i in range(16)]
+    for name in many:
+        stages.register(name, Mask)
+    with pytest.raises(ValueError, match=r"17 stages given \(delta counts as one\); a manifest lists at most 16"):
+        Sender(source, transport="shm", settings=SETTINGS, stages=many, delta=True)
+    Sender(source, transport="shm", settings=SETTINGS, stages=many).close()  # 16 is the most
+
+
+def test_a_stage_the_engines_statements_add_and_the_options_name_too_is_refused() -> None:
+    from refit.topology.options import stage_rules
+
+    with pytest.raises(ValueError, match=r"adds stage\(s\) \['fp8'\].*name 'fp8' too.*drop it from stages"):
+        stage_rules(("fp8",), ("mask", "fp8"))
+    with pytest.raises(ValueError, match="at most 16: name fewer stages"):
+        stage_rules(("fp8", "lora"), tuple(f"s{i}" for i in range(15)))
+    stage_rules(("fp8",), ("mask",))

@@ -248,3 +248,39 @@ def test_no_topology_class_branches_on_modes_more_than_three_times() -> None:
         if n > MAX_MODE_BRANCHES
     ]
     assert not over, "\n".join(over)
+
+
+FORMATS_AND_CHECKS = re.compile(r"fp8|lora|canary|mxfp8")
+"""Their modules' and functions' names (a message to the user may still say 'FP8')."""
+OPTION_FIELDS = {"options.py"}
+"""The one place a check is named in the topology: the Sender's own `canary` option, which its handler reads."""
+
+
+def test_the_topology_names_no_format_or_check_but_the_senders_option() -> None:
+    named = []
+    for entry in sorted(os.listdir(TOPOLOGY)):
+        if not entry.endswith(".py") or entry in OPTION_FIELDS:
+            continue
+        with open(os.path.join(TOPOLOGY, entry), encoding="utf-8") as f:
+            named += [f"{entry}:{i}: {line.strip()}" for i, line in enumerate(f, 1) if FORMATS_AND_CHECKS.search(line)]
+    assert not named, "the topology names formats or checks; read them through refit.stages handlers:\n" + "\n".join(
+        named
+    )
+
+
+def test_the_sender_class_stays_small_and_mirrors_no_option_into_a_field() -> None:
+    lines, _ = inspect.getsourcelines(Sender)
+    assert len(lines) <= 350, f"Sender is {len(lines)} lines; move a job into its own module"
+    from refit.topology.options import SenderOptions
+
+    tree = ast.parse(inspect.getsource(Sender))
+    fields = {f for f in SenderOptions.__dataclass_fields__} - {"delta_costs"}  # costs measured: the session's own
+    mirrored = sorted(
+        t.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" and t.attr in fields
+    )
+    assert not mirrored, f"Sender mirrors options into fields {mirrored}: read them from self.options"
