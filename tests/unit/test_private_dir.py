@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from threaded import refit_both, session
 
 from refit import ModuleEngine, ModuleSource, Settings
 from refit.checks import copy_digest as fused
 from refit.layout import private_dir, tensor_guard
 from refit.layout.private_dir import NotPrivate, check_folder, open_lock, owned_file, triton_cache_private
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from threaded import refit_both, session  # noqa: E402
 
 OTHER_UID = 54321
 """A uid that is not this process's (the tests chown to it as root, or skip)."""
