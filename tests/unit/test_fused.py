@@ -280,8 +280,7 @@ def test_a_build_lock_held_past_the_bound_takes_the_pytorch_path_with_a_warning(
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(fused, "BUILD_WAIT_S", 0.2)
-    where = fused._cache_dir()
-    where.mkdir(parents=True)
+    where = fused._cache_dir()  # made, private
     fused._kernel.cache_clear()
     with open(where / "refit.lock", "w") as other:  # another builder, alive, holding the lock
         fcntl.flock(other, fcntl.LOCK_EX)

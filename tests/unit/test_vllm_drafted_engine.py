@@ -93,3 +93,30 @@ def test_draft_tensors_without_a_draft_model_fail_the_handshake() -> None:
     got = _refit(drafted(_model(0), _model(1)), engine)
     assert any("draft.0.weight" in str(g) for g in got if isinstance(g, Exception)), got
     assert engine.weights.version is None
+
+
+class _Rooted(torch.nn.Module):
+    """A target with tensors of its own at the root: a parameter, a persistent buffer and a non-persistent one."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.body = torch.nn.Linear(4, 4)
+        self.gain = torch.nn.Parameter(torch.randn(4, generator=g))
+        self.register_buffer("table", torch.randint(0, 1 << 30, (6,), generator=g))
+        self.register_buffer("cache", torch.randn(3, generator=g), persistent=False)
+
+
+def test_drafted_carries_the_targets_root_buffers_bitwise_and_reads_them_live() -> None:
+    target, draft = _Rooted(0), _model(1)
+    both = drafted(target, draft)
+    assert set(both.state_dict()) == {*target.state_dict(), *(f"draft.{n}" for n in draft.state_dict())}
+    assert "cache" not in both.state_dict()  # a non-persistent buffer stays so
+    target.table = torch.randint(0, 1 << 30, (6,), generator=torch.Generator().manual_seed(9))  # reassigned
+    engine = DraftedEngine(_Part(_Rooted(2)))  # type: ignore[arg-type]
+    engine.attach(_Part(_model(3)))  # type: ignore[arg-type]
+    got = _refit(both, engine)
+    assert not [g for g in got if isinstance(g, Exception)], got
+    for name in ("table", "gain", "body.weight"):
+        want = target.state_dict()[name]
+        assert torch.equal(engine.target.tensor(name).view(torch.uint8), want.detach().view(torch.uint8)), name  # type: ignore[attr-defined]

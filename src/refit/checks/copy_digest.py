@@ -1,11 +1,11 @@
 """Fused copy and digest: dst[i].copy_(src[i]) for many pairs, returning the digest of each dst's bytes, read
 once (the fingerprint of docs/PROTOCOL.md, word positions counted in the destination tensor).
 
-On CPU a small C kernel, compiled at first use through `torch.utils.cpp_extension` (cached per machine
-under the user's cache directory), copies each pair word by word and sums the words as it writes them:
-one pass, one call for every pair of a plan, no per-tensor Python. Its sums avoid 64-bit multiplies:
-over a lane of words w_0 .. w_{m-1}, sum(j * w_j) = m * S - sum of the running sums (S the lane's
-total), so every step is two additions, which vectorise. Where the kernel does not build, or
+On CPU a small C kernel, compiled at first use through `torch.utils.cpp_extension` (cached per machine in a
+private folder under the user's cache directory, refit.layout.private_dir), copies each pair word by word and
+sums the words as it writes them: one pass, one call for every pair of a plan, no per-tensor Python. Its sums
+avoid 64-bit multiplies: over a lane of words w_0 .. w_{m-1}, sum(j * w_j) = m * S - sum of the running sums (S
+the lane's total), so every step is two additions, which vectorise. Where the kernel does not build, or
 REFIT_CPU_KERNEL=0, pairs are copied by `CopyPlan` and digested by `refit.checks.tensor_digest.digests` (a
 second read: slower, same values). Pairs the kernel cannot take (other dtypes, non-contiguous or lazy
 views) are copied by torch and their destinations digested afterwards. A bfloat16 source into a float32
@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from refit.checks.tensor_digest import digests
 from refit.layout.build_lock import build_lock
 from refit.layout.copy_kernel import BatchedCopy
+from refit.layout.private_dir import NotPrivate, owned_file, private_cache, refuse
 from refit.log import get_logger
 from refit.settings import cpu_kernel_enabled
 
@@ -177,10 +177,10 @@ PARALLEL_BYTES = 8 << 20
 """A plan moving fewer bytes than this runs on one thread."""
 
 
-def _cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+def _cache_dir() -> Path | None:
+    """The kernel's checked private cache folder (refit.layout.private_dir), or None after one WARNING."""
     tag = hashlib.sha256(f"{_SOURCE}|{torch.__version__}".encode()).hexdigest()[:16]
-    return base / "refit" / "cpu_kernels" / tag
+    return private_cache("cpu_kernels", tag)
 
 
 BUILD_WAIT_S = 300.0
@@ -193,9 +193,10 @@ def _kernel() -> ctypes.CDLL | None:
     one WARNING, where it cannot be built, and None without trying where REFIT_CPU_KERNEL=0."""
     if not cpu_kernel_enabled():
         return None
+    where = _cache_dir()
+    if where is None:
+        return None
     try:
-        where = _cache_dir()
-        where.mkdir(parents=True, exist_ok=True)
         with _lock:
             path = _built(where) or _build(where)
         lib = ctypes.CDLL(str(path))
@@ -203,6 +204,9 @@ def _kernel() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int64]
         fn.restype = None
         return lib
+    except NotPrivate as e:
+        refuse(where, e)
+        return None
     except Exception as e:  # noqa: BLE001 - no compiler, no headers, any build error: the slower path, never a failure
         log.warning(
             "the fused copy-and-digest CPU kernel did not build (%s: %s); using the slower PyTorch path",
@@ -213,9 +217,10 @@ def _kernel() -> ctypes.CDLL | None:
 
 
 def _built(where: Path) -> Path | None:
-    """The library of a finished build (its marker is written only after the build returned), else None."""
-    lib = where / f"refit_fused_{where.name}.so"
-    return lib if (where / "built.ok").exists() and lib.exists() else None
+    """The library of a finished build (its marker is written only after the build returned), else None: only
+    the expected file name inside `where`, a regular file of the user's (refit.layout.private_dir.owned_file)."""
+    lib = owned_file(where, f"refit_fused_{where.name}.so")
+    return lib if lib is not None and owned_file(where, "built.ok") is not None else None
 
 
 def _build(where: Path) -> Path:
@@ -228,8 +233,9 @@ def _build(where: Path) -> Path:
         if done is not None:
             return done
         src = where / "refit_fused.cpp"
+        src.unlink(missing_ok=True)
         src.write_text(_SOURCE)
-        path = cpp_extension.load(
+        cpp_extension.load(
             name=f"refit_fused_{where.name}",
             sources=[str(src)],
             build_directory=str(where),
@@ -238,8 +244,11 @@ def _build(where: Path) -> Path:
             is_python_module=False,
             verbose=False,
         )
-        (where / "built.ok").write_text(str(path))
-        return Path(path)
+        (where / "built.ok").write_text("built\n")
+        done = _built(where)
+        if done is None:
+            raise FileNotFoundError(f"the build left no refit_fused_{where.name}.so in {where}")
+        return done
 
 
 def _plain(t: torch.Tensor) -> bool:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from refit.layout.private_dir import triton_cache_private
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's CPU interpreter (tests only): then the kernel also takes CPU tensors."""
 
@@ -30,6 +32,8 @@ if torch.cuda.is_available() or _INTERPRET:  # importing Triton takes ~0.2 s: on
         import triton
         import triton.language as tl
     except ImportError:  # pragma: no cover - depends on the install
+        triton = None
+    if triton is not None and not triton_cache_private():  # Triton loads host code it compiled from its cache
         triton = None
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)

@@ -1,14 +1,14 @@
 """Tensor guard: checks that many plain tensors kept their identity, storage, dtype, device, shape and strides,
 in one C call.
 
-Two checks, the faster first. `layout_snapshot`: a small C++ helper compiled once per machine (as the fused
-digest kernel is, `torch.utils.cpp_extension`, cached under ~/.cache/refit) records each tensor's object,
-type, storage, address, dtype, device, dispatch keys, sizes and strides, and compares them again in one
-loop (under 0.01 us a tensor). `tensor_guard`: where that helper cannot be built, torch.compile's own
-`torch._C._dynamo.guards.TensorGuards` (dispatch keys, dtype, device, sizes and strides, under 0.1 us a
-tensor; addresses are then read through Python). Both are used only after a probe shows, on this torch,
-that they hold for the same tensors and fail after each kind of change; otherwise they return None and
-callers compare the metadata themselves.
+Two checks, the faster first. `layout_snapshot`: a small C++ helper compiled once per machine (as the fused digest
+kernel is, `torch.utils.cpp_extension`, cached in a private folder under ~/.cache/refit, refit.layout.private_dir)
+records each tensor's object, type, storage, address, dtype, device, dispatch keys, sizes and strides, and compares
+them again in one loop (under 0.01 us a tensor). `tensor_guard`: where that helper cannot be built, torch.compile's
+own `torch._C._dynamo.guards.TensorGuards` (dispatch keys, dtype, device, sizes and strides, under 0.1 us a tensor;
+addresses are then read through Python). Both are used only after a probe shows, on this torch, that they hold for
+the same tensors and fail after each kind of change; otherwise they return None and callers compare the metadata
+themselves.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
-import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -25,6 +24,7 @@ from types import ModuleType
 import torch
 
 from refit.layout.build_lock import build_lock
+from refit.layout.private_dir import NotPrivate, owned_file, private_cache, refuse
 from refit.log import get_logger
 from refit.settings import cpu_kernel_enabled
 
@@ -238,10 +238,10 @@ BUILD_WAIT_S = 300.0
 """How long a process waits for another one's build of the helper before it takes the slower checks."""
 
 
-def _where() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+def _where() -> Path | None:
+    """The helper's checked private cache folder (refit.layout.private_dir), or None after one WARNING."""
     tag = hashlib.sha256(f"{_SOURCE}|{torch.__version__}|{sys.version}".encode()).hexdigest()[:16]
-    return base / "refit" / "layout_guard" / tag
+    return private_cache("layout_guard", tag)
 
 
 def _load(name: str, path: Path) -> ModuleType:
@@ -253,19 +253,23 @@ def _load(name: str, path: Path) -> ModuleType:
 
 
 def _compile(where: Path) -> ModuleType:
-    """Build under the build lock; a finished build is marked by `built.ok`, written last."""
+    """Build under the build lock; a finished build is marked by `built.ok`, written last. Only the library of
+    the expected name inside `where` is ever loaded (never a path read from a file)."""
     from torch.utils import cpp_extension
 
     name = f"refit_layout_{where.name}"
     with build_lock(where, "the layout helper", BUILD_WAIT_S):
-        done = where / "built.ok"
-        if done.exists() and Path(done.read_text()).exists():
-            return _load(name, Path(done.read_text()))
+        path = owned_file(where, f"{name}.so")
+        if path is not None and owned_file(where, "built.ok") is not None:
+            return _load(name, path)
         src = where / "refit_layout.cpp"
+        src.unlink(missing_ok=True)
         src.write_text(_SOURCE)
         cpp_extension.load(name=name, sources=[str(src)], build_directory=str(where), extra_cflags=["-O2"])
-        path = where / f"{name}.so"
-        done.write_text(str(path))
+        path = owned_file(where, f"{name}.so")
+        if path is None:
+            raise FileNotFoundError(f"the build left no {name}.so in {where}")
+        (where / "built.ok").write_text("built\n")
         return _load(name, path)
 
 
@@ -275,13 +279,16 @@ def _helper() -> ModuleType | None:
     without trying where REFIT_CPU_KERNEL=0."""
     if not cpu_kernel_enabled():
         return None
+    where = _where()
+    if where is None:
+        return None
     try:
-        where = _where()
-        where.mkdir(parents=True, exist_ok=True)
         lib = _compile(where)
         if _probe(lambda ts: _checker(lib, ts)):
             return lib
         log.info("the compiled layout check failed its probe on this torch; using TensorGuards")
+    except NotPrivate as e:
+        refuse(where, e)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers, any build error: the slower check, never a failure
         log.info("the compiled layout check did not build (%s: %s); using TensorGuards", type(e).__name__, e)
     return None

@@ -19,14 +19,17 @@ DRAFT_PREFIX = "draft."
 
 
 def drafted(target: torch.nn.Module, draft: torch.nn.Module) -> torch.nn.Module:
-    """A module whose parameters and buffers are the target's under their own names and the draft's under
-    `draft.<name>`: the source of a refit that carries both (`ModuleSource(drafted(policy, draft))`). It holds
-    the same tensors, so the source reads what the trainer holds now."""
+    """A module whose parameters and buffers are the target's under their own names (its root-level ones
+    included, persistent or not as in the target) and the draft's under `draft.<name>`: the source of a refit
+    that carries both (`ModuleSource(drafted(policy, draft))`). It holds the same tensors, and the target's own
+    root-level tables, so the source reads what the trainer holds now, a root tensor reassigned since included."""
     both = torch.nn.Module()
     for name, child in target.named_children():
         both.add_module(name, child)
-    for name, p in target.named_parameters(recurse=False):
-        both.register_parameter(name, p)
+    # the target's own dicts, shared, not copied: a root-level parameter or buffer reassigned later is read live
+    both._parameters = target._parameters
+    both._buffers = target._buffers
+    both._non_persistent_buffers_set = target._non_persistent_buffers_set
     if hasattr(both, "draft"):
         raise ValueError("the target model has a child named 'draft': its names would clash with the draft's")
     both.add_module("draft", draft)
@@ -43,6 +46,7 @@ class DraftedEngine(Engine):
         self.draft: VllmEngine | None = None
         self.exact_shapes = target.exact_shapes
         self.optional_names = target.optional_names
+        self.computed_names = target.computed_names
         self._split: dict[int, tuple[list, list, list]] = {}
 
     def attach(self, draft: VllmEngine) -> None:
@@ -50,6 +54,7 @@ class DraftedEngine(Engine):
         self.draft = draft
         self.exact_shapes = self.target.exact_shapes and draft.exact_shapes
         self.optional_names = self.target.optional_names | {DRAFT_PREFIX + n for n in draft.optional_names}
+        self.computed_names = self.target.computed_names | {DRAFT_PREFIX + n for n in draft.computed_names}
         self._split = {}
 
     @property
