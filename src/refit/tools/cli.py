@@ -176,6 +176,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 engine_dtype=args.engine_dtype,
                 lora=args.lora or 0,
                 canary=args.canary or 0,
+                wide=args.wide,
             )
             if cfg.trainer in ("fsdp", "megatron"):
                 from refit.tools.demo.sharded import launch
@@ -608,6 +609,9 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
     demo.add_argument("--layers", type=_at_least_one, default=8, help="decoder layers of the demo model")
     demo.add_argument(
         "--hidden", type=_at_least_one, default=512, help="hidden size of the demo model (a multiple of 64)"
+    )
+    demo.add_argument(
+        "--wide", action="store_true", help="show every stage of the trainer and the engine in the table (also -v)"
     )
     _json_option(demo)
     demo.set_defaults(func=_demo)
