@@ -56,6 +56,7 @@ MISTAKES = [
     (["demo", "--bucket-bytes", "-5"], ["--bucket-bytes -5 is below the alignment of 256 bytes"]),
     (["bench", "--bucket-bytes", "255"], ["--bucket-bytes 255 is below the alignment of 256 bytes"]),
     (["plan", "--staging-bytes", "-1"], ["--staging-bytes", "must be an integer >= 0, got '-1'"]),
+    (["demo", "--bucket-bytes", "256"], ["--bucket-bytes 256 splits the demo's", "buckets", "give at least 16384"]),
     (["demo", "--ranks", "3"], ["--ranks applies only to --trainer fsdp", "add --trainer fsdp"]),
     (["demo", "--transport", "carrier-pigeon"], ["unknown transport 'carrier-pigeon'", "shm"]),
     (["demo", "--steps", "0"], ["refit demo: argument --steps: must be an integer >= 1, got '0'"]),

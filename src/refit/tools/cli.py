@@ -136,12 +136,15 @@ def _bucket_bytes(args: argparse.Namespace, default: int) -> int:
 def _check_demo_size(args: argparse.Namespace) -> None:
     """Sizes the machine cannot hold are refused before any process starts, in the options' terms."""
     from refit.layout.budget import mem_available
-    from refit.tools.demo.sizes import check_fits
+    from refit.tools.demo.sizes import check_buckets, check_fits
 
     processes = {"fsdp": args.ranks or 2, "megatron": (args.tp or 2) * (args.pp or 1)}.get(args.trainer, 1)
     sizes = {"layers": args.layers, "hidden": args.hidden, "processes": processes}
     given = [o for o, v, default in (("--layers", args.layers, 8), ("--hidden", args.hidden, 512)) if v != default]
     check_fits(sizes, given + (["--ranks"] if args.ranks else []), mem_available())
+    if not args.lora:  # an adapter is a small fraction of the model: any capacity the planner takes will do
+        option = "--bucket-bytes" if args.bucket_bytes is not None else "REFIT_BUCKET_BYTES"
+        check_buckets(_bucket_bytes(args, DEMO_BUCKET_BYTES), option, layers=args.layers, hidden=args.hidden)
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
