@@ -110,3 +110,18 @@ def test_the_demo_prints_legends_only_for_what_was_asked_wrapped_in_a_pipe() -> 
     text = console.file.getvalue()
     assert "version 2: 3 of 7 bucket(s) as a delta; full: 4 too many values changed" in text
     assert "--delta: Δ marks" in text and "--lora" not in text
+
+
+def test_a_first_build_of_the_cpu_kernels_is_announced_in_one_line_before_the_first_refit(monkeypatch) -> None:
+    from refit.tools.demo import kernels
+
+    built: list[str] = []
+    monkeypatch.setattr(kernels.copy_digest, "kernel_built", lambda: built.append("copy_digest"))
+    monkeypatch.setattr(kernels.tensor_guard, "prepare", lambda: built.append("layout"))
+    for cached, said in ((False, 1), (True, 0)):
+        monkeypatch.setattr(kernels, "cached", lambda cached=cached: cached)
+        console = Console(file=io.StringIO(), width=1000)
+        kernels.prebuild(console)
+        lines = console.file.getvalue().splitlines()
+        assert len(lines) == said and all(line.startswith("compiling refit's CPU kernels, once") for line in lines)
+    assert built == ["copy_digest", "layout"] * 2

@@ -27,6 +27,7 @@ from refit.tools.children import module_command
 from refit.tools.console import console_on, progress, progress_console
 from refit.tools.demo.engine import MARK, NOT_JOINED
 from refit.tools.demo.fp8 import as_held, to_fp8
+from refit.tools.demo.kernels import prebuild
 from refit.tools.demo.lora import LoraTrainer, reference_greedy, targets, wrap
 from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, model_config, train_step
 from refit.tools.demo.table import ENGINE_STAGES, TRAINER_STAGES, delta_lines, demo_table, legends, print_wrapped
@@ -438,6 +439,7 @@ def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | No
         f"[bold]refit demo[/] over [cyan]{cfg.transport}[/] into a [cyan]{cfg.engine}[/] engine: Llama-style "
         f"LM, {nparams / 1e6:.1f}M params, {sent}, {_plural(cfg.steps, 'step')}{_sharding(cfg)}"
     )
+    prebuild(console)
     settings = session_settings(cfg)
     canary = Canary(prompts[0], causal_lm(trainer.model), every=cfg.canary) if cfg.canary else None
     # every refit ends with the engine's digests checked against the trainer's live tensors
@@ -561,8 +563,8 @@ def _loop(
             loss = trainer.step()
             if step == cfg.dtype_change_at + 1 and not cfg.lora:  # a LoRA source has no KEEP_FP32
                 trainer.source.set_wire_dtype(KEEP_FP32, torch.float32)
-            wait = " (waiting for the engine to connect)" if step == 1 else ""
-            bar.update(task, description=f"step {step}: refitting{wait}")
+            first = " (the engine connects first)" if step == 1 else ""
+            bar.update(task, description=f"step {step}: refitting{first}")
             stats = trainer.refit(engine, step)
             bar.update(task, description=f"step {step}: checking the engine's weights and generation")
             weights = as_held(trainer.full_weights(), reference[1])  # as the engine holds them (FP8: quantized)
