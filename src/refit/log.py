@@ -66,12 +66,14 @@ QUIET_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "TORCH_CPP_LOG_LEVEL": "ERROR",
     "PYTHONWARNINGS": "ignore::FutureWarning",
+    "NIXL_LOG_LEVEL": "WARN",
+    "UCX_LOG_LEVEL": "warn",
 }
 """Set by the `refit` command unless -v (explicit settings win); listed in docs/USAGE.md ("Environment variables")."""
 
 
 def quiet_libraries(verbosity: int) -> None:
-    """vLLM, transformers and torch print tens of lines of their own per engine start; keep only their
+    """vLLM, transformers, torch, NIXL and UCX print tens of lines of their own per engine start; keep only their
     errors unless -v. Each reads its variable once, at import, in every process (vLLM's workers inherit
     this environment), so this must run before they are imported."""
     if verbosity < 1:
@@ -80,3 +82,5 @@ def quiet_libraries(verbosity: int) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning)
         # Some vLLM modules warn at import, before vLLM has configured its logging from the variable above.
         logging.getLogger("vllm").setLevel(logging.ERROR)
+        # NIXL sets its logger from NIXL_LOG_LEVEL when imported; this covers one imported already.
+        logging.getLogger("nixl").setLevel(logging.WARNING)

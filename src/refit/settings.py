@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -104,6 +105,25 @@ def check_environment() -> Settings:
         if raw and raw not in choices:
             raise ValueError(f"{name} must be one of {', '.join(choices)}, got {raw!r}; fix it or unset it")
     return Settings()
+
+
+KNOWN = (
+    "REFIT_BUFFER_MEMORY_RATIO", "NRL_REFIT_BUFFER_MEMORY_RATIO", "REFIT_BUCKET_BYTES", "REFIT_TIMEOUT",
+    "REFIT_CONNECT_TIMEOUT", "REFIT_HOST", "REFIT_IFNAME", "REFIT_TOKEN", *_SWITCHES, *_COUNTS, *_CHOICES,
+)  # fmt: skip
+"""Every environment variable refit reads (docs/USAGE.md, "Environment variables")."""
+
+
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """One message per REFIT_* variable that refit does not read (a misspelling is silently ignored
+    otherwise), naming the nearest real one where there is one. REFIT_TEST_* belong to refit's test suite."""
+    env = os.environ if environ is None else environ
+    messages = []
+    for name in sorted(n for n in env if n.startswith("REFIT_") and n not in KNOWN and not n.startswith("REFIT_TEST_")):
+        near = difflib.get_close_matches(name, KNOWN, n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]}?" if near else "; see docs/USAGE.md for the variables it reads"
+        messages.append(f"{name} is set but refit reads no such variable{hint}")
+    return messages
 
 
 def cpu_kernel_enabled() -> bool:

@@ -56,9 +56,10 @@ MISTAKES = [
     (["demo", "--bucket-bytes", "-5"], ["--bucket-bytes -5 is below the alignment of 256 bytes"]),
     (["bench", "--bucket-bytes", "255"], ["--bucket-bytes 255 is below the alignment of 256 bytes"]),
     (["plan", "--staging-bytes", "-1"], ["--staging-bytes", "must be an integer >= 0, got '-1'"]),
+    (["demo", "--bucket-bytes", "256"], ["--bucket-bytes 256 splits the demo's", "buckets", "give at least 16384"]),
     (["demo", "--ranks", "3"], ["--ranks applies only to --trainer fsdp", "add --trainer fsdp"]),
     (["demo", "--transport", "carrier-pigeon"], ["unknown transport 'carrier-pigeon'", "shm"]),
-    (["demo", "--steps", "0"], ["steps (0) must be >= 1"]),
+    (["demo", "--steps", "0"], ["refit demo: argument --steps: must be an integer >= 1, got '0'"]),
     (["demo", "--lora", "4", "--engine", "vllm"], ["--lora runs with the plain trainer and the module engine"]),
     (["demo", "--lora", "4", "--trainer", "fsdp"], ["--lora runs with the plain trainer and the module engine"]),
     (["demo", "--hidden", "100"], ["hidden (100) a multiple of 64"]),
@@ -228,6 +229,54 @@ def test_version_prints_the_package_version() -> None:
     result = _run("--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"refit {refit.__version__}"
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["dmeo"], ["demo", "--steps", "0"], ["bench", "--help"]])
+def test_parsing_answers_before_torch_is_imported(argv: list[str]) -> None:
+    code = (
+        "import sys; from refit.tools import cli\n"
+        "try:\n    cli.build_parser().parse_args(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)"
+    )
+    result = _run(*argv, code=code)
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stdout + result.stderr
+
+
+def test_the_parsers_choices_are_the_modules_own() -> None:
+    from refit import transports
+    from refit.tools import choices
+    from refit.tools.bench.colocated import METHODS as COLOCATED
+    from refit.tools.bench.presets import PRESETS
+    from refit.tools.bench.runner import METHODS
+
+    assert choices.TRANSPORTS == tuple(transports.names())[: len(choices.TRANSPORTS)]
+    assert (choices.PRESETS, choices.BENCH_METHODS, choices.COLOCATED_METHODS) == (tuple(PRESETS), METHODS, COLOCATED)
+
+
+def test_a_misspelt_variable_is_warned_about_with_the_nearest_real_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from refit.settings import unknown_variables
+
+    monkeypatch.setenv("REFIT_TIMEOUTS", "5")
+    assert unknown_variables() == [
+        "REFIT_TIMEOUTS is set but refit reads no such variable; did you mean REFIT_TIMEOUT?"
+    ]
+    assert main(["plan", "--preset", "tiny"]) == 0
+    assert "warning: REFIT_TIMEOUTS is set but refit reads no such variable; did you mean" in capsys.readouterr().err
+
+
+def test_nixl_and_ucx_log_at_warning_unless_verbose(monkeypatch: pytest.MonkeyPatch) -> None:
+    from refit.log import configure
+
+    for name in ("NIXL_LOG_LEVEL", "UCX_LOG_LEVEL", "VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(logging.getLogger("nixl"), "level", logging.INFO)
+    configure(1)
+    assert "NIXL_LOG_LEVEL" not in os.environ and logging.getLogger("nixl").level == logging.INFO
+    configure(0)
+    assert (os.environ["NIXL_LOG_LEVEL"], os.environ["UCX_LOG_LEVEL"]) == ("WARN", "warn")
+    assert logging.getLogger("nixl").level == logging.WARNING
 
 
 def _no_work(*_a, **_k) -> int:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 from rich.console import Console
 
 from refit.checks.manifest_check import validate
 from refit.layout.spec import TensorSpec
 from refit.tools.bench.report import notes
-from refit.tools.demo.run import DemoConfig, _plural, _show, _table
+from refit.tools.demo.run import DemoConfig, _plural, _show
+from refit.tools.demo.table import demo_table
 
 
 def _row(version: int, *, delta: bool, wire: int, connect: float = 0.0) -> dict:
@@ -31,7 +33,7 @@ def _text(renderable) -> str:  # type: ignore[no-untyped-def]
 
 def test_the_demo_table_shows_the_wire_bytes_and_marks_delta_refits() -> None:
     rows = [_row(1, delta=False, wire=50_300_000), _row(2, delta=True, wire=4_100_000), _row(3, delta=True, wire=0)]
-    lines = [line for line in _text(_table("shm", rows)).splitlines() if "50.3" in line]
+    lines = [line for line in _text(demo_table("shm", rows)).splitlines() if "50.3" in line]
     assert len(lines) == 3
     assert "50.3 " in lines[0] and "Δ" not in lines[0]
     assert "4.1 Δ" in lines[1] and "0.0 Δ" in lines[2]  # a delta that moved nothing reads 0, not the full size
@@ -76,3 +78,50 @@ def test_the_bench_says_why_serial_buckets_can_beat_pipelined_ones() -> None:
     assert "pays only when a refit spans several buckets" in line and "about 1 bucket(s) of 3.8 MiB" in line
     report["results"]["serial"] = result(0.02)
     assert notes(report) == []
+
+
+@pytest.mark.parametrize("lora,delta", [(False, False), (True, False), (False, True)])
+def test_the_demo_table_fits_80_columns_without_a_cut_cell(lora: bool, delta: bool) -> None:
+    rows = []
+    for v in (1, 2, 100):
+        r = _row(v, delta=delta and v > 1, wire=1_234_500_000)
+        r.update(nbytes=1_234_500_000, loss=10.123, epoch=12, num_buckets=150, seconds={"total": 12.3456})
+        r["buckets"] = {"delta": 150} if delta else {}
+        if lora:
+            r["full_model_bytes"] = 1_234_500_000
+        rows.append(r)
+    console = Console(file=io.StringIO(), width=80)
+    console.print(demo_table("shm", rows))
+    text = console.file.getvalue()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80, text
+    assert "1234.5" in text and "12345.6" in text
+
+
+def test_the_demo_prints_legends_only_for_what_was_asked_wrapped_in_a_pipe() -> None:
+    rows = [_row(1, delta=False, wire=1), _row(2, delta=True, wire=1)]
+    rows[1]["buckets"] = {"delta": 3, "full-dense-scan": 4}
+    console = Console(file=io.StringIO(), width=1000)
+    _show(DemoConfig(), console, rows, {}, True)
+    plain = console.file.getvalue()
+    assert "--lora" not in plain and "--delta" not in plain and "add up to total" not in plain
+    assert max(map(len, plain.splitlines())) <= 80, plain
+    console = Console(file=io.StringIO(), width=1000)
+    _show(DemoConfig(delta=True), console, rows, {}, True)
+    text = console.file.getvalue()
+    assert "version 2: 3 of 7 bucket(s) as a delta; full: 4 too many values changed" in text
+    assert "--delta: Δ marks" in text and "--lora" not in text
+
+
+def test_a_first_build_of_the_cpu_kernels_is_announced_in_one_line_before_the_first_refit(monkeypatch) -> None:
+    from refit.tools.demo import kernels
+
+    built: list[str] = []
+    monkeypatch.setattr(kernels.copy_digest, "kernel_built", lambda: built.append("copy_digest"))
+    monkeypatch.setattr(kernels.tensor_guard, "prepare", lambda: built.append("layout"))
+    for cached, said in ((False, 1), (True, 0)):
+        monkeypatch.setattr(kernels, "cached", lambda cached=cached: cached)
+        console = Console(file=io.StringIO(), width=1000)
+        kernels.prebuild(console)
+        lines = console.file.getvalue().splitlines()
+        assert len(lines) == said and all(line.startswith("compiling refit's CPU kernels, once") for line in lines)
+    assert built == ["copy_digest", "layout"] * 2

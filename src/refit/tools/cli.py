@@ -20,7 +20,8 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from refit.log import configure, get_logger
-from refit.settings import check_environment, given
+from refit.settings import check_environment, given, unknown_variables
+from refit.tools.choices import BENCH_METHODS, COLOCATED_METHODS, PRESETS, TRANSPORTS
 from refit.tools.console import console_for, progress, progress_console, silence_libraries
 from refit.tools.plan import config_file
 
@@ -135,12 +136,15 @@ def _bucket_bytes(args: argparse.Namespace, default: int) -> int:
 def _check_demo_size(args: argparse.Namespace) -> None:
     """Sizes the machine cannot hold are refused before any process starts, in the options' terms."""
     from refit.layout.budget import mem_available
-    from refit.tools.demo.sizes import check_fits
+    from refit.tools.demo.sizes import check_buckets, check_fits
 
     processes = {"fsdp": args.ranks or 2, "megatron": (args.tp or 2) * (args.pp or 1)}.get(args.trainer, 1)
     sizes = {"layers": args.layers, "hidden": args.hidden, "processes": processes}
     given = [o for o, v, default in (("--layers", args.layers, 8), ("--hidden", args.hidden, 512)) if v != default]
     check_fits(sizes, given + (["--ranks"] if args.ranks else []), mem_available())
+    if not args.lora:  # an adapter is a small fraction of the model: any capacity the planner takes will do
+        option = "--bucket-bytes" if args.bucket_bytes is not None else "REFIT_BUCKET_BYTES"
+        check_buckets(_bucket_bytes(args, DEMO_BUCKET_BYTES), option, layers=args.layers, hidden=args.hidden)
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
@@ -176,6 +180,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 engine_dtype=args.engine_dtype,
                 lora=args.lora or 0,
                 canary=args.canary or 0,
+                wide=args.wide,
             )
             if cfg.trainer in ("fsdp", "megatron"):
                 from refit.tools.demo.sharded import launch
@@ -208,8 +213,6 @@ def _ints(text: str, option: str) -> list[int]:
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
     if args.ranks:  # per-rank colocated mode (refit.tools.bench.colocated)
-        from refit.tools.bench.colocated import METHODS as COLOCATED_METHODS
-
         unknown = [m for m in (args.methods or "").split(",") if m and m not in COLOCATED_METHODS]
         if unknown:
             raise ValueError(
@@ -527,8 +530,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
-    from refit.transports import names
-
     demo = sub.add_parser(
         "demo",
         parents=[common],
@@ -540,7 +541,7 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
     demo.add_argument(
         "--transport",
         default="shm,gloo",
-        help=f"comma-separated, run one after the other; one of {', '.join(names())} (cuda-ipc and nccl need CUDA)",
+        help=f"comma-separated, run one after the other; one of {', '.join(TRANSPORTS)} (cuda-ipc and nccl need CUDA)",
     )
     demo.add_argument(
         "--engine",
@@ -573,7 +574,7 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
         help="vLLM's tensor-parallel size (--engine vllm); with --trainer fsdp each worker receives only its "
         "slices from every rank (M:N)",
     )
-    demo.add_argument("--steps", type=int, default=4, help="optimizer steps, each followed by a refit")
+    demo.add_argument("--steps", type=_at_least_one, default=4, help="optimizer steps, each followed by a refit")
     demo.add_argument(
         "--dtype-change-at", type=int, default=2, help="step after which one tensor goes fp32 (-1: never)"
     )
@@ -609,15 +610,14 @@ def _demo_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[
     demo.add_argument(
         "--hidden", type=_at_least_one, default=512, help="hidden size of the demo model (a multiple of 64)"
     )
+    demo.add_argument(
+        "--wide", action="store_true", help="show every stage of the trainer and the engine in the table (also -v)"
+    )
     _json_option(demo)
     demo.set_defaults(func=_demo)
 
 
 def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
-    from refit.tools.bench.colocated import METHODS as COLOCATED_METHODS
-    from refit.tools.bench.presets import PRESETS
-    from refit.tools.bench.runner import METHODS
-
     bench = sub.add_parser(
         "bench",
         parents=[common],
@@ -653,7 +653,7 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
     )
     bench.add_argument(
         "--methods",
-        help=f"comma-separated subset of {', '.join(METHODS)} (default: all that apply to the transport); "
+        help=f"comma-separated subset of {', '.join(BENCH_METHODS)} (default: all that apply to the transport); "
         f"with --ranks: {', '.join(COLOCATED_METHODS)}",
     )
     bench.add_argument(
@@ -690,8 +690,6 @@ def _bench_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore
 
 
 def _plan_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no-untyped-def]
-    from refit.tools.bench.presets import PRESETS
-
     planp = sub.add_parser(
         "plan",
         parents=[common],
@@ -795,6 +793,8 @@ def main(argv: list[str] | None = None) -> int:
     args.settings = settings
     args.verbosity = -1 if getattr(args, "quiet", False) else getattr(args, "verbose", 0)
     configure(args.verbosity)
+    for message in unknown_variables():
+        console_for(stderr=True, quiet=args.verbosity < 0).print(f"[yellow]warning:[/] {escape(message)}")
     json_out = getattr(args, "json", None) == "-"
     if json_out:  # stdout carries the JSON alone: vLLM's logs (shown with -v) go to stderr
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

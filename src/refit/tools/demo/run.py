@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 import refit
 from refit.checks.canary import Canary, causal_lm
@@ -28,8 +27,10 @@ from refit.tools.children import module_command
 from refit.tools.console import console_on, progress, progress_console
 from refit.tools.demo.engine import MARK, NOT_JOINED
 from refit.tools.demo.fp8 import as_held, to_fp8
+from refit.tools.demo.kernels import prebuild
 from refit.tools.demo.lora import LoraTrainer, reference_greedy, targets, wrap
 from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, model_config, train_step
+from refit.tools.demo.table import ENGINE_STAGES, TRAINER_STAGES, delta_lines, demo_table, legends, print_wrapped
 from refit.topology.mesh import MeshRefit
 from refit.topology.sender import Sender
 from refit.topology.stats import RefitStats
@@ -85,6 +86,8 @@ class DemoConfig:
     lora: int = 0
     """LoRA rank: > 0 trains a PEFT LoRA adapter of this rank on every linear layer, over a base the engine
     already holds, and refits the adapter alone (refit.stages.lora); 0 trains and refits the whole model."""
+    wide: bool = False
+    """Show every stage of both sides in the table (also with verbosity > 0)."""
     canary: int = 0
     """> 0: the canary every this many refits (refit.checks.canary): the engine scores the first prompt with what it
     computes with and compares it with the trainer's scores before it commits; 0: off."""
@@ -436,6 +439,7 @@ def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | No
         f"[bold]refit demo[/] over [cyan]{cfg.transport}[/] into a [cyan]{cfg.engine}[/] engine: Llama-style "
         f"LM, {nparams / 1e6:.1f}M params, {sent}, {_plural(cfg.steps, 'step')}{_sharding(cfg)}"
     )
+    prebuild(console)
     settings = session_settings(cfg)
     canary = Canary(prompts[0], causal_lm(trainer.model), every=cfg.canary) if cfg.canary else None
     # every refit ends with the engine's digests checked against the trainer's live tensors
@@ -559,8 +563,8 @@ def _loop(
             loss = trainer.step()
             if step == cfg.dtype_change_at + 1 and not cfg.lora:  # a LoRA source has no KEEP_FP32
                 trainer.source.set_wire_dtype(KEEP_FP32, torch.float32)
-            wait = " (waiting for the engine to connect)" if step == 1 else ""
-            bar.update(task, description=f"step {step}: refitting{wait}")
+            first = " (the engine connects first)" if step == 1 else ""
+            bar.update(task, description=f"step {step}: refitting{first}")
             stats = trainer.refit(engine, step)
             bar.update(task, description=f"step {step}: checking the engine's weights and generation")
             weights = as_held(trainer.full_weights(), reference[1])  # as the engine holds them (FP8: quantized)
@@ -582,8 +586,13 @@ def _loop(
 
 
 def _show(cfg: DemoConfig, console: Console, rows: list[dict], mem: dict, ok: bool) -> None:
-    console.print(_table(cfg.transport, rows))
-    console.print(LEGEND)
+    wide = cfg.wide or cfg.verbosity > 0
+    console.print(demo_table(cfg.transport, rows, wide=wide))
+    if cfg.delta:
+        for line in delta_lines(rows):
+            print_wrapped(console, line)
+    for text in legends(wide=wide, lora=bool(cfg.lora), delta=cfg.delta, fp8=cfg.engine_dtype == "fp8"):
+        print_wrapped(console, text)
     first = rows[0] if rows else {}
     if first.get("connect_seconds", 0.0) >= 5e-5:  # the engine connects during the first refit only
         console.print(
@@ -591,83 +600,27 @@ def _show(cfg: DemoConfig, console: Console, rows: list[dict], mem: dict, ok: bo
             "connect (up to REFIT_CONNECT_TIMEOUT), before its total began"
         )
     if cfg.engine == "vllm" and cfg.verbosity > 0:
-        console.print(ROTARY_NOTE)
+        print_wrapped(console, ROTARY_NOTE)
     console.print(
         f"memory allocated or mapped (predicted): sender {mem.get('sender', 0) / 2**20:.1f} MiB, "
         f"receiver {mem.get('receiver', 0) / 2**20:.1f} MiB"
     )
     ran = [r for r in rows if "canary_seconds" in r]
     if ran:
-        console.print(
+        print_wrapped(
+            console,
             f"canary at version(s) {', '.join(str(r['version']) for r in ran)}: the engine scored the probe as the "
             f"trainer did, within its dtype's tolerance ({ran[-1]['canary_seconds'] * 1e3:.1f} ms the last time, "
-            "before the commit)"
+            "before the commit)",
         )
     console.print("[green]all refits verified[/]" if ok else "[red]verification FAILED[/]")
 
 
-TRAINER_STAGES = ("handshake", "pack", "send", "wait", "verify", "commit")
-"""The Sender's stages (RefitStats.seconds), timed one after another in its thread: with 'other' they add up to
-'total'."""
-ENGINE_STAGES = ("load", "verify")
-"""The engine's own stages shown beside them (the Receiver's RefitStats.seconds, in the engine's process)."""
-LEGEND = "\n".join(
-    (
-        "times in ms. The trainer's stages run one after another and add up to total: handshake (at a new epoch the "
-        "manifest out and the engine's report back, else the check that no shape or dtype changed), pack (each "
-        "bucket copied and cast into its buffer, the live tensors digested on the way), send (the bucket handed to "
-        "the transport), wait (until each bucket was off the wire and acknowledged by the engine), verify (the "
-        "trainer's digests sent), commit (from COMMIT sent until the engine's DONE: the engine's fingerprint check, "
-        "then its own commit), other (what the stages leave of total: the BEGIN message, bookkeeping between them).",
-        "engine load and engine verify are the engine's own time, in its own process, overlapping the trainer's: it "
-        "loads bucket i while the trainer packs the next; its verify (digests of what it holds, read back here since "
-        "its loads cast bf16 into fp32, compared with the trainer's) starts when the trainer's digests arrive and is "
-        "most of commit.",
-        "MB: the model's bytes in its wire dtypes (--lora: the adapter's; full MB: the whole model's in bf16, what "
-        "a full refit would move); wire MB: the bytes that crossed the link, Δ where the refit went "
-        "as a delta (--delta: only the chunks changed since the last commit). "
-        "epoch*: a handshake began a new epoch. params: every engine tensor bitwise what was sent; gen: the engine's "
-        "greedy output equals the trainer's.",
-    )
-)
 ROTARY_NOTE = (
     "If vLLM logged 'RotaryEmbedding: Failed to load weights' above, that is expected: its layerwise reload "
     "(which refit uses only where a module falls back to vLLM's loader) finds no checkpoint tensor for the rotary "
     "cos/sin cache, which is computed from the config, and puts vLLM's own cache back."
 )
-
-
-def _table(transport: str, rows: list[dict]) -> Table:
-    t = Table(title=f"refits over {transport}")
-    full = any("full_model_bytes" in r for r in rows)  # LoRA: the adapter's MB beside the whole model's
-    columns = ("ver", "epoch", "loss", "MB", *(("full MB",) if full else ()), "wire MB", "bkts", *TRAINER_STAGES)
-    columns = (*columns, "other", "total", "GB/s")
-    for col in (*columns, *(f"engine {k}" for k in ENGINE_STAGES), "params", "gen"):
-        t.add_column(col, justify="right")
-    mark = lambda ok: "[green]✓[/]" if ok else "[red]✗[/]"  # noqa: E731
-    ms = lambda d, k: "n/a" if d.get(k) is None else f"{d[k] * 1e3:.1f}"  # noqa: E731
-    for r in rows:
-        t.add_row(
-            str(r["version"]),
-            f"{r['epoch']}{'*' if r['handshake'] else ''}",
-            f"{r['loss']:.3f}",
-            f"{r['nbytes'] / 1e6:.1f}",
-            *((f"{r.get('full_model_bytes', 0) / 1e6:.1f}",) if full else ()),
-            _wire_mb(r),
-            str(r["num_buckets"]),
-            *(ms(r["seconds"], k) for k in (*TRAINER_STAGES, "other", "total")),
-            f"{r['gbps']:.2f}",
-            *(ms(r["engine_seconds"], k) for k in ENGINE_STAGES),
-            mark(r["params_ok"]),
-            mark(r["generate_ok"]),
-        )
-    return t
-
-
-def _wire_mb(r: dict) -> str:
-    """What crossed the link; 'Δ' marks a delta refit (only the chunks changed since the last commit)."""
-    wire = r["wire_bytes"] if r.get("delta") else r.get("wire_bytes") or r["nbytes"]
-    return f"{wire / 1e6:.1f}{' Δ' if r.get('delta') else ''}"
 
 
 def _trainer_seconds(s: RefitStats) -> dict[str, float]:
@@ -691,6 +644,7 @@ def _row(s: RefitStats, row: Row, loss: float) -> dict:
         "wire_bytes": s.wire_bytes,
         "full_bytes": s.full_bytes,
         "delta": s.delta,
+        "buckets": dict(s.buckets),
         "num_buckets": s.num_buckets,
         "seconds": _trainer_seconds(s),
         "engine_seconds": dict(row.engine["stats"]["seconds"]),

@@ -15,6 +15,9 @@ RANK_BYTES_PER_PARAM = 8
 PROCESS_BYTES = 512 << 20
 """One Python process with torch and transformers imported."""
 _GB = 1e9
+MAX_BUCKETS = 4096
+"""More buckets than this in one refit of the demo model is a mistake, not a setting: each bucket is a round trip
+with the engine, so 196,678 buckets of 256 bytes take minutes a refit."""
 
 
 def demo_bytes(*, layers: int, hidden: int, trainer_processes: int) -> int:
@@ -61,3 +64,16 @@ def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
+
+
+def check_buckets(bucket_bytes: int, option: str, *, layers: int, hidden: int) -> None:
+    """Refuse a bucket capacity (`option`: where it came from) that splits the demo's model into more than
+    MAX_BUCKETS buckets, naming the count and the least capacity that does not."""
+    nbytes = 2 * param_count(layers=layers, hidden=hidden, ffn=hidden * 3)  # bf16 on the wire
+    count = -(-nbytes // bucket_bytes)
+    if count > MAX_BUCKETS:
+        least = 1 << (-(-nbytes // MAX_BUCKETS) - 1).bit_length()
+        raise ValueError(
+            f"{option} {bucket_bytes} splits the demo's {nbytes / 1e6:.1f} MB model into about {count:,} buckets, "
+            f"each a round trip with the engine (minutes a refit); give at least {least} (the default is 8388608)"
+        )

@@ -1,0 +1,18 @@
+"""Choices: the names the command line's help and parser list, importable without torch, so that parsing
+(`--version`, `--help`, a mistake) answers before torch loads. tests/tools/test_cli.py keeps them equal to
+the modules that own them."""
+
+from __future__ import annotations
+
+TRANSPORTS = ("shm", "gloo", "cuda-ipc", "nccl", "nixl")
+"""The built-in transports (refit.transports.names(), before entry points)."""
+PRESETS = ("tiny", "qwen2-0.5b", "qwen2-7b", "moe", "moe-small", "deepseek-v3")
+"""The bench's and plan's presets (refit.tools.bench.presets.PRESETS)."""
+BENCH_METHODS = (
+    "floor", "foreach", "kernel", "refit", "checksum", "fingerprint", "zero_copy", "zero_copy_fingerprint",
+    "digest", "copy_digest", "serial", "per_tensor", "per_tensor_meta", "step_full", "step_delta",
+    "step_delta_worst", "quantize",
+)  # fmt: skip
+"""The bench's methods (refit.tools.bench.runner.METHODS)."""
+COLOCATED_METHODS = ("floor", "per_rank", "per_rank_schedule", "rank0_led", "m_to_n")
+"""The bench's methods with --ranks (refit.tools.bench.colocated.METHODS)."""
