@@ -156,6 +156,8 @@ class Settings:
     cuda_ipc_events: bool = field(default_factory=lambda: os.environ.get("REFIT_CUDA_IPC_EVENTS", "1") != "0")
     """'cuda-ipc' orders its slots with interprocess CUDA events (no host stream sync per bucket); False
     (REFIT_CUDA_IPC_EVENTS=0, on the sender) synchronizes each side's stream per bucket instead."""
+    site: str = field(default_factory=lambda: os.environ.get("REFIT_SITE", ""))
+    """Where a receiver sits (the replicas behind one link); '' is a site of its own (REFIT_SITE, 'relay')."""
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:

@@ -82,7 +82,7 @@ class Local(ShmTransport):
 def test_a_class_registered_from_outside_the_package_is_what_get_returns() -> None:
     transports.register("local", Local)
     assert transports.get("local") is Local
-    assert transports.names() == ["shm", "gloo", "cuda-ipc", "nccl", "nixl", "local"]
+    assert transports.names() == ["shm", "gloo", "cuda-ipc", "nccl", "nixl", "relay", "local"]
     assert transports.default_device("local") == torch.device("cpu") and transports.unavailable("local") == ""
 
 
@@ -111,7 +111,7 @@ def test_an_entry_point_is_listed_and_resolved_and_cannot_shadow_a_built_in(
     transports._forget_entry_points()
     with caplog.at_level(logging.WARNING, logger="refit"):
         listed = transports.names()
-    assert listed == ["shm", "gloo", "cuda-ipc", "nccl", "nixl", "plugin-shm"]
+    assert listed == ["shm", "gloo", "cuda-ipc", "nccl", "nixl", "relay", "plugin-shm"]
     assert transports.get("plugin-shm") is importlib.import_module(module).Counted
     assert transports.get("shm") is ShmTransport
     assert any(

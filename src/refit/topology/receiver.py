@@ -4,6 +4,7 @@ verdict, close). Each refit's buckets go through the epoch's data path, `refit.t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import threading
 from collections.abc import Callable
@@ -50,6 +51,7 @@ class Receiver:
         staged: bool = False,
         staging_bytes: int | None = None,
         on_commit: Callable[[int], None] | None = None,
+        site: str | None = None,
     ) -> None:
         """`rendezvous` is what `Sender.rendezvous()` returned (host, port, token, transport).
 
@@ -57,9 +59,11 @@ class Receiver:
         `apply_staged()` moves a verified, committed version into the live engine (refit.engines.staging).
         `staging_bytes` bounds that memory: the tensors first in bucket order that fit are staged; the rest is
         received during the pause, straight into the live engine (`staging_split` says what the pause covers).
-        `on_commit(version)` is called each time the live engine commits a version (staged: in `apply_staged`)."""
+        `on_commit(version)` is called each time the live engine commits a version (staged: in `apply_staged`).
+        `site`: where this replica sits, the replicas behind one link (transport 'relay': a bucket once per site)."""
         self.engine = engine
         self.settings = settings or Settings()
+        self.settings = self.settings if site is None else dataclasses.replace(self.settings, site=site)
         check_bucket_bytes(self.settings.bucket_bytes)  # Settings is mutable: checked again before any socket
         self.rendezvous = rendezvous
         self.joiner = Joiner(rendezvous, self.settings, device)

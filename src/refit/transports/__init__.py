@@ -1,6 +1,6 @@
 """Transports by name, imported lazily so optional dependencies stay optional.
 
-Five are built in. More come from `register(name, cls_or_"module:Class")` in this process, or from an
+Six are built in. More come from `register(name, cls_or_"module:Class")` in this process, or from an
 installed package's entry point in group "refit.transports" (every process sees those):
 
     [project.entry-points."refit.transports"]
@@ -26,6 +26,7 @@ _BUILTIN: dict[str, str] = {
     "cuda-ipc": "refit.transports.cuda_ipc:CudaIpcTransport",
     "nccl": "refit.transports.nccl:NcclTransport",
     "nixl": "refit.transports.nixl:NixlTransport",
+    "relay": "refit.transports.relay:RelayTransport",
 }
 _DEVICE_TYPES = ("cpu", "cuda")
 
