@@ -29,6 +29,7 @@ from refit.stages.fp8_handler import Fp8Handler
 from refit.stages.handler import Handler
 from refit.stages.lora import LoraStage
 from refit.stages.lora_handler import LoraHandler
+from refit.stages.mxfp8 import Mxfp8Handler, Mxfp8Stage
 
 __all__ = [
     "Bucket",
@@ -123,3 +124,5 @@ register(LoraStage.name, LoraStage)
 register_handler(LoraHandler.name, LoraHandler)
 register_handler(CanaryHandler.name, CanaryHandler)
 register_handler(Fp8Handler.name, Fp8Handler)
+register(Mxfp8Stage.name, Mxfp8Stage)
+register_handler(Mxfp8Handler.name, Mxfp8Handler)

@@ -231,7 +231,7 @@ class WireImage:
         bytes as the PyTorch path, with one host sync."""
         nb = self.manifest.bucket_nbytes[b]
         at = self._sample_at(b, buf)
-        bound = 0.0 if at is None else 1.5 * (threshold / 2) * at.numel()  # as `_surely_dense`
+        bound = 0.0 if at is None else _dense_bound(threshold, at.numel())
         counted = delta_kernel.count(
             buf, self.images[b], nb, at=at, limit=_most_not_dense(bound), scratch=self._scratch
         )
@@ -327,8 +327,7 @@ class WireImage:
         whole = self.manifest.bucket_nbytes[b] // UNIT
         new = buf[: whole * UNIT].view(torch.int16).index_select(0, at)
         old = self.images[b][: whole * UNIT].view(torch.int16).index_select(0, at)
-        # a payload costs 2 * UNIT bytes per changed unit: over `threshold` beyond 1.5x the changed fraction
-        return int(torch.count_nonzero(torch.ne(new, old))) > 1.5 * (threshold / 2) * new.numel()
+        return int(torch.count_nonzero(torch.ne(new, old))) > _dense_bound(threshold, new.numel())
 
     def _sample_at(self, b: int, buf: torch.Tensor) -> torch.Tensor | None:
         """The units of bucket `b` its sample compares (drawn once per epoch), on `buf`'s device; None for a
@@ -385,6 +384,13 @@ def _malformed(b: int, count: int, n: int, wrong: str) -> IntegrityError:
     if wrong == "sum":
         return IntegrityError(f"delta bucket {b}: its per-block counts do not add up to {count}")
     return IntegrityError(f"delta bucket {b}: changed units are not increasing within 0..{n - 1}")
+
+
+def _dense_bound(threshold: float, sampled: int) -> float:
+    """The most changed units a sample of `sampled` units may hold before its bucket is surely dense: a payload
+    costs 2 * UNIT bytes per changed unit, so a delta goes over `threshold` of the bucket's bytes at a changed
+    fraction of threshold / 2; the sample must exceed that by 1.5x."""
+    return 1.5 * (threshold / 2) * sampled
 
 
 def _most_not_dense(bound: float) -> int:
