@@ -385,3 +385,27 @@ def test_the_docs_say_the_fingerprint_compares_in_the_wire_dtype_for_every_wire_
     use = usage[usage.index('`Sender(..., verify="fingerprint")`') :][:1500]
     for case in ("cast to that wire dtype", "trainer's own", "wider", "narrower", "rounded to bf16", "slice"):
         assert case in use, case
+
+
+def _extras() -> set[str]:
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return set(tomllib.load(f)["project"]["optional-dependencies"])
+
+
+def test_the_readme_lists_every_extra() -> None:
+    text = _read(README)
+    listed = text[text.index("Extras, each") : text.index("`refit doctor` then says")]
+    missing = [name for name in sorted(_extras()) if f"`{name}`" not in listed]
+    assert not missing, missing
+
+
+def test_the_trl_install_line_names_real_extras_and_the_full_suites_uninstall() -> None:
+    text = _read(USAGE)
+    section = text[text.index("**refit in TRL**") :]
+    [line] = [ln for ln in section[: section.index("A `GRPOTrainer`")].splitlines() if ln.startswith("pip install")]
+    extras = re.search(r"'\.\[([a-z,-]+)\]'", line).group(1).split(",")  # type: ignore[union-attr]
+    assert "trl" in extras and set(extras) <= _extras(), line
+    uninstall = re.search(r"pip uninstall -y [a-z ]+", _read(README))
+    assert uninstall and uninstall.group(0).strip() in line, line
