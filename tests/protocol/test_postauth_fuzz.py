@@ -27,7 +27,7 @@ from refit.protocol.wire import Done, parse_json
 from refit.stages import fp8, lora
 from refit.topology import mesh
 from refit.topology.digest_plan import compare, parse_regions
-from refit.topology.receive_round import _probe
+from refit.topology.receive_round import _carried
 from refit.topology.stats import RefitStats
 
 FAST = settings(
@@ -101,7 +101,7 @@ def _commit(payload: bytes) -> None:
     """The engine's parse of COMMIT (refit.topology.receive_round): a probe that keeps its invariants, or a
     RefitError that fails the refit."""
     try:
-        probe = _probe(payload)
+        probe = _carried(payload).get("canary")
     except RefitError:
         return
     if probe is not None:
@@ -208,7 +208,7 @@ def test_a_canary_number_no_float_holds_is_refused_as_malformed(bad: dict) -> No
     with pytest.raises(IntegrityError, match="COMMIT's canary is malformed"):
         canary.parse(bad)
     with pytest.raises(IntegrityError, match="COMMIT's canary is malformed"):
-        _probe(_dumps({"canary": bad}))
+        _carried(_dumps({"canary": bad}))
 
 
 def test_a_report_row_of_the_wrong_length_is_dropped_not_raised() -> None:

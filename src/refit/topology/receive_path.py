@@ -240,6 +240,15 @@ class ReceivePath:
             hit = self._positions[id(names)] = (names, where)
         self._digested.append((hit[1], values))
 
+    def unverified(self, version: int) -> RefitError | None:
+        """COMMIT came without VERIFY: refused where this epoch's manifest has the fingerprint check on."""
+        if not self.fingerprint:
+            return None
+        return IntegrityError(
+            f"refused to commit version {version}: this epoch's manifest has the fingerprint check on, but the "
+            "sender sent COMMIT without the digests (VERIFY) of what it sent; nothing unverified is committed"
+        )
+
     def check_fingerprints(self, payload: bytes, stats: RefitStats, done: dict) -> RefitError | None:
         """Fingerprint mode: compare what the engine now holds with the digests of the trainer's live tensors."""
         m = self.manifest

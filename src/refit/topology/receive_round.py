@@ -117,17 +117,13 @@ class ReceiveRound:
         _count_staged(stats, s.staging_split)
         failure = path.take(begin, stats, refused)
         header, payload = ch.recv(f"commit of version {version}")
-        verified = header.kind == Kind.VERIFY
-        if verified:
+        if header.kind == Kind.VERIFY:
             failure = failure or path.check_fingerprints(payload, stats, done)
             header, payload = ch.recv(f"commit of version {version}")
+        else:
+            failure = failure or path.unverified(version)
         if header.kind != Kind.COMMIT:
             raise PeerError(f"{ch.peer} sent {header.kind.name} during commit of version {version}, expected COMMIT")
-        if path.fingerprint and not verified:
-            failure = failure or IntegrityError(
-                f"refused to commit version {version}: this epoch's manifest has the fingerprint check on, but the "
-                "sender sent COMMIT without the digests (VERIFY) of what it sent; nothing unverified is committed"
-            )
         try:
             self.carried = _parsed(lambda: _carried(payload), "COMMIT")
         except RefitError as e:
@@ -144,11 +140,13 @@ class ReceiveRound:
             log.error("refit of version %d failed: %s", version, failure)
             ch.send(Header(Kind.DONE, status=1, version=version), {"message": f"receiver {s.rank}: {failure}"})
             raise failure
-        if not self.two_phase and self.carried:
-            s.engine.versions.commit(version)  # held 'updating' through the checks (`_finalize`); before DONE
-        ch.send(Header(Kind.DONE, version=version), done or None)
         if self.two_phase:
+            ch.send(Header(Kind.DONE, version=version), done or None)
             self._await_verdict()
+        else:
+            if self.carried:
+                s.engine.versions.commit(version)  # held 'updating' through the checks (`_finalize`); before DONE
+            ch.send(Header(Kind.DONE, version=version), done or None)
         assert s.path is not None
         for stage in s.path.stages:
             stage.committed(version, [s.rank])
