@@ -3,12 +3,12 @@
 `register(name, cls)` makes a `Stage` subclass available by name, in the trainer's process and in every
 engine's: a Sender built with `stages=[name]` lists it in each epoch's manifest, and a receiver that has not
 registered it refuses the handshake, naming it. refit's own: `delta` (refit.stages.delta), `fp8`
-(refit.stages.fp8, added where the engines hold block-FP8 weights) and `lora` (refit.stages.lora, added where
-the trainer sends a PEFT LoRA adapter alone).
+(refit.stages.fp8, added where the engines hold block-FP8 weights), `lora` (refit.stages.lora, added where
+the trainer sends a PEFT LoRA adapter alone) and `mxfp8` (refit.stages.mxfp8, where the engines hold MXFP8).
 
 `register_handler(name, cls)` makes a `Handler` (refit.stages.handler) part of every Sender made after it:
 what the engines state with READY and what a check carries to their commit, read in one place each. refit's
-own, called in this order: `lora`, `canary`, `fp8`.
+own, called in this order: `lora`, `canary`, `fp8`, `mxfp8`.
 """
 
 from __future__ import annotations
