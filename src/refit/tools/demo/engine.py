@@ -20,7 +20,7 @@ from refit.layout.state_layout import non_persistent_buffers
 from refit.log import configure, get_logger
 from refit.settings import Settings
 from refit.stages.lora import LoraEngine
-from refit.tools.demo.fp8 import to_fp8
+from refit.tools.demo.fp8 import refresh, to_fp8
 from refit.tools.demo.model import build_model, greedy, model_config
 from refit.topology.receiver import Receiver
 
@@ -113,6 +113,7 @@ def _session(args: dict, model: torch.nn.Module) -> int:
             assert receiver.manifest is not None
             wire = {n: p.spec.dtype for p in receiver.manifest.entries for n in p.spec.names}  # aliases too (tied)
             engine.ensure_current()
+            refresh(model)  # an FP8 model's dequantized weights are of the last version
             emit(
                 {
                     "event": "refit",

@@ -22,10 +22,21 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale_inv", scales)
         self.bias = linear.bias
         self.fmt = fmt
+        self.dequantized: torch.Tensor | None = None
+        """The weight dequantized once per refit, not per token: `refresh` drops it when new bytes land (a refit
+        writes them through raw pointers, which no version counter sees)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = fp8.dequantize(self.weight, self.weight_scale_inv, self.fmt).to(x.dtype)
-        return functional.linear(x, w, self.bias)
+        if self.dequantized is None:
+            self.dequantized = fp8.dequantize(self.weight, self.weight_scale_inv, self.fmt)
+        return functional.linear(x, self.dequantized.to(x.dtype), self.bias)
+
+
+def refresh(model: nn.Module) -> None:
+    """After new weights landed in `model`: every Fp8Linear dequantizes its weight again at its next forward."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.dequantized = None
 
 
 def to_fp8(model: nn.Module) -> list[str]:

@@ -26,7 +26,7 @@ from refit.sources.module import ModuleSource
 from refit.tools.children import module_command
 from refit.tools.console import console_on, progress, progress_console
 from refit.tools.demo.engine import MARK, NOT_JOINED
-from refit.tools.demo.fp8 import as_held, to_fp8
+from refit.tools.demo.fp8 import as_held, refresh, to_fp8
 from refit.tools.demo.kernels import prebuild
 from refit.tools.demo.lora import LoraTrainer, reference_greedy, targets, wrap
 from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, model_config, train_step
@@ -374,6 +374,7 @@ def _expected_generation(
     with torch.no_grad():
         for name, t in targets(reference).items():
             t.copy_(weights[name].to(wire[name]))
+    refresh(reference)
     return reference_greedy(reference, prompts)
 
 

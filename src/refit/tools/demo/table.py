@@ -17,7 +17,7 @@ PIPE_WIDTH = 80
 """Where a legend wraps when the output is not a terminal (a pipe, a file)."""
 
 LEGEND = (
-    "ms: the refit's time from the first bucket out to the engine's commit. MB: the model's bytes in their wire "
+    "ms: the refit's wall time, from its handshake to the engine's commit. MB: the model's bytes in their wire "
     "dtypes; wire MB: the bytes that crossed the link. epoch*: a handshake began a new epoch (the manifest "
     "went out again). params: every engine tensor bitwise what was sent; gen: the engine's greedy output "
     "equals the trainer's. --wide (or -v) shows each stage of the refit."
