@@ -22,21 +22,72 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 
 from refit.dtypes import dtype_from_name, dtype_name
+from refit.errors import RefitError
 from refit.layout import fp8
 from refit.layout.fp8 import BlockFormat
+from refit.layout.manifest import Manifest
 from refit.layout.spec import Slice, TensorSpec
+from refit.log import get_logger
+from refit.protocol.wire import Bucket
 from refit.sources.base import Source
 from refit.stages.base import Stage
 
+log = get_logger("sender")
 MAX_FORMATS = 1 << 20
 """Most formats one engine may state (its READY is read after the token is proved, but still bounded)."""
 _SCALES = ("float32", "ue8m0")
 
 
 class Fp8Stage(Stage):
-    """Listed in the manifest of a session that quantizes; the bytes of every bucket pass through unchanged."""
+    """Listed in the manifest of a session that quantizes; the bytes of every bucket pass through unchanged.
+
+    The trainer's half reads the quantizer's non-finite flags once per refit, when the last bucket is packed
+    (one host sync, never one per bucket): a tensor holding NaN or +-Inf sets REFUSED on that bucket, every
+    receiver fails the refit without loading it (nothing commits; the next refit rewrites every tensor), and
+    the trainer's refit fails naming the tensor and its block. The session goes on."""
 
     name = "fp8"
+    flags = Bucket.REFUSED
+
+    def __init__(self, manifest: Manifest, device: torch.device, *, trainer: bool) -> None:
+        super().__init__(manifest, device, trainer=trainer)
+        self._source: Quantized | None = None
+        self._refusal = ""
+
+    def configure(self, session: Mapping[str, object]) -> None:
+        source = session.get("source")
+        if self.trainer and isinstance(source, Quantized):
+            self._source = source
+            source.defer_checks()
+
+    def base(self, version: int, ranks: list[int]) -> int | None:
+        self._refusal = ""  # a refit begins
+        if self._source is not None:
+            self._source.non_finite()  # drops flags a broken-off refit left
+        return None
+
+    def outgoing(self, b: int, buf: torch.Tensor, nbytes: int) -> tuple[int, Bucket]:
+        if self._source is None or b != self.manifest.num_buckets - 1:
+            return nbytes, Bucket(0)
+        self._refusal = self._source.non_finite()
+        if self._refusal:
+            log.error("refusing this refit: %s", self._refusal)
+        return nbytes, Bucket.REFUSED if self._refusal else Bucket(0)
+
+    def refusal(self) -> str:
+        return self._refusal
+
+    def incoming(self, b: int, buf: torch.Tensor, nbytes: int, flags: Bucket) -> torch.Tensor | None:
+        if Bucket.REFUSED & flags:
+            raise RefitError(
+                "the trainer refused this refit: a tensor it quantizes to FP8 holds NaN or an infinite value (the "
+                "trainer's error names it); nothing of it commits, and the next refit rewrites every tensor"
+            )
+        return None
+
+    def failed(self) -> None:
+        if self._source is not None:
+            self._source.non_finite()
 
 
 # -- what the engine states ----------------------------------------------------------------------------------
@@ -172,6 +223,8 @@ class Quantized(Source):
                 f"{self._scale_of[clash[0]]!r}: send that tensor already quantized, or drop {clash[0]!r}"
             )
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._deferred: fp8.Flagged | None = None
+        """The flags of what `tensors` quantized since `non_finite` last read them (None: checked at once)."""
         self.stable_tensors = source.stable_tensors
 
     @property
@@ -208,8 +261,25 @@ class Quantized(Source):
             jobs.append(fp8.Job(found[n].detach(), f, q, scales, n))
             found[n], found[f.scale_name(n)] = q, scales
         with torch.no_grad():
-            fp8.quantize_many(jobs)  # one launch per tensor on CUDA, one host sync for the bucket
+            if self._deferred is None:
+                fp8.quantize_many(jobs)  # one host sync, raising for a non-finite block
+            else:
+                self._deferred.extend(fp8.quantize_deferred(jobs))  # read once, at the refit's last bucket
         return [found[n] for n in names]
+
+    def defer_checks(self) -> None:
+        """From now on `tensors` never syncs with the device nor raises for a non-finite block: it keeps the
+        flags, which `non_finite` reads (the FP8 stage, once per refit)."""
+        if self._deferred is None:
+            self._deferred = []
+
+    def non_finite(self) -> str:
+        """Why what `tensors` quantized since the last call must not be sent (the first tensor holding NaN or
+        +-Inf, and its block), or ''; forgets those flags."""
+        if not self._deferred:
+            return ""
+        flagged, self._deferred = self._deferred, []
+        return fp8.non_finite(flagged)
 
     def _buffer(self, name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         f, shape = self.formats[name], tuple(w.shape)

@@ -258,7 +258,11 @@ class Sender:
 
     def _stages(self, manifest: Manifest) -> list[Stage]:
         """The trainer's half of each stage the manifest lists, for this epoch."""
-        session = {"delta_threshold": self.options.delta_threshold, "delta_costs": self.delta_costs}
+        session = {
+            "delta_threshold": self.options.delta_threshold,
+            "delta_costs": self.delta_costs,
+            "source": self.source,  # FP8: the stage reads the quantizer's non-finite flags once, at the last bucket
+        }
         return stages.make(manifest.stages, manifest, self.device, trainer=True, session=session)
 
     def offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]:
