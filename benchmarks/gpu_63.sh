@@ -27,7 +27,7 @@ for r in runs if isinstance(runs, list) else [runs]:
 PY
 }
 B="python3 -m refit bench --transport cuda-ipc --repeats 7"
-bench() {  # name, timeout, args...
+bench() {  # name, timeout, args...; PYTHONPATH as set for the call
   local name=$1 t=$2; shift 2
   say "$name"; timeout $t $B "$@" --json $R/$name.json >$R/$name.txt 2>&1; say "rc $?"; show $R/$name.json
 }
@@ -36,6 +36,10 @@ timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -x tests/unit/te
     tests/protocol/test_fp8_refits.py tests/integration/test_gpu.py tests/unit/test_copy_kernel.py \
     tests/unit/test_delta_kernel.py tests/unit/test_digest.py 2>&1 | tail -8
 bench fp8-ds2 90 --preset deepseek-v3 --layers 2 --engine-dtype fp8 --methods floor,refit,fingerprint
+if [ -d old/src ]; then  # the code before this round, beside it on the same card (carried; not in git)
+  PYTHONPATH=$PWD/old/src:$PWD/tests/helpers bench fp8-ds2-old 90 --preset deepseek-v3 --layers 2 --engine-dtype fp8 \
+      --methods floor,refit,fingerprint
+fi
 bench float-ds2 90 --preset deepseek-v3 --layers 2 --engine-dtype float --methods floor,refit,fingerprint
 bench quant-ds4 90 --preset deepseek-v3 --layers 4 --engine-dtype fp8 --methods floor,quantize
 for p in qwen2-7b moe; do bench packed-$p 90 --preset $p --methods floor,refit,fingerprint; done

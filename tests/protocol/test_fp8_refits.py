@@ -246,3 +246,18 @@ def test_an_m_to_n_worker_stating_fp8_formats_is_refused_naming_the_fix() -> Non
     raw = json.dumps({"shards": {}, "formats": formats_to_json({"q.weight": BlockFormat()})}).encode()
     with pytest.raises(ValueError, match=r"engine worker 1 holds tensors in block FP8 \('q.weight'.*do not quantize"):
         _parse_statement(raw, 1)
+
+
+@pytest.mark.parametrize("verify", ["fingerprint", None])
+def test_a_whole_tensor_is_quantized_straight_into_its_bucket(verify: str | None) -> None:
+    live = _trainer()
+    engine = _engine(live)
+    with _session(live, engine, verify=verify) as (sender, peer):
+        for version in (1, 2, 3):
+            _step(live, version)
+            assert isinstance(_refit(sender, peer, version)[0], RefitStats)
+            assert _holds(engine, live)
+        source = sender.source
+        assert isinstance(source, Quantized)
+        # o.weight lies whole in one bucket with its scales: no buffer of its own; q.weight spans buckets: one.
+        assert set(source._buffers) == {"q.weight"}

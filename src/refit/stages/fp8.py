@@ -17,7 +17,8 @@ tensor the trainer holds.
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable, Mapping, Sequence
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -26,6 +27,7 @@ from refit.errors import RefitError
 from refit.layout import fp8
 from refit.layout.fp8 import BlockFormat
 from refit.layout.manifest import Manifest
+from refit.layout.packing import typed_view
 from refit.layout.spec import Slice, TensorSpec
 from refit.log import get_logger
 from refit.protocol.wire import Bucket
@@ -55,10 +57,12 @@ class Fp8Stage(Stage):
         self._refusal = ""
 
     def configure(self, session: Mapping[str, object]) -> None:
-        source = session.get("source")
+        source, bucket_buffer = session.get("source"), session.get("bucket_buffer")
         if self.trainer and isinstance(source, Quantized):
             self._source = source
             source.defer_checks()
+            if callable(bucket_buffer):
+                source.quantize_into_buckets(self.manifest, bucket_buffer)
 
     def base(self, version: int, ranks: list[int]) -> int | None:
         self._refusal = ""  # a refit begins
@@ -223,6 +227,9 @@ class Quantized(Source):
                 f"{self._scale_of[clash[0]]!r}: send that tensor already quantized, or drop {clash[0]!r}"
             )
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._placed: dict[tuple[str, ...], tuple[int, dict[str, tuple[int, int]]]] = {}
+        """Per bucket's names: its index and, per weight quantized straight into it, where its q and scales lie."""
+        self._bucket_buffer: Callable[[int], torch.Tensor | None] | None = None
         self._deferred: fp8.Flagged | None = None
         """The flags of what `tensors` quantized since `non_finite` last read them (None: checked at once)."""
         self.stable_tensors = source.stable_tensors
@@ -251,13 +258,16 @@ class Quantized(Source):
         # source serves only contiguous runs of its names.
         wanted = list(dict.fromkeys(self._scale_of.get(n, n) for n in names))
         found = dict(zip(wanted, self.source.tensors(wanted)))
+        b, places = self._placed.get(tuple(names), (-1, {}))
+        buf = self._bucket_buffer(b) if places and self._bucket_buffer is not None else None
         jobs = []
         for n in wanted:
             f = self.formats.get(n)
             if f is None:
                 continue
             fp8.check_source(found[n])
-            q, scales = self._buffer(n, found[n])
+            at = places.get(n) if buf is not None and buf.device == found[n].device else None
+            q, scales = self._buffer(n, found[n]) if at is None else _in_bucket(buf, at, f, found[n].shape)
             jobs.append(fp8.Job(found[n].detach(), f, q, scales, n))
             found[n], found[f.scale_name(n)] = q, scales
         with torch.no_grad():
@@ -266,6 +276,13 @@ class Quantized(Source):
             else:
                 self._deferred.extend(fp8.quantize_deferred(jobs))  # read once, at the refit's last bucket
         return [found[n] for n in names]
+
+    def quantize_into_buckets(self, manifest: Manifest, bucket_buffer: Callable[[int], torch.Tensor | None]) -> None:
+        """From now on a tensor that lies whole in one bucket of `manifest` with its scales is quantized straight
+        into that bucket's buffer (`bucket_buffer(b)`, where the Sender packs it), so the pack copies nothing of
+        it; a tensor split across buckets, or whose scales lie in another, goes through a buffer kept for the
+        epoch."""
+        self._placed, self._bucket_buffer = _placements(manifest, self.formats), bucket_buffer
 
     def defer_checks(self) -> None:
         """From now on `tensors` never syncs with the device nor raises for a non-finite block: it keeps the
@@ -311,6 +328,42 @@ class Quantized(Source):
     def nbytes(self) -> int:
         """The trainer-side memory of the quantized copies (one FP8 byte per value, plus the scales)."""
         return sum(fp8.wire_nbytes(q.shape, self.formats[n]) for n, (q, _) in self._buffers.items())
+
+
+def _placements(
+    manifest: Manifest, formats: Mapping[str, BlockFormat]
+) -> dict[tuple[str, ...], tuple[int, dict[str, tuple[int, int]]]]:
+    """Per bucket (by its names, as the pack asks for them): its index and, for each weight of `formats` that
+    lies whole in it beside its whole scales, the byte offsets of both. Names shared by two buckets (the middle
+    of a split tensor) place nothing."""
+    out: dict[tuple[str, ...], tuple[int, dict[str, tuple[int, int]]]] = {}
+    seen: set[tuple[str, ...]] = set()
+    for b, segs in enumerate(manifest.segments):
+        names = tuple(manifest.entries[seg.entry].name for seg in segs)
+        whole = {
+            manifest.entries[seg.entry].name: seg.at
+            for seg in segs
+            if seg.lo == 0 and seg.hi == manifest.entries[seg.entry].spec.nbytes
+        }
+        places = {
+            n: (whole[n], whole[f.scale_name(n)]) for n, f in formats.items() if n in whole and f.scale_name(n) in whole
+        }
+        if names in seen:
+            out.pop(names, None)
+        elif places:
+            out[names] = (b, places)
+        seen.add(names)
+    return out
+
+
+def _in_bucket(
+    buf: torch.Tensor, at: tuple[int, int], f: BlockFormat, shape: torch.Size
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q and scales of a tensor of `shape` as views of the bucket buffer `buf`, from byte offsets `at`."""
+    sshape = fp8.scale_shape(shape, f)
+    q = typed_view(buf, at[0], math.prod(shape) * f.dtype.itemsize, f.dtype).view(shape)
+    scales = typed_view(buf, at[1], math.prod(sshape) * f.scale_dtype.itemsize, f.scale_dtype).view(sshape)
+    return q, scales
 
 
 def adapt(source: Source, formats: Mapping[str, BlockFormat], *, zero_copy: bool) -> tuple[Source, tuple[str, ...]]:
