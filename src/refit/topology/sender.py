@@ -206,7 +206,13 @@ class Sender:
             raise HandshakeError(" | ".join(failures))
         assert self.transport is not None
         digests = self._offers.plan(manifest, self.channels)
-        session = {"delta_threshold": self.options.delta_threshold, "delta_costs": self.delta_costs}
+        me = weakref.ref(self)  # a stage must not keep its Sender alive
+        session = {
+            "delta_threshold": self.options.delta_threshold,
+            "delta_costs": self.delta_costs,
+            "source": self.source,  # FP8: the stage reads the quantizer's non-finite flags once, at the last bucket
+            "bucket_buffer": lambda b: s.bucket_buffer(b) if (s := me()) is not None else None,  # FP8: into the bucket
+        }
         made = stages.make(manifest.stages, manifest, self.device, trainer=True, session=session)
         path = self._paths(
             manifest,
