@@ -117,9 +117,27 @@ def test_a_request_started_on_version_v_finishes_on_v_after_v_plus_1_commits(llm
         with driver.pinned():  # version 2 pinned, 3 current: a refit 4 finds no slot, and loads nothing
             adapter_step(trainer, 3)
             driver.refit(3)
-            with pytest.raises(RefitError, match="adapter slots are in use"):
+            with pytest.raises(RefitError, match="adapter slots are in use by requests") as refusal:
                 driver.refit(4)
+            assert "failed to state" not in str(refusal.value)
             assert driver.live == {2: 1, 3: 0}
+            _worker_engine(llm).ensure_current()  # refused before any byte: still current at version 3
+            assert _worker_engine(llm).weights.version == 3
+    finally:
+        driver.close()
+
+
+def test_a_version_refit_again_serves_the_new_adapter_and_one_slot_claims_it(llm) -> None:  # noqa: ANN001
+    trainer = _trainer()
+    driver = _driver(llm, trainer)
+    try:
+        for step, version in enumerate((1, 1, 3, 2), start=1):  # repeated, then out of order
+            adapter_step(trainer, step)
+            driver.refit(version)
+            assert _generate(llm, driver.lora_request()) == greedy(trainer, PROMPTS, new_tokens=TOKENS), step
+            assert driver.live == {version: 0}
+            claims = [s.version for s in _worker_engine(llm).slots if s.version is not None]
+            assert version in claims and len(claims) == len(set(claims)), claims  # one slot per version
     finally:
         driver.close()
 

@@ -13,7 +13,7 @@ import torch
 from adapters import adapter_step
 from threaded import Peer, refit_both, session
 
-from refit import Engine, HandshakeError, ModuleSource, PeerError, RefitError, Sender, Settings
+from refit import Commit, Engine, HandshakeError, ModuleSource, PeerError, RefitError, Sender, Settings, State
 from refit.stages.lora import (
     AdapterTensors,
     LoraEngine,
@@ -138,7 +138,7 @@ def test_a_request_started_on_version_v_finishes_on_v_after_v_plus_1_commits() -
         assert engine.live == {2: 0}  # version 1 retired with its last request
 
 
-def test_a_refit_finding_every_other_slot_in_use_is_refused_and_loads_nothing() -> None:
+def test_a_refit_finding_every_other_slot_in_use_is_refused_loads_nothing_and_leaves_the_engine_current() -> None:
     trainer, model = _peft(), _peft()
     engine = LoraEngine(model, keep=2)
     with _session(trainer, engine) as (sender, peer):
@@ -148,14 +148,93 @@ def test_a_refit_finding_every_other_slot_in_use_is_refused_and_loads_nothing() 
             before = _adapter(model, v1)
             adapter_step(trainer, 2)
             _refit(sender, peer, 2)  # into the second slot
+            on_v2 = _adapter(trainer)
             adapter_step(trainer, 3)
             stats, got = refit_both(sender, peer, 3)  # slot 1 holds the pinned version 1, slot 2 the current
-            assert isinstance(stats, RefitError) and "adapter slots are in use" in str(stats)
+            message = str(stats)
+            assert isinstance(stats, RefitError) and "all 2 adapter slots are in use by requests" in message
+            assert "failed to state" not in message
             assert isinstance(got, RefitError)
             assert all(torch.equal(_adapter(model, v1)[n], t) for n, t in before.items())
             assert engine.live == {1: 1, 2: 0}
+            _serves(engine, model, on_v2, 2)  # current at its last version, not 'failed'
+            engine.ensure_current()
         _refit(sender, peer, 3)  # the request ended: its slot is free again
         assert engine.live == {3: 0}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _claims(engine: LoraEngine) -> list[int]:
+    return sorted(s.version for s in engine.slots if s.version is not None)
+
+
+def _serves(engine: LoraEngine, model: torch.nn.Module, want: dict[str, torch.Tensor], version: int) -> None:
+    """The invariant: an engine that reads current at `version` serves exactly `want` (the trainer's adapter at the
+    last committed refit), and no two slots claim one version."""
+    assert engine.weights.state == State.CURRENT and engine.weights.version == version, engine.weights
+    with engine.adapter() as name:
+        assert _same(_adapter(model, name), want)
+    claims = _claims(engine)
+    assert len(claims) == len(set(claims)), [(s.name, s.version) for s in engine.slots]
+
+
+@pytest.mark.parametrize("versions", [(1, 1), (1, 1, 1), (3, 1, 2), (2, 2, 1, 1)], ids=str)
+def test_repeated_and_out_of_order_versions_serve_the_last_committed_adapter(versions: tuple[int, ...]) -> None:
+    trainer, model = _peft(), _peft()
+    engine = LoraEngine(model, keep=3)
+    with _session(trainer, engine) as (sender, peer):
+        for step, version in enumerate(versions, 1):
+            adapter_step(trainer, step)
+            _refit(sender, peer, version)
+            _serves(engine, model, _adapter(trainer), version)
+            assert engine.live == {version: 0}
+
+
+def test_a_repeated_version_leaves_a_request_pinned_on_the_old_bytes_and_new_requests_get_the_new() -> None:
+    trainer, model = _peft(), _peft()
+    engine = LoraEngine(model, keep=3)
+    with _session(trainer, engine) as (sender, peer):
+        _first(trainer, sender, peer)
+        first = _adapter(trainer)
+        with engine.adapter() as pinned:
+            adapter_step(trainer, 2)
+            _refit(sender, peer, 1)  # the same version again, with other bytes
+            assert _same(_adapter(model, pinned), first)
+            _serves(engine, model, _adapter(trainer), 1)
+        _serves(engine, model, _adapter(trainer), 1)
+
+
+def _vetoed(own: str) -> str:
+    return own or "another trainer rank failed"
+
+
+@pytest.mark.parametrize("again", [1, 2], ids=["same-version", "next-version"])
+def test_a_failed_verdict_in_a_two_phase_refit_keeps_the_committed_slot_current(again: int) -> None:
+    trainer, model = _peft(), _peft()
+    engine = LoraEngine(model, keep=3)
+    verdicts = iter([_passes, _vetoed, _passes])
+    commit = Commit(vote=lambda own: next(verdicts)(own))
+    with _session(trainer, engine, commit=commit) as (sender, peer):
+        adapter_step(trainer, 1)
+        _refit(sender, peer, 1)
+        good = _adapter(trainer)
+        adapter_step(trainer, 2)
+        stats, got = refit_both(sender, peer, again)  # lands and commits here, then the vote vetoes it
+        assert isinstance(stats, RefitError) and isinstance(got, RefitError), (stats, got)
+        assert engine.weights.version == 1
+        with engine.adapter() as name:
+            assert _same(_adapter(model, name), good)
+        assert _claims(engine) == [1]
+        adapter_step(trainer, 3)
+        _refit(sender, peer, again)  # a retry restores it
+        _serves(engine, model, _adapter(trainer), again)
+
+
+def _passes(own: str) -> str:
+    return own
 
 
 def test_a_different_base_is_refused_when_the_engine_joins_naming_the_fix_and_moving_it_once_fixes_it() -> None:

@@ -28,3 +28,29 @@ def _trainer(*, use_vllm: bool = True, mode: str = "colocate", processes: int = 
 def test_attach_refuses_an_unsupported_trl_setup_naming_it(trainer: object, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         attach(trainer)
+
+
+@pytest.mark.slow  # imports peft
+@pytest.mark.parametrize("lora_bias", [False, True])
+def test_the_merge_for_a_sync_leaves_every_base_parameter_with_its_bits(lora_bias: bool) -> None:
+    peft = pytest.importorskip("peft")
+    torch = pytest.importorskip("torch")
+    from refit.integrations.trl import TrlRefit
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2"], lora_bias=lora_bias)
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.normal_()  # lora_B (and its bias) start at zero, where a merge changes nothing
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with TrlRefit(trainer=None, sender=None, peft_model=model).as_sent():  # type: ignore[arg-type]
+        inside = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moved = [n for n in before if not torch.equal(before[n], inside[n])]
+    assert any(n.endswith("base_layer.bias") for n in moved) == lora_bias, moved
+    changed = [
+        n for n, p in model.named_parameters() if not torch.equal(before[n].view(torch.int32), p.view(torch.int32))
+    ]
+    assert changed == []

@@ -91,16 +91,8 @@ class TrlRefit:
         if model is None:
             yield
             return
-        with torch.no_grad():
-            bases = [m.get_base_layer().weight for m in model.modules() if hasattr(m, "lora_A")]
-            kept = [w.detach().clone() for w in bases]
-            model.merge_adapter()
-            try:
-                yield
-            finally:
-                model.unmerge_adapter()
-                for w, k in zip(bases, kept):
-                    w.copy_(k)
+        with merged(model):
+            yield
 
     def close(self) -> None:
         """End the session (the in-process receiver's thread ends with it)."""
@@ -109,6 +101,22 @@ class TrlRefit:
             self._thread.join(timeout=60.0)
         if self.receiver is not None:
             self.receiver.close()
+
+
+@contextlib.contextmanager
+def merged(model: torch.nn.Module) -> Iterator[None]:
+    """A PEFT model's adapters merged into its base inside; on leaving, every parameter of every adapted layer's
+    base (its weight, and its bias, which `lora_bias` merges into) has its bits from before."""
+    bases = {id(p): p for m in model.modules() if hasattr(m, "lora_A") for p in m.get_base_layer().parameters()}
+    kept = [(p, p.detach().clone()) for p in bases.values()]
+    with torch.no_grad():
+        model.merge_adapter()  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.unmerge_adapter()  # type: ignore[operator]
+            for p, k in kept:
+                p.copy_(k)
 
 
 def _unwrapped(trainer: Any) -> torch.nn.Module:

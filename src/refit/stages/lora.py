@@ -22,8 +22,9 @@ import hashlib
 import json
 import math
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ from refit.checks.tensor_digest import digests
 from refit.dtypes import dtype_name
 from refit.engines.base import Engine, Region
 from refit.engines.module import ModuleEngine
+from refit.engines.versions import State, Versions
 from refit.errors import RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.spec import TensorSpec
@@ -314,6 +316,79 @@ def base_source(model: nn.Module, *, wire_dtype: torch.dtype | None = None) -> M
 # -- the engine's half ---------------------------------------------------------------------------------------
 
 
+class Versioned(Protocol):
+    """An adapter slot as `Turns` sees it: the version whose bytes it holds (None: none whole)."""
+
+    version: int | None
+
+
+S = TypeVar("S", bound=Versioned)
+
+
+class Turns(Generic[S]):
+    """Which of an engine's adapter slots new requests get: kept as a slot, never found by its version number.
+
+    A commit makes its slot pending; it becomes current once the engine's weights read current at its version
+    (at once for a plain commit, after the verdict in a two-phase one), and any other slot claiming that version
+    is retired then, so that no two slots ever claim one version. A failed or refused refit leaves the slot
+    that was current before it current. The engine calls it under its own lock."""
+
+    def __init__(self, slots: Sequence[S], versions: Versions) -> None:
+        self.slots, self._versions = list(slots), versions
+        self.current: S | None = None
+        self.writing: S | None = None
+        """The slot the refit under way writes (None: none, or its begin found every slot in use)."""
+        self._pending: S | None = None
+        self._undo: tuple[S | None, list[tuple[S, int | None]]] | None = None
+        """What the refit under way's promotion replaced (its commit read current before its verdict came)."""
+
+    def now(self) -> S | None:
+        """The slot new requests get (a committed slot is promoted here once the weights confirm its version)."""
+        pending, w = self._pending, self._versions.weights
+        if pending is not None and w.state == State.CURRENT and w.version == pending.version:
+            stale = [(s, s.version) for s in self.slots if s is not pending and s.version == pending.version]
+            for s, _ in stale:
+                s.version = None  # the same version number refit again: the older bytes are retired
+            self._undo = (self.current, stale)
+            self.current, self._pending = pending, None
+        return self.current
+
+    def begin(self, free: Callable[[S], bool]) -> S | None:
+        """The slot a refit writes: not current and `free` (no request uses it), retired ones first; None when
+        there is none (the refit is refused and nothing changes)."""
+        current = self.now()
+        self._pending = self._undo = None
+        options = [s for s in self.slots if s is not current and free(s)]
+        self.writing = min(options, key=lambda s: s.version is not None) if options else None
+        if self.writing is not None:
+            self.writing.version = None  # its bytes change from here on
+        return self.writing
+
+    def commit(self, version: int) -> S:
+        """The engine committed `version` into the slot being written: it is pending until the weights confirm it."""
+        slot = self.writing
+        assert slot is not None, "a commit without a slot being written"
+        slot.version, self.writing, self._pending = version, None, slot
+        return slot
+
+    def fail(self) -> list[S]:
+        """The refit under way failed: the slots it wrote (the caller retires them); the slot that was current
+        before it is current again, with the versions it held."""
+        written = [s for s in (self.writing, self._pending) if s is not None]
+        if self._undo is not None:  # its commit read current for a moment, and a request asked then
+            if self.current is not None:
+                written.append(self.current)
+            self.current, stale = self._undo
+            for s, v in stale:
+                s.version = v
+        self.writing = self._pending = self._undo = None
+        return written
+
+    def assume(self, slot: S, version: int) -> None:
+        """`slot` holds `version` already (the engine's starting adapter): it is current."""
+        slot.version, self.current = version, slot
+
+
 @dataclass(slots=True)
 class _Slot:
     """One adapter of the engine's PEFT model that versions take turns in."""
@@ -334,7 +409,8 @@ class LoraEngine(Engine):
     commit points new requests at it. Generate inside `with engine.adapter() as name:` and pass
     `adapter_names=[name] * batch` to the model (PEFT's per-request adapters): the version is pinned until
     the block ends, while later refits commit. A refit finding every other slot pinned is refused (nothing
-    loaded; retry after those requests finish, or keep more versions)."""
+    loaded, the engine stays current at its last version; retry after those requests finish, or keep more
+    versions)."""
 
     def __init__(self, model: nn.Module, *, adapter: str = "default", keep: int = 2) -> None:
         """`model`: a PEFT model holding LoRA adapter `adapter` over the trainer's base weights (e.g. built from
@@ -350,8 +426,8 @@ class LoraEngine(Engine):
                 model.add_adapter(name, copy.deepcopy(config))  # type: ignore[operator]
         self.model, self.adapter_name = model, adapter
         self.slots = [_Slot(n, ModuleEngine(AdapterTensors(model, n))) for n in names]
+        self.turns = Turns(self.slots, self.versions)
         self._lock = threading.Lock()
-        self._writing: _Slot | None = None
         self._refused = ""
 
     # -- what it states and holds
@@ -369,18 +445,15 @@ class LoraEngine(Engine):
 
     def _target(self) -> _Slot:
         """The slot a refit writes (or, between refits, the one requests get; the first before any)."""
-        return self._writing or self._current() or self.slots[0]
-
-    def _current(self) -> _Slot | None:
-        v = self.weights.version
-        return next((s for s in self.slots if v is not None and s.version == v), None)
+        with self._lock:
+            return self.turns.writing or self.turns.now() or self.slots[0]
 
     @property
     def live(self) -> dict[int, int]:
         """The versions live now, each with the requests using it: the one new requests get, and every older one
         a request still uses (the others are retired: their slot is free for the next refit)."""
         with self._lock:
-            current = self._current()
+            current = self.turns.now()
             return {s.version: s.requests for s in self.slots if s.version is not None and (s is current or s.requests)}
 
     @contextlib.contextmanager
@@ -388,7 +461,7 @@ class LoraEngine(Engine):
         """Pin the version new requests get now, for one request: yields its adapter's name (pass it to the
         model as `adapter_names`); later commits leave it alone until the block ends."""
         with self._lock:
-            slot = self._current()
+            slot = self.turns.now()
             if slot is None:
                 raise RefitError(
                     "no adapter version committed yet: run a refit first, or call engine.assume_current(version) "
@@ -405,24 +478,18 @@ class LoraEngine(Engine):
 
     def assume_current(self, version: int) -> None:
         super().assume_current(version)
-        self.slots[0].version = version
+        with self._lock:
+            self.turns.assume(self.slots[0], version)
 
     def begin(self, version: int) -> None:
         with self._lock:
-            current = self._current()
-            free = [s for s in self.slots if s is not current and not s.requests]
-            slot = min(free, key=lambda s: s.version is not None) if free else None
-            if slot is not None:
-                slot.version = None  # retired (no request uses it): its bytes change from here on
-            self._writing = slot
-            busy = {s.version: s.requests for s in self.slots if s is not current}
-        self._refused = (
-            ""
-            if slot is not None
-            else refused(version, len(self.slots), self.weights.version, busy, "LoraEngine(keep=...)")
-        )
-        if slot is not None:
-            slot.engine.begin(version)
+            slot = self.turns.begin(lambda s: not s.requests)
+            busy = {s.version: s.requests for s in self.slots if s.requests}
+        if slot is None:  # refused before any byte: the engine's state stays what it was (current at its last)
+            self._refused = refused(version, len(self.slots), self.weights.version, busy, "LoraEngine(keep=...)")
+            return
+        self._refused = ""
+        slot.engine.begin(version)
         super().begin(version)
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -432,28 +499,27 @@ class LoraEngine(Engine):
         return self._written().load_digested(tensors)
 
     def _written(self) -> ModuleEngine:
-        assert self._writing is not None, "a load outside a refit, or after begin refused it"
-        return self._writing.engine
+        slot = self.turns.writing
+        assert slot is not None, "a load outside a refit, or after begin refused it"
+        return slot.engine
 
     def held(self, name: str) -> tuple[torch.Tensor, Region | None] | None:
         return self._target().engine.held(name)
 
     def commit(self, version: int) -> None:
-        slot = self._writing
-        if slot is None:
+        if self.turns.writing is None:
             raise RefitError(self._refused or f"commit of version {version} without a begin")
         with self._lock:
-            slot.version, self._writing = version, None
+            self.turns.commit(version)
         super().commit(version)  # new requests get it (two-phase: once every worker committed)
 
     def fail(self, version: int, reason: str) -> None:
         with self._lock:
-            current = self._current()
-            for s in self.slots:  # the slot being written, or one committed and then vetoed
-                if s is self._writing or (s.version == version and s is not current):
-                    s.version = None
-            self._writing, self._refused = None, ""
-        super().fail(version, reason)
+            for s in self.turns.fail():  # the slot being written, or one committed and then vetoed
+                s.version = None
+            was_refused, self._refused = bool(self._refused), ""
+        if not was_refused:  # a refused refit began nothing: the engine stays current at its last version
+            super().fail(version, reason)
 
     def release_buffers(self) -> None:
         for s in self.slots:
@@ -465,11 +531,12 @@ class LoraEngine(Engine):
 
 
 def refused(version: int, slots: int, current: int | None, busy: Mapping[int | None, int], more: str) -> str:
-    """Why a refit to `version` finds none of the `slots` adapter slots free: the current version's and those
+    """Why a refit to `version` finds none of the `slots` adapter slots free: the current version's, and those
     requests use (`busy`: version -> requests); `more`: how to keep more versions."""
     return (
-        f"refused refit {version}: all {slots} adapter slots are in use (the current version {current}, and "
-        f"requests on versions {dict(busy)}); let those requests finish, or keep more versions ({more})"
+        f"refused refit {version}: all {slots} adapter slots are in use by requests (version {current} serves new "
+        f"requests; requests still run on versions {dict(busy)}); nothing was loaded and version {current} stays "
+        f"current. Retry once those requests finish, or keep more versions ({more})"
     )
 
 

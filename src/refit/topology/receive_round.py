@@ -159,6 +159,8 @@ class ReceiveRound:
             report = validate(
                 [p.spec for p in m.entries], now, exact_shapes=s.engine.exact_shapes, optional=s.engine.optional_names
             )
+        except RefitError as e:  # the engine refuses this refit itself (its message says why)
+            return e
         except Exception as e:  # noqa: BLE001 - any engine error fails the refit, reported to the sender
             return RefitError(f"engine failed to state its tensors for refit {version}: {type(e).__name__}: {e}")
         changed = changes(s.layout, now)

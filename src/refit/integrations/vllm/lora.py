@@ -31,7 +31,7 @@ from refit.errors import HandshakeError, RefitError
 from refit.integrations.vllm.driver import VllmRefit
 from refit.layout.spec import TensorSpec
 from refit.log import get_logger
-from refit.stages.lora import INSTALL, AdapterTensors, base_digest, layout_statement, refused
+from refit.stages.lora import INSTALL, AdapterTensors, Turns, base_digest, layout_statement, refused
 
 log = get_logger("vllm")
 
@@ -216,9 +216,9 @@ class VllmLoraEngine(Engine):
         self._specs = specs
         self.shapes = {s.name: s.shape for s in specs}
         self.slots = [_Slot({s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs}) for _ in range(options.keep)]
+        self.turns = Turns(self.slots, self.versions)
         self.seconds: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._writing: _Slot | None = None
         self._refused = ""
 
     # -- what it states and holds
@@ -234,17 +234,13 @@ class VllmLoraEngine(Engine):
             raise RefitError(self._refused)
         return self.specs()
 
-    def _current(self) -> _Slot | None:
-        v = self.weights.version
-        return next((s for s in self.slots if v is not None and s.version == v), None)
-
     @property
     def live(self) -> dict[int, int]:
         """The versions live now, each with its pins: the one new requests get, and every older one a request
         pins or runs on. The others are retired: their slot is free, and the next refit into it removes their
         adapter from vLLM (until then a request already queued on one still finds it)."""
         with self._lock:
-            current, running = self._current(), self._running()
+            current, running = self.turns.now(), self._running()
             return {
                 s.version: s.pins
                 for s in self.slots
@@ -261,7 +257,7 @@ class VllmLoraEngine(Engine):
     def request_info(self) -> tuple[str, int]:
         """(name, int id) of the current version's vLLM adapter."""
         with self._lock:
-            slot = self._current()
+            slot = self.turns.now()
             if slot is None or slot.lora_id is None:
                 raise RefitError("no adapter version committed yet: run a refit first")
             return f"refit-v{slot.version}-{slot.lora_id}", slot.lora_id
@@ -282,7 +278,7 @@ class VllmLoraEngine(Engine):
             if slot is None:
                 return
             slot.pins -= 1
-            if slot is not self._current() and not slot.pins and slot.lora_id not in self._running():
+            if slot is not self.turns.now() and not slot.pins and slot.lora_id not in self._running():
                 self._retire(slot)
 
     @contextlib.contextmanager
@@ -296,7 +292,8 @@ class VllmLoraEngine(Engine):
             self.release(request.lora_int_id)
 
     def held(self, name: str) -> tuple[torch.Tensor, Region | None] | None:
-        slot = self._writing or self._current()
+        with self._lock:
+            slot = self.turns.writing or self.turns.now()
         if slot is None or slot.lora_id is None or name not in self.names:
             return None
         return _read_back(self, slot, name), None
@@ -342,21 +339,22 @@ class VllmLoraEngine(Engine):
 
     def begin(self, version: int) -> None:
         with self._lock:
-            current, running = self._current(), self._running()
-            free = [s for s in self.slots if s is not current and not s.pins and s.lora_id not in running]
-            slot = min(free, key=lambda s: s.version is not None) if free else None
+            running = self._running()
+            slot = self.turns.begin(lambda s: not s.pins and s.lora_id not in running)
             if slot is not None:
                 self._retire(slot)  # no request uses it: its bytes change from here on
                 slot.arrived = set()
-            self._writing = slot
-            busy = {s.version: s.pins for s in self.slots if s is not current}
-        more = "VllmLoraOptions(keep=...), and vLLM's max_loras as many"
-        self._refused = "" if slot is not None else refused(version, len(self.slots), self.weights.version, busy, more)
+            busy = {s.version: s.pins for s in self.slots if s.pins or (s.lora_id is not None and s.lora_id in running)}
         self.seconds = {"copy": 0.0, "post": 0.0}
+        if slot is None:  # refused before any byte: the engine's state stays what it was (current at its last)
+            more = "VllmLoraOptions(keep=...), and vLLM's max_loras as many"
+            self._refused = refused(version, len(self.slots), self.weights.version, busy, more)
+            return
+        self._refused = ""
         super().begin(version)
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        slot = self._writing
+        slot = self.turns.writing
         assert slot is not None, "a load outside a refit, or after begin refused it"
         t = time.perf_counter()
         for n, x in tensors:
@@ -369,25 +367,27 @@ class VllmLoraEngine(Engine):
             self.seconds["post"] += time.perf_counter() - t
 
     def commit(self, version: int) -> None:
-        slot = self._writing
+        slot = self.turns.writing
         if slot is None:
             raise RefitError(self._refused or f"commit of version {version} without a begin")
         if slot.lora_id is None:
             missing = sorted(self.names.keys() - slot.arrived)
             raise RefitError(f"version {version}: {len(missing)} adapter tensors never arrived ({missing[0]}, ...)")
         with self._lock:
-            slot.version, self._writing = version, None
-        super().commit(version)
+            self.turns.commit(version)
+        super().commit(version)  # new requests get it (two-phase: once every worker committed)
         log.info("LoRA version %d is vLLM adapter %d", version, slot.lora_id)
 
     def fail(self, version: int, reason: str) -> None:
         with self._lock:
-            current = self._current()
-            for s in self.slots:  # the slot being written, or one committed and then vetoed
-                if s is self._writing or (s.version == version and s is not current):
+            for s in self.turns.fail():  # the slot being written, or one committed and then vetoed
+                if s.pins:
+                    s.version = None  # a request pinned it before the verdict: retired at its release
+                else:
                     self._retire(s)
-            self._writing, self._refused = None, ""
-        super().fail(version, reason)
+            was_refused, self._refused = bool(self._refused), ""
+        if not was_refused:  # a refused refit began nothing: the engine stays current at its last version
+            super().fail(version, reason)
 
 
 def _read_back(engine: VllmLoraEngine, slot: _Slot, name: str) -> torch.Tensor:
