@@ -297,3 +297,40 @@ def test_a_probe_token_beyond_the_vocabulary_is_refused_before_the_forward() -> 
     probe = canary.Probe((1, 5000), (-1.0,), None)
     failure = canary.check(causal_lm(model), probe, [torch.float32], 4)
     assert failure is not None and "beyond the model's vocabulary" in str(failure)
+
+
+class LazyCache(torch.nn.Module):
+    """A tiny causal LM that builds a table in its first forward and keeps it (as a rotary cache does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32)
+        self.table: torch.Tensor | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.linspace(0, 1, 8) * 2
+        return self.head(self.embed(ids) * self.table)
+
+
+def test_the_trainers_scoring_leaves_a_lazily_built_cache_usable_for_training() -> None:
+    model = LazyCache()
+    causal_lm(model)(torch.tensor([1, 5, 7]))
+    loss = model(torch.tensor([[1, 2, 3]])).logsumexp(-1).sum()
+    loss.backward()  # a cache made under inference_mode could not be saved for backward
+    assert model.head.weight.grad is not None
+
+
+def test_done_follows_the_commit_so_the_engine_reads_current_when_refit_returns() -> None:
+    trainer, engine = LazyCache(), ModuleEngine(LazyCache())
+    with session(ModuleSource(trainer), engine, SETTINGS, canary=Canary([1, 5, 7, 3], causal_lm(trainer))) as (
+        sender,
+        peer,
+    ):
+        for version in range(1, 21):
+            peer.ask("receive")
+            sender.refit(version)
+            seen = (engine.weights.state, engine.weights.version)  # before the engine's thread goes on
+            assert isinstance(peer.outcome(), RefitStats)
+            assert seen == (State.CURRENT, version), (version, seen)

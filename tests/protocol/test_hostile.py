@@ -12,6 +12,7 @@ import tempfile
 import threading
 
 import pytest
+import torch
 import warm
 from peer import make_tensors
 
@@ -380,3 +381,33 @@ def test_a_held_back_warning_is_counted_in_the_next_one_said() -> None:
     assert [throttle.allow() for _ in range(3)] == [0, None, None]
     throttle._start -= 3600  # the window passed
     assert throttle.allow() == 2
+
+
+def test_a_sender_that_skips_its_digests_in_a_fingerprint_epoch_gets_a_refused_refit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The manifest promised VERIFY (fingerprint on): a COMMIT without it is refused, nothing unverified is
+    committed, and the session goes on (the next honest refit commits)."""
+    from threaded import refit_both, session
+
+    from refit import RefitError, State
+    from refit.topology.send_path import SendPath
+    from refit.topology.stats import RefitStats
+
+    tensors = make_tensors(SPECS, seed=1)
+    engine = ModuleEngine(
+        torch.nn.ParameterDict({n: torch.nn.Parameter(torch.zeros_like(t)) for n, t in tensors.items()})
+    )
+    with session(ModuleSource(tensors), engine, Settings(timeout_s=60), verify="fingerprint") as (sender, peer):
+        stats, got = refit_both(sender, peer, 1)
+        assert isinstance(got, RefitStats), got
+        real = SendPath._send_digests
+        monkeypatch.setattr(SendPath, "_send_digests", lambda *args, **kwargs: None)
+        stats, got = refit_both(sender, peer, 2)
+        assert isinstance(stats, RefitError) and "without the digests (VERIFY)" in str(stats), stats
+        assert isinstance(got, IntegrityError), got
+        assert (engine.weights.state, engine.weights.version) == (State.FAILED, 1)
+        monkeypatch.setattr(SendPath, "_send_digests", real)
+        stats, got = refit_both(sender, peer, 2)
+        assert isinstance(got, RefitStats), got
+        assert (engine.weights.state, engine.weights.version) == (State.CURRENT, 2)

@@ -112,7 +112,7 @@ def causal_lm(model: torch.nn.Module) -> Logprobs:
         modes = [(m, m.training) for m in model.modules()]
         model.eval()
         try:
-            with torch.inference_mode():
+            with torch.no_grad():  # not inference_mode: a tensor the forward caches must stay usable in training
                 out = model(ids[None])
         finally:
             for m, training in modes:
@@ -132,15 +132,29 @@ def parse(payload: object) -> Probe | None:
         raise IntegrityError("COMMIT's canary must be an object of tokens, logprobs and tolerance only")
     tokens, logprobs, tolerance = payload["tokens"], payload["logprobs"], payload["tolerance"]
     ok = isinstance(tokens, list) and 2 <= len(tokens) <= MAX_PROBE_TOKENS and all(map(_token, tokens))
-    ok = ok and isinstance(logprobs, list) and len(logprobs) == len(tokens) - 1
-    ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 for v in logprobs)
-    ok = ok and (tolerance is None or (isinstance(tolerance, (int, float)) and 0 < tolerance < math.inf))
+    bounded = isinstance(logprobs, list) and len(logprobs) < MAX_PROBE_TOKENS
+    values = [_finite(v) for v in logprobs] if bounded else []
+    ok = ok and len(values) == len(tokens) - 1 and all(v is not None and v <= 0 for v in values)
+    tol = None if tolerance is None else _finite(tolerance)
+    ok = ok and (tolerance is None or (tol is not None and tol > 0))
     if not ok:
         raise IntegrityError(
-            f"COMMIT's canary is malformed: it needs 2 to {MAX_PROBE_TOKENS} token ids, one non-positive "
-            "log-probability per token after the first, and a positive tolerance or null"
+            f"COMMIT's canary is malformed: it needs 2 to {MAX_PROBE_TOKENS} token ids, one finite non-positive "
+            "log-probability per token after the first, and a finite positive tolerance or null"
         )
-    return Probe(tuple(tokens), tuple(float(v) for v in logprobs), None if tolerance is None else float(tolerance))
+    return Probe(tuple(tokens), tuple(values), tol)  # type: ignore[arg-type]  # every value checked above
+
+
+def _finite(v: object) -> float | None:
+    """A JSON number as a finite float, or None (not a number, a boolean, NaN, infinite, or an integer too
+    large for a float)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 def tolerance_for(dtypes: Sequence[torch.dtype]) -> float:

@@ -63,7 +63,9 @@ class Report:
 
         mism = obj.get("mismatched", [])
         rows = (
-            tuple(tuple(str(x) for x in m)[:3] for m in mism if isinstance(m, list)) if isinstance(mism, list) else ()
+            tuple(tuple(str(x) for x in m) for m in mism if isinstance(m, list) and len(m) == 3)
+            if isinstance(mism, list)
+            else ()
         )
         return cls(names("missing"), names("unexpected"), rows, names("waived"), names("stages"), names("unsynced"))  # type: ignore[arg-type]
 

@@ -26,7 +26,7 @@ from refit.checks.copy_digest import prepared_digests
 from refit.checks.manifest_check import waived
 from refit.checks.tensor_digest import Pending, prepared
 from refit.engines.base import Engine, Region
-from refit.errors import PeerError
+from refit.errors import IntegrityError, PeerError
 from refit.layout.manifest import Manifest
 from refit.sources.base import Source
 
@@ -199,6 +199,8 @@ def from_hex(digests: list[str]) -> torch.Tensor | None:
         raw = bytearray(bytes.fromhex("".join(digests)))
     except ValueError:
         return None
+    if len(raw) != 8 * len(digests):  # fromhex skips whitespace: a digest holding some is not 16 hex digits
+        return None
     return _byteswap(torch.frombuffer(raw, dtype=torch.int64))
 
 
@@ -240,7 +242,7 @@ def compare(
     names = m.names
     want = from_hex(digests) if isinstance(digests, list) else None
     if want is None or len(want) != len(names):
-        raise PeerError(f"VERIFY must list one digest (16 hex digits) per name ({len(names)})")
+        raise IntegrityError(f"VERIFY must list one digest (16 hex digits) per name ({len(names)})")
     covered = torch.zeros(len(names), dtype=torch.bool)
     differ: list[int] = []
     for where, got in loaded:

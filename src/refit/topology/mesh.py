@@ -357,9 +357,10 @@ def _parse_statement(raw: bytes, w: int) -> tuple[dict[str, Holding], list[str],
     if not raw:
         raise ValueError(f"engine worker {w} stated no shards: on the engine side use MeshReceiver, not Receiver")
     obj = parse_json(raw, "READY")
-    if obj.get("formats"):
+    if formats := obj.get("formats"):
+        first = next(iter(formats), None) if isinstance(formats, (dict, list)) else formats
         raise ValueError(
-            f"engine worker {w} holds tensors in block FP8 ({next(iter(obj['formats']))!r:.120} first): M:N refits "
+            f"engine worker {w} holds tensors in block FP8 ({first!r:.120} first): M:N refits "
             "do not quantize to FP8; load the engine workers with float weights, or use one Receiver per engine"
         )
     ignore, ties = obj.get("ignore", []), obj.get("ties", {})

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 from refit.checks import canary
 from refit.checks.manifest_check import validate
@@ -26,6 +27,7 @@ from refit.topology.stats import RefitStats
 from refit.transports.base import Transport
 
 log = get_logger("receiver")
+T = TypeVar("T")
 
 
 class Session(Protocol):
@@ -80,6 +82,12 @@ class ReceiveRound:
             if isinstance(e, PeerError) and not isinstance(e, PeerFailed) and s.regroups:
                 return s.after_broken_group(version, e)
             raise
+        except Exception as e:  # a bug here still leaves the engine failed and tells the sender at once
+            msg = f"receiver {s.rank}: refit of version {version} stopped: {type(e).__name__}: {e}"
+            self._fail(msg)
+            with contextlib.suppress(PeerError):
+                ch.send(Header(Kind.ERROR), {"message": msg})
+            raise
         t = time.perf_counter()
         self._flush()
         self._commit(failure, done)
@@ -109,14 +117,20 @@ class ReceiveRound:
         _count_staged(stats, s.staging_split)
         failure = path.take(begin, stats, refused)
         header, payload = ch.recv(f"commit of version {version}")
-        if header.kind == Kind.VERIFY:
+        verified = header.kind == Kind.VERIFY
+        if verified:
             failure = failure or path.check_fingerprints(payload, stats, done)
             header, payload = ch.recv(f"commit of version {version}")
         if header.kind != Kind.COMMIT:
             raise PeerError(f"{ch.peer} sent {header.kind.name} during commit of version {version}, expected COMMIT")
+        if path.fingerprint and not verified:
+            failure = failure or IntegrityError(
+                f"refused to commit version {version}: this epoch's manifest has the fingerprint check on, but the "
+                "sender sent COMMIT without the digests (VERIFY) of what it sent; nothing unverified is committed"
+            )
         try:
-            self.probe = _probe(payload)
-        except IntegrityError as e:
+            self.probe = _parsed(lambda: _probe(payload), "COMMIT")
+        except RefitError as e:
             failure = failure or e
         return failure, done
 
@@ -130,11 +144,11 @@ class ReceiveRound:
             log.error("refit of version %d failed: %s", version, failure)
             ch.send(Header(Kind.DONE, status=1, version=version), {"message": f"receiver {s.rank}: {failure}"})
             raise failure
+        if not self.two_phase and self.probe is not None:
+            s.engine.versions.commit(version)  # held 'updating' through the canary (`_finalize`); before DONE
         ch.send(Header(Kind.DONE, version=version), done or None)
         if self.two_phase:
             self._await_verdict()
-        elif self.probe is not None:
-            s.engine.versions.commit(version)  # held 'updating' through the canary (`_finalize`)
         assert s.path is not None
         for stage in s.path.stages:
             stage.committed(version, [s.rank])
@@ -240,6 +254,17 @@ def _probe(payload: bytes) -> canary.Probe | None:
     if set(obj) - {"canary"}:
         raise IntegrityError(f"COMMIT carries unknown fields {sorted(obj)[:5]}; only 'canary' is defined")
     return canary.parse(obj.get("canary"))
+
+
+def _parsed(parse: Callable[[], T], what: str) -> T:
+    """`parse()` of a peer's post-handshake message; any error it raises beyond RefitError is still the peer's
+    malformed `what` (an IntegrityError), which fails this refit and keeps the session."""
+    try:
+        return parse()
+    except RefitError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a malformed field raises, the refit fails, named
+        raise IntegrityError(f"{what} is malformed: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _count_staged(stats: RefitStats, split: Split | None) -> None:
