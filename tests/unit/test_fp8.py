@@ -17,6 +17,7 @@ from refit.layout.fp8 import (
     dequantize,
     quantize,
     quantize_into,
+    quantize_reference,
     scale_shape,
     wire_nbytes,
 )
@@ -390,3 +391,19 @@ def test_a_refused_tensor_leaves_the_bucket_untouched() -> None:
     with pytest.raises(ValueError, match=r"block \(1, 1\) holds NaN"):
         quantize_into(x, BlockFormat(block=(4, 4)), out_q=bucket[:64], out_scale=bucket[64:])
     assert bucket.eq(0xAB).all()
+
+
+def test_a_block_larger_than_the_tensor_is_clipped_to_it_not_padded() -> None:
+    # A peer may state any block: one of 2**24 x 2**24 must not make the rule pad to 2**48 elements.
+    huge = BlockFormat(block=(1 << 24, 1 << 24))
+    for t in (torch.randn(300, 260), torch.randn(2, 70, 9), torch.randn(70)):
+        q, s = quantize(t, huge, name="w")
+        whole = BlockFormat(block=(1 if t.dim() == 1 else t.shape[-2], t.shape[-1]))
+        q_ref, s_ref = quantize_reference(t, whole)
+        assert s.shape == scale_shape(t.shape, huge) == s_ref.shape
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+        assert torch.equal(dequantize(q, s, huge), dequantize(q_ref, s_ref, whole))
+    bad = torch.randn(300, 260)
+    bad[299, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"w: block \(0, 0\) holds an infinite value"):
+        quantize(bad, huge, name="w")

@@ -150,3 +150,28 @@ def test_the_kernel_under_the_triton_interpreter_gives_the_reference_scales_and_
     )
     r = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_quantized_straight_into_a_bucket_at_its_offsets_gives_the_reference_bytes(device: str) -> None:
+    # What the FP8 stage does in a pack: every tensor's q and scales are views of one bucket at their offsets,
+    # quantized without a host sync; the flags are read once, after the last.
+    if device == "cuda":
+        _cuda()
+    fmt = fp8.DEFAULT_FORMAT
+    tensors = {f"w{i}": _values((40 + 61 * i, 96 + 45 * i), torch.bfloat16, i, device) for i in range(6)}
+    bucket = torch.full((1 << 20,), 0xAB, dtype=torch.uint8, device=device)
+    jobs, at = [], 0
+    for n, x in tensors.items():
+        shape = fp8.scale_shape(x.shape, fmt)
+        q = bucket[at : at + x.numel()].view(fmt.dtype).view(x.shape)
+        at = -(-(at + x.numel()) // 64) * 64
+        s = bucket[at : at + 4 * shape[0] * shape[1]].view(torch.float32)
+        jobs.append(fp8.Job(x, fmt, q, s.view(shape), n))
+        at = -(-(at + s.numel() * 4) // 64) * 64
+    assert fp8.non_finite(fp8.quantize_deferred(jobs)) == ""
+    for job in jobs:
+        rq, rs = fp8.quantize_reference(job.x)
+        assert torch.equal(job.q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(job.scales, rs), job.name
+    tensors["w4"][100, 200] = float("-inf")
+    assert fp8.non_finite(fp8.quantize_deferred(jobs)).startswith("w4: block (0, 1) holds an infinite value")

@@ -7,7 +7,9 @@ The rule, per block (docs/FP8.md is the user-facing statement):
   scale = amax / fp8_max in float32 (448 for e4m3fn), at least 2**-126 (the smallest normal float32),
           1.0 for an all-zero block; with `scale="ue8m0"`, rounded up to a power of two;
   q     = clamp(x / scale, -fp8_max, fp8_max) cast to the FP8 dtype, round-to-nearest-even.
-A block holding NaN or +-Inf is refused with ValueError naming the tensor and the block.
+A block holding NaN or +-Inf is refused with ValueError naming the tensor and the block (`quantize`); a
+bucket's quantization (`quantize_deferred`) raises flags on the device instead, read once by `non_finite`.
+A block side larger than the tensor is clipped to it: the same blocks, and no padding beyond the tensor.
 
 On CUDA with Triton each tensor is one kernel launch (refit.layout.fp8_kernel); elsewhere, and where the
 kernel does not apply, the PyTorch path below runs. Both give the same bytes. The PyTorch path is vectorised
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 import torch
@@ -118,7 +120,9 @@ def quantize_reference(
     check_source(x)
     q = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
     scales = torch.empty(scale_shape(x.shape, fmt), dtype=fmt.scale_dtype, device=x.device)
-    _quantize_to(x, fmt, q, scales, name)
+    why = _why_non_finite(x, fmt, name) if bool(_quantize_to(x, fmt, q, scales)) else ""
+    if why:
+        raise ValueError(why)
     return q, scales
 
 
@@ -132,32 +136,54 @@ class Job(NamedTuple):
     name: str
 
 
+Flagged = list[tuple[Sequence[Job], torch.Tensor]]
+"""Jobs quantized without a host sync, each group beside its flags on the device (one per job: nonzero where the
+job's tensor holds NaN or +-Inf); `non_finite` reads them."""
+
+
 def quantize_many(jobs: Sequence[Job]) -> None:
-    """Quantize every job by the rule: one kernel launch per group of jobs of one format where `fp8_kernel`
-    takes them (CUDA with Triton), the PyTorch path for the rest. The kernel's non-finite flags are read once
-    (one host sync for all jobs); a flagged tensor goes through the PyTorch path, which refuses it naming the
-    first non-finite block."""
+    """Quantize every job by the rule (`quantize_deferred`), then read the non-finite flags (one host sync per
+    device): ValueError names the first non-finite block."""
+    why = non_finite(quantize_deferred(jobs))
+    if why:
+        raise ValueError(why)
+
+
+def quantize_deferred(jobs: Sequence[Job]) -> Flagged:
+    """Quantize every job by the rule without a host sync: one kernel launch per group of jobs of one format
+    where `fp8_kernel` takes them (CUDA with Triton), the PyTorch path for the rest. A non-finite block is not
+    refused here: its job's flag is raised, and its q and scales hold no meaningful bytes (`non_finite`)."""
     groups: dict[fp8_kernel.Group, list[Job]] = {}
+    flagged: Flagged = []
     for job in jobs:
         x, fmt, q, scales, name = job
         if not fp8_kernel.applies(x, fmt.block, q, scales):
-            _quantize_to(x, fmt, q, scales, name)
+            flagged.append(((job,), _quantize_to(x, fmt, q, scales).view(1)))
             continue
         key = fp8_kernel.Group(
             x.device, x.dtype, q.dtype, scales.dtype, fmt.block, fmt.scale == "ue8m0", fp8_kernel.aligned(x, q)
         )
         groups.setdefault(key, []).append(job)
-    flagged = []
     for key, group in groups.items():
         fmt = group[0].fmt
         items = [(j.x, j.q, j.scales) for j in group]
-        flags = fp8_kernel.launch(key, items, fp8_max=fmt.fp8_max, smallest=SMALLEST_SCALE)
-        flagged.append((group, flags))
+        flagged.append((group, fp8_kernel.launch(key, items, fp8_max=fmt.fp8_max, smallest=SMALLEST_SCALE)))
+    return flagged
+
+
+def non_finite(flagged: Flagged) -> str:
+    """Why the quantized jobs of `flagged` must not be sent (the first tensor holding NaN or +-Inf, its first
+    such block, and how many in all), or ''. Reads the flags once per device (one host sync each)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, flags in flagged:
+        by_device.setdefault(flags.device, []).append(flags.to(torch.int32))
+    if not any(bool(torch.cat(f).any()) for f in by_device.values()):
+        return ""
     for group, flags in flagged:
-        if bool(flags.any()):
-            for job, flag in zip(group, flags.tolist()):
-                if flag:
-                    _quantize_to(*job)  # raises, naming the first non-finite block
+        for job, flag in zip(group, flags.tolist()):
+            if flag:
+                return _why_non_finite(job.x, job.fmt, job.name)
+    return ""  # pragma: no cover - a raised flag names its job above
 
 
 def quantize_into(
@@ -184,9 +210,12 @@ def quantize_into(
             raise ValueError(f"{what} is on {out.device}, {name} on {x.device}: quantize where the bucket lives")
     if out_scale.data_ptr() % fmt.scale_dtype.itemsize:
         raise ValueError(f"out_scale must start at a multiple of {fmt.scale_dtype.itemsize} bytes to hold the scales")
+    why = _why_non_finite(x, fmt, name)  # before any byte of the bucket is written
+    if why:
+        raise ValueError(why)
     q = out_q.view(fmt.dtype).view(x.shape)
     scales = out_scale.view(fmt.scale_dtype).view(shape)
-    quantize_many([Job(x, fmt, q, scales, name)])
+    quantize_deferred([Job(x, fmt, q, scales, name)])
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, fmt: BlockFormat = DEFAULT_FORMAT) -> torch.Tensor:
@@ -203,22 +232,23 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, fmt: BlockFormat = DEFA
         raise ValueError(f"scale_inv is on {scale_inv.device}, q on {q.device}")
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    fmt = _clipped(fmt, q)
     padded, rows, cols = _padded(q, fmt, torch.float32)  # a new tensor: q is FP8
     blocks = _as_blocks(padded, fmt)
     blocks.mul_(_decode_scales(scale_inv).reshape(blocks.shape[0], blocks.shape[2])[:, None, :, None])
     return padded[:, :rows, :cols].reshape(q.shape)
 
 
-def _quantize_to(x: torch.Tensor, fmt: BlockFormat, q: torch.Tensor, scales: torch.Tensor, name: str) -> None:
-    """The rule, written into `q` (x's shape, fmt.dtype) and `scales` (scale_shape, fmt.scale_dtype)."""
+def _quantize_to(x: torch.Tensor, fmt: BlockFormat, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The rule, written into `q` (x's shape, fmt.dtype) and `scales` (scale_shape, fmt.scale_dtype); returns
+    a 0-d bool on x's device, True where a block holds NaN or +-Inf (no host sync)."""
     if x.numel() == 0:
-        return
+        return torch.zeros((), dtype=torch.bool, device=x.device)
+    fmt = _clipped(fmt, x)
     padded, rows, cols = _padded(x, fmt, x.dtype)
     blocks = _as_blocks(padded, fmt)
-    # |x| and max are exact in the source dtype, so amax needs no float32 copy of x. amax and amin propagate
-    # NaN and +-Inf, so one look at the per-block maxima finds every non-finite block.
-    amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg_()).float()
-    _check_finite(amax, scale_shape(x.shape, fmt), name)
+    amax = _amax(blocks)
+    bad = ~torch.isfinite(amax).all()
     scale = torch.div(amax, amax.new_full((), fmt.fp8_max)).clamp_min_(SMALLEST_SCALE)
     scale.masked_fill_(amax == 0, 1.0)
     if fmt.scale == "ue8m0":
@@ -229,6 +259,23 @@ def _quantize_to(x: torch.Tensor, fmt: BlockFormat, q: torch.Tensor, scales: tor
     q.view(padded.shape[0], rows, cols).copy_(quotient.view(padded.shape)[:, :rows, :cols])
     stored = exponent.to(torch.uint8) if fmt.scale_dtype == torch.uint8 else scale
     scales.copy_(stored.view(scales.shape))
+    return bad
+
+
+def _amax(blocks: torch.Tensor) -> torch.Tensor:
+    """Per block of a (n, bm, m, bn) view, max |x| in float32. |x| and max are exact in the source dtype, so
+    amax needs no float32 copy of x; amax and amin propagate NaN and +-Inf, so one look at the per-block maxima
+    finds every non-finite block."""
+    return torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg_()).float()
+
+
+def _clipped(fmt: BlockFormat, x: torch.Tensor) -> BlockFormat:
+    """`fmt` with each block side at most the tensor's (a 1-D tensor is one row): the same blocks, since a
+    block's amax is over its existing elements, and padding never larger than the tensor, whatever block a
+    peer states."""
+    rows, cols = (1, x.shape[0]) if x.dim() == 1 else (x.shape[-2], x.shape[-1])
+    block = (min(fmt.block[0], max(rows, 1)), min(fmt.block[1], max(cols, 1)))
+    return fmt if block == fmt.block else replace(fmt, block=block)
 
 
 def _ceil_to_power_of_two(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,15 +293,19 @@ def _decode_scales(scale_inv: torch.Tensor) -> torch.Tensor:
     return scale_inv
 
 
-def _check_finite(amax: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+def _why_non_finite(x: torch.Tensor, fmt: BlockFormat, name: str) -> str:
+    """Which block of `x` (by `fmt`'s blocks) first holds NaN or +-Inf, named for the user, or ''."""
+    shape = scale_shape(x.shape, fmt)
+    fmt = _clipped(fmt, x)
+    amax = _amax(_as_blocks(_padded(x, fmt, x.dtype)[0], fmt))
     bad = ~torch.isfinite(amax)
     if not bool(bad.any()):
-        return
+        return ""
     first = bad.reshape(shape).nonzero()[0]
     value = amax.reshape(shape)[tuple(first)].item()
     what = "NaN" if math.isnan(value) else "an infinite value"
     block = tuple(first.tolist())
-    raise ValueError(
+    return (
         f"{name}: block {block} holds {what} ({int(bad.sum())} non-finite blocks in all); refit does not quantize "
         "non-finite weights to FP8: check the trainer's last step for a divergence or an overflow"
     )

@@ -71,6 +71,9 @@ class Bucket(IntFlag):
     KEPT = 4
     """Bit 2, delta sessions: receivers keep the bucket in their wire image (a delta always is; a full bucket
     without it is not kept: no delta of it may follow until one with it)."""
+    REFUSED = 8
+    """Bit 3, FP8 sessions, on a refit's last bucket: the trainer refuses this refit (a tensor it quantizes holds
+    a non-finite value); receivers fail it without loading the bucket, and nothing of it commits."""
 
 
 class Offer(IntFlag):

@@ -58,6 +58,11 @@ class Stage:
         the link (sending it, then waiting until every receiver took it; the part that overlapped later packs is
         not counted). A stage may learn the link's cost from it."""
 
+    def refusal(self) -> str:
+        """After the last bucket went out: why the trainer refuses this refit (found during its pack, and told
+        to the receivers in a bucket's flags, so that none commits it), or ''. The refit then fails with it."""
+        return ""
+
     def buckets(self) -> dict[str, int]:
         """This refit's buckets per way this stage sent them (`RefitStats.buckets`); empty when it has no say."""
         return {}

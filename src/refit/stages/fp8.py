@@ -17,26 +17,81 @@ tensor the trainer holds.
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable, Mapping, Sequence
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 
 from refit.dtypes import dtype_from_name, dtype_name
+from refit.errors import RefitError
 from refit.layout import fp8
 from refit.layout.fp8 import BlockFormat
+from refit.layout.manifest import Manifest
+from refit.layout.packing import typed_view
 from refit.layout.spec import Slice, TensorSpec
+from refit.log import get_logger
+from refit.protocol.wire import Bucket
 from refit.sources.base import Source
 from refit.stages.base import Stage
 
+log = get_logger("sender")
 MAX_FORMATS = 1 << 20
 """Most formats one engine may state (its READY is read after the token is proved, but still bounded)."""
 _SCALES = ("float32", "ue8m0")
 
 
 class Fp8Stage(Stage):
-    """Listed in the manifest of a session that quantizes; the bytes of every bucket pass through unchanged."""
+    """Listed in the manifest of a session that quantizes; the bytes of every bucket pass through unchanged.
+
+    The trainer's half reads the quantizer's non-finite flags once per refit, when the last bucket is packed
+    (one host sync, never one per bucket): a tensor holding NaN or +-Inf sets REFUSED on that bucket, every
+    receiver fails the refit without loading it (nothing commits; the next refit rewrites every tensor), and
+    the trainer's refit fails naming the tensor and its block. The session goes on."""
 
     name = "fp8"
+    flags = Bucket.REFUSED
+
+    def __init__(self, manifest: Manifest, device: torch.device, *, trainer: bool) -> None:
+        super().__init__(manifest, device, trainer=trainer)
+        self._source: Quantized | None = None
+        self._refusal = ""
+
+    def configure(self, session: Mapping[str, object]) -> None:
+        source, bucket_buffer = session.get("source"), session.get("bucket_buffer")
+        if self.trainer and isinstance(source, Quantized):
+            self._source = source
+            source.defer_checks()
+            if callable(bucket_buffer):
+                source.quantize_into_buckets(self.manifest, bucket_buffer)
+
+    def base(self, version: int, ranks: list[int]) -> int | None:
+        self._refusal = ""  # a refit begins
+        if self._source is not None:
+            self._source.non_finite()  # drops flags a broken-off refit left
+        return None
+
+    def outgoing(self, b: int, buf: torch.Tensor, nbytes: int) -> tuple[int, Bucket]:
+        if self._source is None or b != self.manifest.num_buckets - 1:
+            return nbytes, Bucket(0)
+        self._refusal = self._source.non_finite()
+        if self._refusal:
+            log.error("refusing this refit: %s", self._refusal)
+        return nbytes, Bucket.REFUSED if self._refusal else Bucket(0)
+
+    def refusal(self) -> str:
+        return self._refusal
+
+    def incoming(self, b: int, buf: torch.Tensor, nbytes: int, flags: Bucket) -> torch.Tensor | None:
+        if Bucket.REFUSED & flags:
+            raise RefitError(
+                "the trainer refused this refit: a tensor it quantizes to FP8 holds NaN or an infinite value (the "
+                "trainer's error names it); nothing of it commits, and the next refit rewrites every tensor"
+            )
+        return None
+
+    def failed(self) -> None:
+        if self._source is not None:
+            self._source.non_finite()
 
 
 # -- what the engine states ----------------------------------------------------------------------------------
@@ -172,6 +227,11 @@ class Quantized(Source):
                 f"{self._scale_of[clash[0]]!r}: send that tensor already quantized, or drop {clash[0]!r}"
             )
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._placed: dict[tuple[str, ...], tuple[int, dict[str, tuple[int, int]]]] = {}
+        """Per bucket's names: its index and, per weight quantized straight into it, where its q and scales lie."""
+        self._bucket_buffer: Callable[[int], torch.Tensor | None] | None = None
+        self._deferred: fp8.Flagged | None = None
+        """The flags of what `tensors` quantized since `non_finite` last read them (None: checked at once)."""
         self.stable_tensors = source.stable_tensors
 
     @property
@@ -198,18 +258,45 @@ class Quantized(Source):
         # source serves only contiguous runs of its names.
         wanted = list(dict.fromkeys(self._scale_of.get(n, n) for n in names))
         found = dict(zip(wanted, self.source.tensors(wanted)))
+        b, places = self._placed.get(tuple(names), (-1, {}))
+        buf = self._bucket_buffer(b) if places and self._bucket_buffer is not None else None
         jobs = []
         for n in wanted:
             f = self.formats.get(n)
             if f is None:
                 continue
             fp8.check_source(found[n])
-            q, scales = self._buffer(n, found[n])
+            at = places.get(n) if buf is not None and buf.device == found[n].device else None
+            q, scales = self._buffer(n, found[n]) if at is None else _in_bucket(buf, at, f, found[n].shape)
             jobs.append(fp8.Job(found[n].detach(), f, q, scales, n))
             found[n], found[f.scale_name(n)] = q, scales
         with torch.no_grad():
-            fp8.quantize_many(jobs)  # one launch per tensor on CUDA, one host sync for the bucket
+            if self._deferred is None:
+                fp8.quantize_many(jobs)  # one host sync, raising for a non-finite block
+            else:
+                self._deferred.extend(fp8.quantize_deferred(jobs))  # read once, at the refit's last bucket
         return [found[n] for n in names]
+
+    def quantize_into_buckets(self, manifest: Manifest, bucket_buffer: Callable[[int], torch.Tensor | None]) -> None:
+        """From now on a tensor that lies whole in one bucket of `manifest` with its scales is quantized straight
+        into that bucket's buffer (`bucket_buffer(b)`, where the Sender packs it), so the pack copies nothing of
+        it; a tensor split across buckets, or whose scales lie in another, goes through a buffer kept for the
+        epoch."""
+        self._placed, self._bucket_buffer = _placements(manifest, self.formats), bucket_buffer
+
+    def defer_checks(self) -> None:
+        """From now on `tensors` never syncs with the device nor raises for a non-finite block: it keeps the
+        flags, which `non_finite` reads (the FP8 stage, once per refit)."""
+        if self._deferred is None:
+            self._deferred = []
+
+    def non_finite(self) -> str:
+        """Why what `tensors` quantized since the last call must not be sent (the first tensor holding NaN or
+        +-Inf, and its block), or ''; forgets those flags."""
+        if not self._deferred:
+            return ""
+        flagged, self._deferred = self._deferred, []
+        return fp8.non_finite(flagged)
 
     def _buffer(self, name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         f, shape = self.formats[name], tuple(w.shape)
@@ -241,6 +328,42 @@ class Quantized(Source):
     def nbytes(self) -> int:
         """The trainer-side memory of the quantized copies (one FP8 byte per value, plus the scales)."""
         return sum(fp8.wire_nbytes(q.shape, self.formats[n]) for n, (q, _) in self._buffers.items())
+
+
+def _placements(
+    manifest: Manifest, formats: Mapping[str, BlockFormat]
+) -> dict[tuple[str, ...], tuple[int, dict[str, tuple[int, int]]]]:
+    """Per bucket (by its names, as the pack asks for them): its index and, for each weight of `formats` that
+    lies whole in it beside its whole scales, the byte offsets of both. Names shared by two buckets (the middle
+    of a split tensor) place nothing."""
+    out: dict[tuple[str, ...], tuple[int, dict[str, tuple[int, int]]]] = {}
+    seen: set[tuple[str, ...]] = set()
+    for b, segs in enumerate(manifest.segments):
+        names = tuple(manifest.entries[seg.entry].name for seg in segs)
+        whole = {
+            manifest.entries[seg.entry].name: seg.at
+            for seg in segs
+            if seg.lo == 0 and seg.hi == manifest.entries[seg.entry].spec.nbytes
+        }
+        places = {
+            n: (whole[n], whole[f.scale_name(n)]) for n, f in formats.items() if n in whole and f.scale_name(n) in whole
+        }
+        if names in seen:
+            out.pop(names, None)
+        elif places:
+            out[names] = (b, places)
+        seen.add(names)
+    return out
+
+
+def _in_bucket(
+    buf: torch.Tensor, at: tuple[int, int], f: BlockFormat, shape: torch.Size
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q and scales of a tensor of `shape` as views of the bucket buffer `buf`, from byte offsets `at`."""
+    sshape = fp8.scale_shape(shape, f)
+    q = typed_view(buf, at[0], math.prod(shape) * f.dtype.itemsize, f.dtype).view(shape)
+    scales = typed_view(buf, at[1], math.prod(sshape) * f.scale_dtype.itemsize, f.scale_dtype).view(sshape)
+    return q, scales
 
 
 def adapt(source: Source, formats: Mapping[str, BlockFormat], *, zero_copy: bool) -> tuple[Source, tuple[str, ...]]:

@@ -101,7 +101,10 @@ class Round:
         if s.commit.strict and names and not failures and not errors:
             failures.append(_strict_failure(sorted(names)))
         few = s.membership.shortfall(version, stats, committed, failures, errors)
-        if failures or errors:
+        refused = "; ".join(r for stage in s.path.stages if (r := stage.refusal()))
+        if refused:  # the receivers were told: none committed
+            own = f"the trainer refused refit of version {version}; receivers report state 'failed': {refused}"
+        elif failures or errors:
             own = (
                 f"refit of version {version} failed; receivers keep their last committed weights and report "
                 f"state 'failed': {'; '.join(failures or errors)}"

@@ -258,7 +258,13 @@ class Sender:
 
     def _stages(self, manifest: Manifest) -> list[Stage]:
         """The trainer's half of each stage the manifest lists, for this epoch."""
-        session = {"delta_threshold": self.options.delta_threshold, "delta_costs": self.delta_costs}
+        me = weakref.ref(self)  # a stage must not keep its Sender alive
+        session = {
+            "delta_threshold": self.options.delta_threshold,
+            "delta_costs": self.delta_costs,
+            "source": self.source,  # FP8: the stage reads the quantizer's non-finite flags once, at the last bucket
+            "bucket_buffer": lambda b: s.bucket_buffer(b) if (s := me()) is not None else None,  # FP8: into the bucket
+        }
         return stages.make(manifest.stages, manifest, self.device, trainer=True, session=session)
 
     def offer_manifest(self, manifest: Manifest, channels: list[Channel]) -> list[str]:
