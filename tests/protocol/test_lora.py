@@ -12,6 +12,7 @@ import pytest
 import torch
 from adapters import adapter_step
 from threaded import Peer, refit_both, session
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from refit import Commit, Engine, HandshakeError, ModuleSource, PeerError, RefitError, Sender, Settings, State
 from refit.stages.lora import (
@@ -339,3 +340,43 @@ def test_statements_round_trip() -> None:
     stated = LoraEngine(model).statement()
     assert parse(json.dumps(stated).encode(), "receiver 0") == stated["lora"]
     assert parse(b"", "receiver 0") is None and parse(b"{}", "receiver 0") is None
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten operations that run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_bucket_cast_to_its_wire_dtype_is_one_operation_with_each_tensors_own_bytes() -> None:
+    trainer = _peft()
+    source = LoraSource(trainer, wire_dtype=torch.bfloat16)
+    names = [s.name for s in source.specs()]
+    source.tensors(names)  # the first refit plans the flat tensor and its views
+    for version in (1, 2):
+        adapter_step(trainer, version)
+        source.signature()  # as every refit begins
+        with _Ops() as seen:
+            got = source.tensors(names)
+        data = [op for op in seen.ops if op not in ("aten.view", "aten.reshape", "aten.detach", "aten._unsafe_view")]
+        assert data == ["aten.cat"], data
+        want = [t.detach().to(torch.bfloat16) for t in AdapterTensors(trainer, "default").values()]
+        assert all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want, strict=True))
+    assert source.held_bytes() == sum(t.numel() * 2 for t in want)
+
+
+def test_a_bfloat16_wire_into_float32_adapters_lands_each_tensors_cast_bytes_verified() -> None:
+    trainer, model = _peft(), _peft()
+    engine = LoraEngine(model)
+    with _session(trainer, engine, source=LoraSource(trainer, wire_dtype=torch.bfloat16)) as (sender, peer):
+        for version in (1, 2):
+            adapter_step(trainer, version)
+            _refit(sender, peer, version)
+            want = {n: t.to(torch.bfloat16).float() for n, t in _adapter(trainer).items()}
+            _serves(engine, model, want, version)

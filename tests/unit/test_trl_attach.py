@@ -54,3 +54,27 @@ def test_the_merge_for_a_sync_leaves_every_base_parameter_with_its_bits(lora_bia
         n for n, p in model.named_parameters() if not torch.equal(before[n].view(torch.int32), p.view(torch.int32))
     ]
     assert changed == []
+
+
+class _Sender:
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+        self.closed = False
+
+    def refit(self, version: int) -> object:
+        self.sent.append(version)
+        return SimpleNamespace(version=version)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize(("synced", "sync", "sent"), [(2, True, [3]), (3, True, []), (2, False, [])])
+def test_close_refits_the_last_steps_weights_unless_they_were_sent(synced: int, sync: bool, sent: list) -> None:
+    from refit.integrations.trl import SyncTime, TrlRefit
+
+    sender = _Sender()
+    session = TrlRefit(trainer=SimpleNamespace(state=SimpleNamespace(global_step=3)), sender=sender)  # type: ignore[arg-type]
+    session.history.append(SyncTime(synced, 0.0, SimpleNamespace()))  # type: ignore[arg-type]
+    session.close(sync=sync)
+    assert sender.sent == sent and sender.closed

