@@ -205,6 +205,8 @@ class Channel:
         self.ahead: tuple[Header, bytes] | None = None
         """A message read ahead while a transfer was in flight, one the protocol allows there (a zero-copy
         refit's VERIFY or COMMIT, sent while the receivers still READ): the next `recv` returns it."""
+        self.later: list[tuple[Header, bytes]] = []
+        """Messages read ahead after `ahead`, in order: each becomes `ahead` in turn."""
         """The last message `expect` refused (another kind than expected), for a caller that can still use it."""
         self._send_lock = threading.Lock()
         sock.settimeout(timeout_s)
@@ -246,11 +248,13 @@ class Channel:
         max_payload: int = MAX_JSON_BYTES,
         timeout_s: float | None = None,
         heartbeats: bool = False,
+        wire: bool = False,
     ) -> tuple[Header, bytes]:
         """The next message, read whole within the timeout; an ERROR from the peer is raised as PeerFailed (a
-        PeerError). A HEARTBEAT is skipped, or with `heartbeats` returned (to a caller that only looks)."""
-        if self.ahead is not None:
-            ahead, self.ahead = self.ahead, None
+        PeerError). A HEARTBEAT is skipped, or with `heartbeats` returned (to a caller that only looks).
+        `wire`: the next one on the connection, even while messages read ahead wait (a watch reading on)."""
+        if self.ahead is not None and not wire:
+            ahead, self.ahead = self.ahead, (self.later.pop(0) if self.later else None)
             return ahead
         timeout_s = timeout_s or self.timeout_s
         deadline = time.monotonic() + timeout_s
@@ -275,16 +279,6 @@ class Channel:
             if header.kind == Kind.LEAVE:
                 raise Left(self.peer, leave_reason(payload))
             return header, payload
-
-    def ended(self) -> bool:
-        """Whether the peer closed the connection (its end is next to read), reading nothing: a message that
-        came first stays. For a wait that already holds a message read ahead and must not read past it."""
-        try:
-            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
 
     def expect(self, kind: Kind, stage: str) -> tuple[Header, bytes]:
         header, payload = self.recv(stage)

@@ -316,7 +316,8 @@ class Watch:
     """While a bucket is in flight the sender says nothing on the control channel until its ACK, unless it
     gave up on the refit (REGROUP, ERROR, CLOSE). Called between waits: whether it spoke (heartbeats aside).
     `may_arrive`: kinds the protocol lets the sender send meanwhile (a zero-copy refit's VERIFY and COMMIT
-    follow BEGIN at once); the first is kept for the next `recv` (`Channel.ahead`), and reading stops there."""
+    follow BEGIN at once); each is kept once, in order, for the next `recv` (`Channel.ahead`), and reading goes
+    on past them, so that a sender that dies after sending them is seen at once (its connection's end)."""
 
     def __init__(self, channel: Channel, stage: str, may_arrive: frozenset[Kind] = frozenset()) -> None:
         self.channel, self.stage, self.may_arrive = channel, stage, may_arrive
@@ -324,22 +325,21 @@ class Watch:
         """What reading its message raised: its ERROR (PeerFailed), or the connection's end."""
 
     def __call__(self) -> bool:
-        if self.channel.ahead is not None:  # read no further; only the connection's end is looked for
-            if readable(self.channel) and self.channel.ended():
-                self.error = PeerError(f"{self.channel.peer} closed the connection during {self.stage}")
-                return True
-            return False
-        while readable(self.channel):
+        ch = self.channel
+        while readable(ch):
             try:
-                header, payload = self.channel.recv(self.stage, heartbeats=True)
+                header, payload = ch.recv(self.stage, heartbeats=True, wire=True)
             except RefitError as e:
                 self.error = e
                 return True
-            if header.kind in self.may_arrive:
-                self.channel.ahead = (header, payload)
-                return self()
-            if header.kind != Kind.HEARTBEAT:
-                self.channel.stray = (header, payload)  # for the caller that handles it (a REGROUP, a CLOSE)
+            kept = [m[0].kind for m in ([ch.ahead] if ch.ahead else []) + ch.later]
+            if header.kind in self.may_arrive and header.kind not in kept:  # each once: what is kept stays bounded
+                if ch.ahead is None:
+                    ch.ahead = (header, payload)
+                else:
+                    ch.later.append((header, payload))
+            elif header.kind != Kind.HEARTBEAT:
+                ch.stray = (header, payload)  # for the caller that handles it (a REGROUP, a CLOSE)
                 return True
         return False
 

@@ -127,7 +127,7 @@ class SendPath:
                 digests.reset()
             with copy_share(self.transport.name):
                 errors = self._carry(source, version, stats, generation, verify_checksum)
-            if digests is not None and not errors:
+            if digests is not None:  # after another's failure too: a receiver never commits without them
                 self._send_digests(source, version, stats, digests, generation)
             return errors
         finally:

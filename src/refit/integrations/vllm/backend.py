@@ -137,7 +137,10 @@ class RefitWeightTransferEngine(WeightTransferEngine):
 
     def _open(self) -> Any:
         if getattr(self, "receiver", None) is None:
-            raise RefitError("refit's weight transfer engine is shut down: call init_weight_transfer_engine again")
+            raise RefitError(
+                "refit's weight transfer engine is not initialized (never, or shut down since): call "
+                "init_weight_transfer_engine first"
+            )
         return self.receiver
 
 

@@ -167,8 +167,8 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
         together, once. Other ranks set up nothing."""
         if source is None:
             raise ValueError(
-                "backend 'refit' sends the whole model every round: pass source= (vLLM's ModuleSource(model) "
-                "or any WeightSource)"
+                "backend 'refit' requires a WeightSource (it sends the whole model every round): pass source= "
+                "(vLLM's ModuleSource(model) or any WeightSource)"
             )
         if not init_info.is_sender:
             return cls(client=client, source=source, is_sender=False, first_version=init_info.first_version)

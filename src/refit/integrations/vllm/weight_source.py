@@ -62,8 +62,8 @@ class StreamSource(Source):
         for name in names:
             while name not in self._held:
                 item = next(self._pass, None)
-                if item is None:
-                    raise RefitError(
+                if item is None:  # the trainer's own error (not the session's): the Sender tells the engines at once
+                    raise ValueError(
                         f"the WeightSource's pass ended without yielding {name!r}, which its metadata() declares; "
                         "metadata() and iteration must name the same tensors"
                     )
