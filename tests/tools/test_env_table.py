@@ -199,6 +199,6 @@ def test_an_honoured_variable_reaches_the_commands_work(
 def test_the_option_overrides_the_variable(
     command: str, recorded: list, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    monkeypatch.setenv("REFIT_BUCKET_BYTES", "65536")
-    assert main([*ARGV[command], "--bucket-bytes", "4096"]) == 0, capsys.readouterr().err
-    assert {s.bucket_bytes for s, _ in recorded} == {4096}
+    monkeypatch.setenv("REFIT_BUCKET_BYTES", "1048576")
+    assert main([*ARGV[command], "--bucket-bytes", "65536"]) == 0, capsys.readouterr().err
+    assert {s.bucket_bytes for s, _ in recorded} == {65536}
