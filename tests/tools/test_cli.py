@@ -415,12 +415,13 @@ def test_demo_sizes_the_machine_cannot_hold_are_refused_before_any_work(
     import re
 
     import refit.layout.budget
+    import refit.tools.demo.engines
     import refit.tools.demo.run
     import refit.tools.demo.sharded
     from refit.tools.demo.sizes import demo_bytes
 
     monkeypatch.setattr(refit.layout.budget, "mem_available", lambda: 22 * 10**9)
-    for module, name in ((refit.tools.demo.run, "spawn_engine"), (refit.tools.demo.run, "run")):
+    for module, name in ((refit.tools.demo.engines, "spawn_engine"), (refit.tools.demo.run, "run")):
         monkeypatch.setattr(module, name, _no_work)
     monkeypatch.setattr(refit.tools.demo.sharded, "launch", _no_work)
     result = _in_process(capsys, *argv)

@@ -112,7 +112,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list:
     """Each command's work replaced: what it would have run with is recorded as (settings, environment)."""
     from refit.tools import doctor, plan
     from refit.tools.bench import report, runner
-    from refit.tools.demo import run
+    from refit.tools.demo import engines, run
 
     seen: list = []
     for name in (*TABLE, "PYTHONWARNINGS", "NIXL_LOG_LEVEL", "UCX_LOG_LEVEL"):
@@ -136,7 +136,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list:
 
     real_plan_report = plan.plan_report
     monkeypatch.setattr(run, "run", demo_run)
-    monkeypatch.setattr(run, "spawn_engine", lambda cfg: SimpleNamespace(close=lambda: 0))
+    monkeypatch.setattr(engines, "spawn_engine", lambda cfg: SimpleNamespace(close=lambda: 0))
     monkeypatch.setattr(runner, "run_bench", bench_run)
     monkeypatch.setattr(report, "show", lambda reports, console: None)
     monkeypatch.setattr(report, "show_scaling", lambda reports, console: None)

@@ -67,7 +67,8 @@ def _check_demo_size(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from refit.tools.demo.run import DemoConfig, EngineProcess, spawn_engine
+    from refit.tools.demo.config import DemoConfig
+    from refit.tools.demo.engines import EngineProcess, spawn_engine
     from refit.tools.demo.run import run as run_demo
 
     names = _check_demo(args)
