@@ -26,7 +26,8 @@ import threading
 import torch
 
 from refit import ModuleEngine, ModuleSource, Receiver, Sender, Settings
-from refit.tools.demo.run import DemoConfig, demo_model, train_step
+from refit.tools.demo.model import train_step
+from refit.tools.demo.run import DemoConfig, demo_model
 
 BF16 = torch.bfloat16
 

@@ -272,3 +272,42 @@ def test_an_fp8_engine_bench_quantizes_each_verified_refit_and_times_the_quantiz
 def test_fp8_engine_bench_options_that_do_not_combine_are_refused(argv: list[str], fragment: str, capsys) -> None:
     assert main(["bench", "--preset", "tiny", "--transport", "shm", *argv]) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_the_colocated_floor_copies_in_chunks_that_fit_beside_the_receivers() -> None:
+    import torch
+
+    from refit.tools.bench.runner import _copy_in_chunks, floor_chunk
+
+    assert floor_chunk(28 << 30, None) == 28 << 30  # no limit known: one flat copy
+    assert floor_chunk(28 << 30, 40 << 30) == 10 << 30  # two buffers in half of what is free
+    assert floor_chunk(28 << 30, 1 << 20) == 1 << 20  # never below 1 MiB
+    assert floor_chunk(4096, 40 << 30) == 4096
+    src, dst = torch.arange(100, dtype=torch.uint8), torch.zeros(100, dtype=torch.uint8)
+    _copy_in_chunks(dst, src, 250)  # 100 + 100 + 50 bytes
+    assert torch.equal(dst, src)
+
+
+@pytest.mark.slow
+def test_each_presets_tensors_are_released_before_the_next_preset_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import weakref
+
+    from refit.tools.bench import runner
+
+    held: list[weakref.ref] = []
+    alive_at_start: list[int] = []
+    method, measure = runner._method, runner.measure
+
+    def recording(m, workers, source, tensors, *rest):  # type: ignore[no-untyped-def]
+        held.extend(weakref.ref(t) for t in tensors.values())
+        return method(m, workers, source, tensors, *rest)
+
+    def measuring(*args):  # type: ignore[no-untyped-def]
+        alive_at_start.append(sum(r() is not None for r in held))
+        return measure(*args)
+
+    monkeypatch.setattr(runner, "_method", recording)
+    monkeypatch.setattr(runner, "measure", measuring)
+    argv = ["bench", "-q", "--preset", "tiny,moe-small", "--methods", "foreach", "--transport", "shm"]
+    assert main([*argv, "--repeats", "1", "--warmup", "0"]) == 0
+    assert alive_at_start == [0, 0] and held and all(r() is None for r in held)

@@ -296,10 +296,10 @@ OUTPUT_DIRS = [
 def test_an_output_path_that_is_a_directory_is_refused_before_any_work(
     argv: list[str], tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    import refit.tools.cli as cli
+    from refit.tools.cli import COMMANDS
 
-    for name in ("_demo", "_bench", "_plan", "_doctor"):
-        monkeypatch.setattr(cli, name, _no_work)
+    for command in COMMANDS:
+        monkeypatch.setattr(command, "run", _no_work)
     assert main([a.format(dir=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a directory" in err[0] and "pass a file path" in err[0], err
@@ -321,9 +321,9 @@ ZERO_SIZES = [
 def test_a_zero_or_negative_size_in_demo_is_refused_not_taken_as_unset(
     argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    import refit.tools.cli as cli
+    from refit.tools.commands import demo
 
-    monkeypatch.setattr(cli, "_demo", _no_work)
+    monkeypatch.setattr(demo, "run", _no_work)
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2
@@ -415,12 +415,13 @@ def test_demo_sizes_the_machine_cannot_hold_are_refused_before_any_work(
     import re
 
     import refit.layout.budget
+    import refit.tools.demo.engines
     import refit.tools.demo.run
     import refit.tools.demo.sharded
     from refit.tools.demo.sizes import demo_bytes
 
     monkeypatch.setattr(refit.layout.budget, "mem_available", lambda: 22 * 10**9)
-    for module, name in ((refit.tools.demo.run, "spawn_engine"), (refit.tools.demo.run, "run")):
+    for module, name in ((refit.tools.demo.engines, "spawn_engine"), (refit.tools.demo.run, "run")):
         monkeypatch.setattr(module, name, _no_work)
     monkeypatch.setattr(refit.tools.demo.sharded, "launch", _no_work)
     result = _in_process(capsys, *argv)
@@ -459,7 +460,7 @@ def test_quick_with_preset_or_repeats_is_an_error_naming_both(
 
 
 def test_bench_defaults_and_quick_fill_the_presets_and_repeats() -> None:
-    from refit.tools.cli import _resolve_quick
+    from refit.tools.commands.bench import _resolve_quick
 
     plain, quick = build_parser().parse_args(["bench"]), build_parser().parse_args(["bench", "--quick"])
     _resolve_quick(plain)
@@ -544,23 +545,40 @@ def test_plot_without_matplotlib_is_refused_before_the_bench_runs(
 def test_a_directory_for_an_output_gets_an_example_of_its_own_kind(
     option: str, example: str, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    import refit.tools.cli as cli
+    from refit.tools.commands import bench
 
-    monkeypatch.setattr(cli, "_bench", _no_work)
+    monkeypatch.setattr(bench, "run", _no_work)
     _one_line_error(
         _in_process(capsys, "bench", "--quick", option, str(tmp_path)), "is a directory", f"e.g. {tmp_path}/{example}"
     )
 
 
 def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    import refit.tools.cli as cli
+    from refit.tools.commands import plan
 
     def interrupted(*_a: object) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_plan", interrupted)
+    monkeypatch.setattr(plan, "run", interrupted)
     result = _in_process(capsys, "plan", "--preset", "tiny")
     assert (result.returncode, result.stdout, result.stderr) == (130, "", "interrupted\n")
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_demo_is_one_line_and_exit_code_143_without_a_traceback() -> None:
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))}
+    argv = ["demo", "--transport", "shm", "--steps", "1000", "--layers", "2", "--hidden", "128"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "refit", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    header = proc.stdout.readline()  # printed once the model is built: the engine process is up beside it
+    assert header.startswith("refit demo over shm"), header
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (143, "terminated\n"), out + err
 
 
 def _blocking_child(tmp_path, disposition: int) -> subprocess.Popen:

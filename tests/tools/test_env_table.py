@@ -112,7 +112,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list:
     """Each command's work replaced: what it would have run with is recorded as (settings, environment)."""
     from refit.tools import doctor, plan
     from refit.tools.bench import report, runner
-    from refit.tools.demo import run
+    from refit.tools.demo import engines, run
 
     seen: list = []
     for name in (*TABLE, "PYTHONWARNINGS", "NIXL_LOG_LEVEL", "UCX_LOG_LEVEL"):
@@ -136,7 +136,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list:
 
     real_plan_report = plan.plan_report
     monkeypatch.setattr(run, "run", demo_run)
-    monkeypatch.setattr(run, "spawn_engine", lambda cfg: SimpleNamespace(close=lambda: 0))
+    monkeypatch.setattr(engines, "spawn_engine", lambda cfg: SimpleNamespace(close=lambda: 0))
     monkeypatch.setattr(runner, "run_bench", bench_run)
     monkeypatch.setattr(report, "show", lambda reports, console: None)
     monkeypatch.setattr(report, "show_scaling", lambda reports, console: None)
@@ -199,6 +199,6 @@ def test_an_honoured_variable_reaches_the_commands_work(
 def test_the_option_overrides_the_variable(
     command: str, recorded: list, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    monkeypatch.setenv("REFIT_BUCKET_BYTES", "65536")
-    assert main([*ARGV[command], "--bucket-bytes", "4096"]) == 0, capsys.readouterr().err
-    assert {s.bucket_bytes for s, _ in recorded} == {4096}
+    monkeypatch.setenv("REFIT_BUCKET_BYTES", "1048576")
+    assert main([*ARGV[command], "--bucket-bytes", "65536"]) == 0, capsys.readouterr().err
+    assert {s.bucket_bytes for s, _ in recorded} == {65536}

@@ -13,7 +13,8 @@ import warnings
 import pytest
 from locations import EXAMPLES
 
-from refit.tools.cli import NIXL_MISSING, main
+from refit.tools.cli import main
+from refit.tools.commands.common import NIXL_MISSING
 
 
 def _one_line(capsys: pytest.CaptureFixture, argv: list[str]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import socket
@@ -360,9 +361,11 @@ def _floor(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: tor
     if cfg.link_rate is not None:
         return _link_floor(workers, cfg, nbytes)
     if cfg.transport in COLOCATED:
-        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        free_memory(device)
+        chunk = floor_chunk(nbytes, torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
+        src = torch.randint(0, 256, (chunk,), dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
-        times = _timed(lambda: dst.copy_(src), device, cfg)
+        times = _timed(partial(_copy_in_chunks, dst, src, nbytes), device, cfg)
         del src, dst
         _release(device)
         return Result("floor", nbytes, times)
@@ -396,6 +399,21 @@ def _floor(workers: Workers, source: ModuleSource, cfg: BenchConfig, device: tor
                 bw.append(size * count / (time.perf_counter() - t))
     workers.replies()
     return Result("floor", nbytes, [nbytes / b for b in bw])
+
+
+def floor_chunk(nbytes: int, free: int | None) -> int:
+    """The colocated floor copies the model's bytes in chunks of this size: its two buffers (source and
+    destination) take at most half of what is `free` beside the receivers' memory (None: no limit, one chunk)."""
+    if free is None:
+        return nbytes
+    return min(nbytes, max(1 << 20, free // 4 // 256 * 256))
+
+
+def _copy_in_chunks(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
+    """`nbytes` copied through buffers of `src.numel()` bytes: the same bytes moved as one flat copy."""
+    for offset in range(0, nbytes, src.numel()):
+        n = min(src.numel(), nbytes - offset)
+        dst[:n].copy_(src[:n])
 
 
 def _local_copy(
@@ -452,6 +470,13 @@ def _probe(
     del flat, out
     _release(device)
     return Result(method, nbytes, times, floors=floors)
+
+
+def free_memory(device: torch.device) -> None:
+    """What a preset allocated, handed back once its references are dropped: cycles collected, and on CUDA the
+    allocator's cached blocks returned, so that the next preset (and the receiver processes) can have them."""
+    gc.collect()
+    _release(device)
 
 
 def _release(device: torch.device) -> None:
@@ -622,22 +647,32 @@ def measure(cfg: BenchConfig, link: Link | None, on_method: Callable[[str], None
     results: dict[str, Result] = {}
     workers = Workers(engine_specs, worker_devices, link)
     try:
-        for m in cfg.methods:
-            if on_method:
-                on_method(m)
-            before = link.bytes_a_to_b() if link else 0
-            if m == "quantize":
-                times, moved, floors = measured(tensors, engine_specs, lambda fn: _timed(fn, device, cfg))
-                _release(device)
-                result = Result(m, moved, times, floors=floors)
-            else:
-                result = _method(m, workers, source, tensors, spec_list, cfg, device, nbytes)
-            if result is not None:
-                result.link_bytes = link.bytes_a_to_b() - before if link else None
-                results[m] = result
+        _methods(cfg, link, on_method, (workers, source, tensors, spec_list, engine_specs), device, results, nbytes)
     finally:
         workers.close()
+        del tensors, source  # this preset's weights, gone before the next preset allocates its own
+        free_memory(device)
     return results
+
+
+def _methods(  # type: ignore[no-untyped-def]
+    cfg: BenchConfig, link: Link | None, on_method, held: tuple, device: torch.device, results: dict, nbytes: int
+) -> None:
+    """`measure`'s loop over the methods, into `results`. `held`: workers, source, tensors, specs, engine specs."""
+    workers, source, tensors, spec_list, engine_specs = held
+    for m in cfg.methods:
+        if on_method:
+            on_method(m)
+        before = link.bytes_a_to_b() if link else 0
+        if m == "quantize":
+            times, moved, floors = measured(tensors, engine_specs, lambda fn: _timed(fn, device, cfg))
+            _release(device)
+            result = Result(m, moved, times, floors=floors)
+        else:
+            result = _method(m, workers, source, tensors, spec_list, cfg, device, nbytes)
+        if result is not None:
+            result.link_bytes = link.bytes_a_to_b() - before if link else None
+            results[m] = result
 
 
 def measured_inside(cfg: BenchConfig, link: Link, on_method: Callable[[str], None] | None) -> dict[str, Result]:
