@@ -11,6 +11,9 @@ it holds rows), by a cast that is exact; `on_commit` was called exactly for the 
 committed. The model also says which refits must succeed (and on whom), which must fail (none reached,
 a handshake no engine can take), and what stays staged.
 
+A second machine (`StageSessions`, at the end) draws the stages that change what an engine serves beside its
+weights: LoRA adapter slots, the canary, FP8 with a non-finite value.
+
 Each Receiver is served by its own thread, which obeys commands (connect, receive one refit, leave,
 close) and reports each outcome as an event the test waits on, never a sleep. A receiver leaves only
 while its thread is not inside `receive()` (as an engine's serving loop does, between its calls): a
@@ -816,18 +819,20 @@ def _settings(**kw: object) -> settings:
     return settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], **kw)  # type: ignore[arg-type]
 
 
+def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int, *, fast: bool) -> None:
+    """The machine with a fixed seed: the fast tier stops at its first bug, the slow tier prints each one's blob."""
+    more = {"report_multiple_bugs": False} if fast else {"print_blob": True}
+    settings = _settings(max_examples=examples, stateful_step_count=steps, derandomize=True, **more)
+    run_state_machine_as_test(machine, settings=settings)
+
+
 def test_refit_sessions_keep_every_current_engine_bitwise_the_trainers_fixed_seed() -> None:
-    run_state_machine_as_test(
-        Sessions,
-        settings=_settings(max_examples=20, stateful_step_count=15, derandomize=True, report_multiple_bugs=False),
-    )
+    _run(Sessions, 20, 15, fast=True)
 
 
 @pytest.mark.slow
 def test_refit_sessions_keep_every_current_engine_bitwise_the_trainers() -> None:
-    run_state_machine_as_test(
-        Sessions, settings=_settings(max_examples=40, stateful_step_count=25, derandomize=True, print_blob=True)
-    )
+    _run(Sessions, 40, 25, fast=False)
 
 
 # -- the stages: LoRA adapter slots, the canary, FP8 with non-finite values ------------------------------------
@@ -835,13 +840,22 @@ def test_refit_sessions_keep_every_current_engine_bitwise_the_trainers() -> None
 # A second machine, one trainer and one engine per example, for the stages that change what an engine serves
 # beside its weights: LoRA (a refit writes one of K adapter slots; requests pin the slot they started on),
 # the canary (the engine scores a probe before the version commits: it passes, fails, or COMMIT carries a
-# malformed number), and FP8 (a non-finite value in a quantized tensor, in whichever bucket). Versions are
+# malformed number), FP8 (a non-finite value in a quantized tensor, in whichever bucket), and zero-copy over
+# nixl on CPU (the engine READs the trainer's live tensors), where nixl imports. Versions are
 # drawn new, repeated (after the trainer's values changed: a retry, a constant version) or older than the
 # last; the fingerprint is on or off. Invariant: an engine that reads current at v serves exactly the trainer's
 # state of its last committed refit of v (for LoRA: the slot a new request gets, and every pinned slot still
 # what it held when its request pinned it); a refit that must fail fails alone, the session alive.
 
-STAGES = ["lora", "canary", "fp8"]
+
+def _nixl() -> bool:
+    from refit.tools.doctor import nixl_installed
+
+    return nixl_installed()
+
+
+STAGES = ["lora", "canary", "fp8"] + (["nixl"] if _nixl() else [])
+"""nixl: zero-copy (the engine READs the trainer's live tensors one-sided), on CPU, where nixl imports."""
 STAGE_SETTINGS = Settings(bucket_bytes=4096, timeout_s=TIMEOUT_S)
 PROBE = [1, 5, 3, 9, 2, 7, 4]
 KEEP = st.sampled_from([2, 3])
@@ -938,12 +952,19 @@ class StageSessions(RuleBasedStateMachine):
         else:
             g = torch.Generator().manual_seed(3)
             self.tensors = {"a.weight": torch.randn(32, 40, generator=g), Q8: torch.randn(TRAINER[Q8][0], generator=g)}
+            if kind == "nixl":
+                self.tensors = {**self.tensors, "b.weight": torch.randn(48, 16, generator=g).to(BF16)}
+                options.update(transport="nixl", zero_copy=True)
             source = ModuleSource(self.tensors)
-            held = _as_held({n: torch.zeros_like(t) for n, t in self.tensors.items()}, True)
-            self.engine = ModuleEngine(held)
-        from threaded import session
+            held = {n: torch.zeros_like(t) for n, t in self.tensors.items()}
+            self.engine = ModuleEngine(_as_held(held, kind == "fp8"))
+        from threaded import Peer
 
-        self.sender, self.peer = self.stack.enter_context(session(source, self.engine, STAGE_SETTINGS, **options))  # type: ignore[arg-type]
+        self.sender = Sender(source, settings=STAGE_SETTINGS, **{"transport": "shm", **options})  # type: ignore[arg-type]
+        self.peer = Peer(Receiver(self.engine, self.sender.rendezvous(), settings=STAGE_SETTINGS))  # type: ignore[arg-type]
+        self.stack.callback(self.peer.stop)
+        self.stack.callback(self.sender.close)  # first: a receiver waiting in receive() is told CLOSE
+        self.peer.ask("connect")
 
     # -- what the engine serves
 
@@ -1100,14 +1121,9 @@ class StageSessions(RuleBasedStateMachine):
 
 
 def test_stage_sessions_serve_the_trainers_state_at_every_current_version_fixed_seed() -> None:
-    run_state_machine_as_test(
-        StageSessions,
-        settings=_settings(max_examples=5, stateful_step_count=8, derandomize=True, report_multiple_bugs=False),
-    )
+    _run(StageSessions, 5, 8, fast=True)
 
 
 @pytest.mark.slow
 def test_stage_sessions_serve_the_trainers_state_at_every_current_version() -> None:
-    run_state_machine_as_test(
-        StageSessions, settings=_settings(max_examples=40, stateful_step_count=20, derandomize=True, print_blob=True)
-    )
+    _run(StageSessions, 40, 20, fast=False)
