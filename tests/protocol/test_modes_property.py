@@ -11,6 +11,9 @@ it holds rows), by a cast that is exact; `on_commit` was called exactly for the 
 committed. The model also says which refits must succeed (and on whom), which must fail (none reached,
 a handshake no engine can take), and what stays staged.
 
+A second machine (`StageSessions`, at the end) draws the stages that change what an engine serves beside its
+weights: LoRA adapter slots, the canary, FP8 with a non-finite value.
+
 Each Receiver is served by its own thread, which obeys commands (connect, receive one refit, leave,
 close) and reports each outcome as an event the test waits on, never a sleep. A receiver leaves only
 while its thread is not inside `receive()` (as an engine's serving loop does, between its calls): a
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import queue
 import re
@@ -815,15 +819,311 @@ def _settings(**kw: object) -> settings:
     return settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], **kw)  # type: ignore[arg-type]
 
 
+def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int, *, fast: bool) -> None:
+    """The machine with a fixed seed: the fast tier stops at its first bug, the slow tier prints each one's blob."""
+    more = {"report_multiple_bugs": False} if fast else {"print_blob": True}
+    settings = _settings(max_examples=examples, stateful_step_count=steps, derandomize=True, **more)
+    run_state_machine_as_test(machine, settings=settings)
+
+
 def test_refit_sessions_keep_every_current_engine_bitwise_the_trainers_fixed_seed() -> None:
-    run_state_machine_as_test(
-        Sessions,
-        settings=_settings(max_examples=25, stateful_step_count=15, derandomize=True, report_multiple_bugs=False),
-    )
+    _run(Sessions, 20, 15, fast=True)
 
 
 @pytest.mark.slow
 def test_refit_sessions_keep_every_current_engine_bitwise_the_trainers() -> None:
-    run_state_machine_as_test(
-        Sessions, settings=_settings(max_examples=40, stateful_step_count=25, derandomize=True, print_blob=True)
+    _run(Sessions, 40, 25, fast=False)
+
+
+# -- the stages: LoRA adapter slots, the canary, FP8 with non-finite values ------------------------------------
+#
+# A second machine, one trainer and one engine per example, for the stages that change what an engine serves
+# beside its weights: LoRA (a refit writes one of K adapter slots; requests pin the slot they started on),
+# the canary (the engine scores a probe before the version commits: it passes, fails, or COMMIT carries a
+# malformed number), FP8 (a non-finite value in a quantized tensor, in whichever bucket), and zero-copy over
+# nixl on CPU (the engine READs the trainer's live tensors), where nixl imports. Versions are
+# drawn new, repeated (after the trainer's values changed: a retry, a constant version) or older than the
+# last; the fingerprint is on or off. Invariant: an engine that reads current at v serves exactly the trainer's
+# state of its last committed refit of v (for LoRA: the slot a new request gets, and every pinned slot still
+# what it held when its request pinned it); a refit that must fail fails alone, the session alive.
+
+
+def _nixl() -> bool:
+    from refit.tools.doctor import nixl_installed
+
+    return nixl_installed()
+
+
+STAGES = ["lora", "canary", "fp8"] + (["nixl"] if _nixl() else [])
+"""nixl: zero-copy (the engine READs the trainer's live tensors one-sided), on CPU, where nixl imports."""
+STAGE_SETTINGS = Settings(bucket_bytes=4096, timeout_s=TIMEOUT_S)
+PROBE = [1, 5, 3, 9, 2, 7, 4]
+KEEP = st.sampled_from([2, 3])
+MALFORMED = {
+    "log-probability beyond a double": lambda p: {**p, "logprobs": [-(10**400), *p["logprobs"][1:]]},
+    "tolerance beyond a double": lambda p: {**p, "tolerance": 10**400},
+    "positive log-probability": lambda p: {**p, "logprobs": [5.0, *p["logprobs"][1:]]},
+    "a string for a number": lambda p: {**p, "logprobs": ["-1", *p["logprobs"][1:]]},
+    "token id out of range": lambda p: {**p, "tokens": [-1, *p["tokens"][1:]]},
+}
+"""Canary payloads the trainer never makes (its own are checked): what COMMIT may carry from a broken peer."""
+
+
+class _LM(torch.nn.Module):
+    """A causal LM to score the canary's probe: token ids to logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+class _Tiny(torch.nn.Module):
+    """The base a LoRA adapter trains over (the same on both sides: seeded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.fc1(x))
+
+
+def _peft_model() -> torch.nn.Module:
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["fc1", "fc2"], lora_dropout=0.0)
+    return peft.get_peft_model(_Tiny(), config).eval()
+
+
+def _fill(tensors: dict[str, torch.Tensor], seed: int) -> None:
+    """The trainer's step: new values in every tensor, in place (the source reads them live)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n in sorted(tensors):
+            t = tensors[n]
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose bytes differ (or that are missing)."""
+    return [n for n, w in want.items() if n not in got or not torch.equal(_bytes(got[n].detach()), _bytes(w))]
+
+
+class StageSessions(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = contextlib.ExitStack()
+        self.served: dict[int, dict[str, torch.Tensor]] = {}
+        """Per version: the trainer's state at its last committed refit of that version, as the engine holds it."""
+        self.pins: list[tuple[contextlib.AbstractContextManager, str, dict[str, torch.Tensor]]] = []
+        self.attempts = 0
+        self.top = 0
+        self.last: int | None = None
+        self.stale = False
+        """canary: the engine computes with something else than what it loaded (its probe scores differ)."""
+
+    @initialize(kind=st.sampled_from(STAGES), verify=st.sampled_from([None, "fingerprint"]), keep=KEEP)
+    def start(self, kind: str, verify: str | None, keep: int) -> None:
+        self.kind = kind
+        event(f"stage={kind} verify={verify}")
+        options: dict[str, object] = {"verify": verify}
+        if kind == "lora":
+            from refit.stages.lora import AdapterTensors, LoraEngine, LoraSource
+
+            trainer = _peft_model()
+            self.tensors = dict(AdapterTensors(trainer, "default"))
+            source: object = LoraSource(trainer)
+            self.engine: object = LoraEngine(_peft_model(), keep=keep)
+        elif kind == "canary":
+            from refit import Canary, causal_lm
+
+            trainer, held = _LM(), _LM()
+            self.tensors = dict(trainer.named_parameters())
+            source = ModuleSource(trainer)
+            score = causal_lm(held)
+            self.engine = ModuleEngine(held, probe=lambda ids: score(ids) * (2.0 if self.stale else 1.0))
+            options["canary"] = Canary(PROBE, causal_lm(trainer), every=1)
+        else:
+            g = torch.Generator().manual_seed(3)
+            self.tensors = {"a.weight": torch.randn(32, 40, generator=g), Q8: torch.randn(TRAINER[Q8][0], generator=g)}
+            if kind == "nixl":
+                self.tensors = {**self.tensors, "b.weight": torch.randn(48, 16, generator=g).to(BF16)}
+                options.update(transport="nixl", zero_copy=True)
+            source = ModuleSource(self.tensors)
+            held = {n: torch.zeros_like(t) for n, t in self.tensors.items()}
+            self.engine = ModuleEngine(_as_held(held, kind == "fp8"))
+        from threaded import Peer
+
+        self.sender = Sender(source, settings=STAGE_SETTINGS, **{"transport": "shm", **options})  # type: ignore[arg-type]
+        self.peer = Peer(Receiver(self.engine, self.sender.rendezvous(), settings=STAGE_SETTINGS))  # type: ignore[arg-type]
+        self.stack.callback(self.peer.stop)
+        self.stack.callback(self.sender.close)  # first: a receiver waiting in receive() is told CLOSE
+        self.peer.ask("connect")
+
+    # -- what the engine serves
+
+    def _served_now(self) -> dict[str, torch.Tensor]:
+        """What a new request computes with: the adapter slot it gets (LoRA), else the engine's tensors."""
+        if self.kind == "lora":
+            from refit.stages.lora import AdapterTensors
+
+            with self.engine.adapter() as name:  # type: ignore[attr-defined]
+                return {n: t.detach().clone() for n, t in AdapterTensors(self.engine.model, name).items()}  # type: ignore[attr-defined]
+        module = self.engine.module  # type: ignore[attr-defined]
+        items = module.named_parameters() if isinstance(module, torch.nn.Module) else module.items()
+        return {n: t.detach().clone() for n, t in items}
+
+    def _record(self) -> dict[str, torch.Tensor]:
+        record = {n: t.detach().clone() for n, t in self.tensors.items()}
+        return _as_held(record, True) if self.kind == "fp8" else record
+
+    def _free_slots(self) -> int:
+        """LoRA: slots a refit may write (neither the one new requests get nor one a request pinned)."""
+        current = None
+        if self.engine.weights.version is not None:  # type: ignore[attr-defined]  # failed too: its slot stays
+            with self.engine.adapter() as current:  # type: ignore[attr-defined]
+                pass
+        busy = {current, *(name for _, name, _ in self.pins)}
+        return sum(s.name not in busy for s in self.engine.slots)  # type: ignore[attr-defined]
+
+    # -- refits
+
+    @rule()
+    def refit_new(self) -> None:
+        self._refit(self.top + 1)
+
+    @precondition(lambda self: self.last is not None)
+    @rule()
+    def refit_again(self) -> None:
+        """The last version again, after the trainer's values changed (a retry, a constant version)."""
+        assert self.last is not None
+        self._refit(self.last)
+
+    @precondition(lambda self: self.top > 1)
+    @rule(data=st.data())
+    def refit_older(self, data: st.DataObject) -> None:
+        self._refit(data.draw(st.integers(1, self.top - 1), label="older version"))
+
+    @precondition(lambda self: self.kind == "canary")
+    @rule(stale=st.booleans())
+    def engine_computes(self, stale: bool) -> None:
+        """The engine computes with what it loaded, or with something else (a derived tensor left stale)."""
+        self.stale = stale
+
+    @precondition(lambda self: self.kind == "canary")
+    @rule(how=st.sampled_from(sorted(MALFORMED)))
+    def refit_with_a_malformed_canary(self, how: str) -> None:
+        """COMMIT carries a canary number the engine must refuse: the refit fails, the session goes on."""
+        real = self.sender.canary_probe
+
+        def broken(ranks: frozenset[int]) -> dict | None:
+            got = real(ranks)
+            return None if got is None else MALFORMED[how](got)
+
+        self.sender.canary_probe = broken  # type: ignore[method-assign]
+        try:
+            self._refit(self.top + 1, fails=f"a malformed canary ({how})")
+        finally:
+            del self.sender.canary_probe
+
+    @precondition(lambda self: self.kind == "fp8")
+    @rule(data=st.data(), name=st.sampled_from(["a.weight", Q8]), value=st.sampled_from([math.nan, math.inf]))
+    def refit_with_a_non_finite_value(self, data: st.DataObject, name: str, value: float) -> None:
+        """A non-finite value anywhere in one tensor: an FP8-quantized one fails the refit (nothing moved, the
+        session alive); a tensor sent as it is moves it bit for bit."""
+        at = data.draw(st.integers(0, self.tensors[name].numel() - 1), label="position")
+        self._refit(
+            self.top + 1, poison=(name, at, value), fails="a non-finite value to quantize" if name == Q8 else ""
+        )
+
+    def _refit(self, version: int, *, poison: tuple | None = None, fails: str = "") -> None:
+        self.attempts += 1
+        _fill(self.tensors, 1000 * version + self.attempts)
+        if poison is not None:
+            name, at, value = poison
+            with torch.no_grad():
+                self.tensors[name].view(-1)[at] = value
+        record = self._record() if not fails else None
+        if self.kind == "lora" and self._free_slots() == 0:
+            fails = "every adapter slot in use"
+        if self.kind == "canary" and self.stale and not fails:
+            fails = "the engine computes something else (the canary)"
+        before = self.engine.weights  # type: ignore[attr-defined]
+        from threaded import refit_both
+
+        sent, got = refit_both(self.sender, self.peer, version)
+        event(f"{self.kind}: " + (f"fails ({fails})" if fails else "commits"))
+        assert not isinstance(sent, PeerError) and not isinstance(got, PeerError), (
+            f"refit {version} ({fails or 'must commit'}) ended the session: {sent!r} / {got!r}"
+        )
+        if not fails:
+            assert isinstance(sent, RefitStats) and isinstance(got, RefitStats), f"refit {version}: {sent!r} / {got!r}"
+            assert record is not None
+            self.served[version] = record
+        else:
+            assert isinstance(sent, RefitError) and isinstance(got, RefitError), (
+                f"refit {version} with {fails} must fail on both sides: {sent!r} / {got!r}"
+            )
+            if self.kind == "lora" and before.state == State.CURRENT:  # refused before any byte: nothing changed
+                w = self.engine.weights  # type: ignore[attr-defined]
+                assert (w.state, w.version) == (State.CURRENT, before.version), f"refused, the engine reads {w}"
+        self.top, self.last = max(self.top, version), version
+
+    # -- requests pinning adapter slots
+
+    @precondition(
+        lambda self: self.kind == "lora" and self.engine.weights.state == State.CURRENT and len(self.pins) < 3
     )
+    @rule()
+    def pin(self) -> None:
+        """A request starts on the version new requests get now, and keeps it until it finishes."""
+        from refit.stages.lora import AdapterTensors
+
+        request = self.engine.adapter()  # type: ignore[attr-defined]
+        name = request.__enter__()
+        held = {n: t.detach().clone() for n, t in AdapterTensors(self.engine.model, name).items()}  # type: ignore[attr-defined]
+        self.pins.append((request, name, held))
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        request, _, _ = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1), label="request"))
+        request.__exit__(None, None, None)
+
+    # -- the invariant
+
+    @invariant()
+    def a_current_engine_serves_the_trainers_state_of_its_version(self) -> None:
+        if not hasattr(self, "engine"):
+            return
+        w = self.engine.weights  # type: ignore[attr-defined]
+        assert w.state != State.UPDATING, f"the engine reads {w} between refits"
+        if w.state == State.CURRENT and w.version in self.served:
+            wrong = _same(self._served_now(), self.served[w.version])
+            assert not wrong, f"the engine reads current at {w.version} but serves other bytes for {wrong}"
+        if self.kind == "lora":
+            from refit.stages.lora import AdapterTensors
+
+            for _, name, held in self.pins:
+                live = dict(AdapterTensors(self.engine.model, name))  # type: ignore[attr-defined]
+                assert not _same(live, held), f"a refit wrote adapter slot {name!r} while a request used it"
+
+    def teardown(self) -> None:
+        while self.pins:
+            self.pins.pop()[0].__exit__(None, None, None)
+        self.stack.close()
+
+
+def test_stage_sessions_serve_the_trainers_state_at_every_current_version_fixed_seed() -> None:
+    _run(StageSessions, 5, 8, fast=True)
+
+
+@pytest.mark.slow
+def test_stage_sessions_serve_the_trainers_state_at_every_current_version() -> None:
+    _run(StageSessions, 40, 20, fast=False)
