@@ -5,6 +5,7 @@ bitwise, checked against the trainer's fingerprint, and a relay that dies mid-re
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -69,6 +70,51 @@ def test_fan_out_by_site_lands_every_replica_bitwise_and_verified(
                 assert_current(p.report(), sender, tensors, version)
         relays = sender.transport.sites.relays  # type: ignore[union-attr]
         assert len(relays) == len(set(s or str(i) for i, s in enumerate(sites)))
+    finally:
+        sender.close()
+        assert [p.wait() for p in peers] == [0] * len(peers)
+
+
+TIMEOUT_S = 20.0
+"""REFIT_TIMEOUT of the kill tests: a relay's death must fail its refit well within it."""
+
+
+@pytest.mark.slow
+def test_a_relay_killed_mid_refit_fails_that_attempt_and_the_refit_commits_on_the_rest(
+    tensors: dict[str, torch.Tensor],
+) -> None:
+    """An elastic fleet of one site of 3: the relay (the first to join: group rank 1) dies at its third bucket of
+    refit 3. The group breaks within REFIT_TIMEOUT, the sender names the relay as departed and forms a new group
+    (a new relay), and refit 3 and 4 commit on the other two, bitwise; nobody read current with mixed bytes."""
+    settings = Settings(bucket_bytes=BUCKET, timeout_s=TIMEOUT_S)
+    source = ModuleSource(tensors, wire_dtype=torch.bfloat16)
+    sender = Sender(source, transport="relay", settings=settings, elastic=True, verify="fingerprint")
+    relay = _peers(sender, ["a"], TIMEOUT_S, {0: {"kind": "die", "version": 3, "at_load": 3}})[0]
+    peers = []
+    try:
+        step(tensors)
+        sender.refit(1)
+        assert_current(relay.report(), sender, tensors, 1)
+        peers = _peers(sender, ["a", "a"], TIMEOUT_S)
+        assert sender.await_receivers(3, timeout_s=120)
+        step(tensors)
+        sender.refit(2)
+        assert sender.transport.sites.members == ((1, 2, 3),)  # type: ignore[union-attr]
+        for p in (relay, *peers):
+            assert_current(p.report(), sender, tensors, 2)
+        step(tensors)
+        t = time.monotonic()
+        stats = sender.refit(3)
+        assert time.monotonic() - t < TIMEOUT_S, "the relay's death was noticed only at the timeout"
+        assert relay.wait() == 9
+        assert [d["receiver"] for d in stats.departed] == [1], stats.departed
+        assert sender.transport.sites.members == ((1, 2),)  # type: ignore[union-attr]
+        for version in (3, 4):
+            if version == 4:
+                step(tensors)
+                sender.refit(4)
+            for p in peers:
+                assert_current(p.report(), sender, tensors, version)
     finally:
         sender.close()
         assert [p.wait() for p in peers] == [0] * len(peers)

@@ -5,13 +5,12 @@ bytes refit reports, and the engine's tensors against the trainer's, bitwise."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 
 import pytest
-from link import A_ADDR, B_ADDR, Link, can_make_links
-from locations import helper, pythonpath
+from link import A_ADDR, B_ADDR, Link, can_make_links, env, first_json
+from locations import helper
 from peer import MARK
 from trainer_ranks import line, start
 
@@ -30,18 +29,6 @@ def link() -> Iterator[Link]:
         pytest.skip(why)
     with Link(rate="1gbit") as made:
         yield made
-
-
-def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": pythonpath(), **extra}
-
-
-def _json(proc: subprocess.Popen, mark: str) -> dict:
-    assert proc.stdout is not None
-    for text in proc.stdout:
-        if text.startswith(mark):
-            return json.loads(text[len(mark) :])
-    raise AssertionError(f"process exited with {proc.wait()} before a {mark.strip()} line")
 
 
 NET_ONLY = {"UCX_TLS": "tcp"}
@@ -70,16 +57,16 @@ def test_across_a_rate_limited_link_a_refit_moves_what_it_reports_and_lands_bitw
     net = _nixl_or_skip(transport)
     args = {"specs": SPECS, "transport": transport, "bucket_bytes": BUCKET, "steps": STEPS, "delta": delta,
             "sparse": True}  # fmt: skip
-    sender = link.popen("a", [helper("net_sender.py"), json.dumps(args)], _env(REFIT_HOST=A_ADDR, **net))
+    sender = link.popen("a", [helper("net_sender.py"), json.dumps(args)], env(REFIT_HOST=A_ADDR, **net))
     try:
-        info = _json(sender, "@@sender ")
+        info = first_json(sender, "@@sender ")
         assert info["host"] == A_ADDR
         before = link.bytes_a_to_b()
         engine = {"rendezvous": info, "specs": SPECS, "bucket_bytes": BUCKET}
-        worker = link.popen("b", [helper("peer.py"), json.dumps(engine)], _env(REFIT_HOST="10.232.0.2", **net))
+        worker = link.popen("b", [helper("peer.py"), json.dumps(engine)], env(REFIT_HOST="10.232.0.2", **net))
         moved = []
         for version in range(1, STEPS + 1):
-            sent, got = _json(sender, "@@sender "), _json(worker, MARK)
+            sent, got = first_json(sender, "@@sender "), first_json(worker, MARK)
             assert got["event"] == "refit" and got["version"] == version, got
             assert got["fingerprints"] == sent["fingerprints"], f"refit {version} did not land bitwise"
             moved.append(sent["wire_bytes"])
@@ -105,14 +92,14 @@ def test_zero_copy_over_nixl_across_the_link_reads_every_version_bitwise(link: L
     specs = [[f"layer.{i}.weight", [1024, 1024], "bfloat16"] for i in range(8)]  # 16 MiB: 134 ms a READ at 1 Gbit/s
     args = {"specs": specs, "transport": "nixl", "bucket_bytes": BUCKET, "steps": STEPS, "zero_copy": True,
             "verify": "fingerprint" if verify else None}  # fmt: skip
-    sender = link.popen("a", [helper("net_sender.py"), json.dumps(args)], _env(REFIT_HOST=A_ADDR, **net))
+    sender = link.popen("a", [helper("net_sender.py"), json.dumps(args)], env(REFIT_HOST=A_ADDR, **net))
     try:
-        info = _json(sender, "@@sender ")
+        info = first_json(sender, "@@sender ")
         before = link.bytes_a_to_b()
         engine = {"rendezvous": info, "specs": specs, "bucket_bytes": BUCKET}
-        worker = link.popen("b", [helper("peer.py"), json.dumps(engine)], _env(REFIT_HOST=B_ADDR, **net))
+        worker = link.popen("b", [helper("peer.py"), json.dumps(engine)], env(REFIT_HOST=B_ADDR, **net))
         for version in range(1, STEPS + 1):
-            sent, got = _json(sender, "@@sender "), _json(worker, MARK)
+            sent, got = first_json(sender, "@@sender "), first_json(worker, MARK)
             assert got["event"] == "refit" and got["version"] == version, got
             assert got["fingerprints"] == sent["fingerprints"], f"refit {version} did not land bitwise"
         crossed = link.bytes_a_to_b() - before
@@ -135,7 +122,7 @@ def test_m_to_n_across_the_link_two_trainer_ranks_into_two_workers_bitwise(link:
         before = link.bytes_a_to_b()
         for w in range(2):
             job = {"rendezvous": info, "kind": "mlp", "worker": w, "workers": 2, "device": "cpu"}
-            workers.append(link.popen("b", [helper("mesh_worker.py"), json.dumps(job)], _env(REFIT_HOST=B_ADDR)))
+            workers.append(link.popen("b", [helper("mesh_worker.py"), json.dumps(job)], env(REFIT_HOST=B_ADDR)))
         received = 0
         for version in (1, 2, 3):
             out = line(ranks[0])

@@ -51,6 +51,10 @@ the REPRIME-th refit after, it is kept again, so that a return to sparse changes
 
 DECAY = 0.8
 """Weight each earlier measurement keeps per new one, so that the costs follow the link and the machine's load."""
+GATED = 0.25
+"""A bucket's acknowledgement that came within this fraction of its service time after the next bucket was ready
+was held up by the trainer itself (a receiver acknowledges a bucket once the next one's header is in): its link
+time is not seen in the pipeline, and the time of its own send and wait stands for it."""
 REPROBE = 16
 """While every bucket goes full by choice the scan is not timed; the REPROBE-th delta refit since one was
 scans its first kept bucket anyway, so that a cheaper scan (or a slower link) is seen."""
@@ -425,6 +429,10 @@ class DeltaStage(Stage):
         self._by_link: dict[int, int] = {}
         """The trainer's, per bucket not kept because the link was faster than its scan: refits left until it
         is kept again, so that the scan is timed anew."""
+        self._ready = [0.0] * manifest.num_buckets
+        """The trainer's, per bucket: when its bytes were ready to send (this refit's, once it went out)."""
+        self._acked: float | None = None
+        """The trainer's: when this refit's last bucket was acknowledged by every receiver (None: none yet)."""
 
     def configure(self, session: Mapping[str, object]) -> None:
         threshold, costs = session.get("delta_threshold"), session.get("delta_costs")
@@ -436,12 +444,17 @@ class DeltaStage(Stage):
     def base(self, version: int, ranks: list[int]) -> int | None:
         base = self.image.base_for(ranks)
         self._delta = base is not None
-        self._counts = {}
+        self._counts, self._acked = {}, None
         if self._delta:
             self._since_scan += 1
         return base
 
     def outgoing(self, b: int, buf: torch.Tensor, nbytes: int) -> tuple[int, Bucket]:
+        went = self._outgoing(b, buf, nbytes)
+        self._ready[b] = time.perf_counter()
+        return went
+
+    def _outgoing(self, b: int, buf: torch.Tensor, nbytes: int) -> tuple[int, Bucket]:
         way = self._way(b)
         if way == "full-link":  # nor kept: no image copy on either side while the link stays fast
             self.image.drop(b)
@@ -499,10 +512,27 @@ class DeltaStage(Stage):
     def sent(self, b: int, nbytes: int, seconds: float) -> None:
         if not self.trainer:
             return
+        now, since = time.perf_counter(), self._acked
+        self._acked = now
+        if since is None and self.manifest.num_buckets > 1:
+            return  # the first bucket also waits for the receivers to begin the refit: no cost per byte
+        took = self._took(b, now, 0.0 if since is None else since, seconds)
         if self._full[b]:
-            self.costs.moved(nbytes, seconds)
+            self.costs.moved(nbytes, took)
         elif (link := self.costs.link) is not None:
-            self.costs.decoded(self.manifest.bucket_nbytes[b], seconds - link * nbytes)
+            self.costs.decoded(self.manifest.bucket_nbytes[b], took - link * nbytes)
+
+    def _took(self, b: int, now: float, since: float, seconds: float) -> float:
+        """Bucket `b`'s time on the link, acknowledged `now`: from when it was ready, or the bucket before was
+        acknowledged if later (the link was busy until then). A send returns once its bytes are in a socket buffer,
+        so only this pipeline time sees the link's real cost; `seconds` (its send and wait) where the trainer held
+        the acknowledgement up itself, preparing the next bucket (GATED)."""
+        start = max(since, self._ready[b])
+        took = now - start
+        later = self._ready[b + 1] if b + 1 < len(self._ready) else 0.0
+        if later > start and now - later < GATED * took:
+            return seconds
+        return took
 
     def buckets(self) -> dict[str, int]:
         return dict(self._counts)

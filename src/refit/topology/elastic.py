@@ -273,6 +273,8 @@ class Elastic(Fixed):
 
     def drop(self, ch: Channel, error: Exception) -> None:
         """`ch` left (LEAVE, closed, died or broke the protocol): the refit goes on without it."""
+        if ch in self.group and self.s.transport is not None:  # a relay's site loses the bytes it carried
+            self.s.transport.left(self.group.index(ch) + 1)
         self.s.forget(ch)
         self.members.drop(ch, error)
 

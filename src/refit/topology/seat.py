@@ -68,6 +68,9 @@ class SenderInterface(Protocol):
     def uses_store(self) -> bool: ...
 
     @property
+    def transport(self) -> Transport | None: ...
+
+    @property
     def members(self) -> Membership | None: ...
 
     @property

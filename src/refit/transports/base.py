@@ -122,6 +122,10 @@ class Transport(ABC):
         caller then counts every member as not arrived."""
         return None
 
+    def left(self, rank: int) -> None:
+        """Sender side of a group transport: group rank `rank` left mid-refit. A transport whose other members
+        get their bytes through it (relay) fails its transfers from now on, so the group is formed again."""
+
     def abort(self) -> None:
         """Give the link up now, so that every peer still blocked in it fails at once instead of waiting out its
         timeout (a group a dead member broke), then release it. The default is `close`, for a transport whose

@@ -1,8 +1,8 @@
 """relay transport: gloo broadcast fanned out by site. The trainer broadcasts each bucket once to one relay per
-site (the trunk group: the trainer and the relays); each relay re-broadcasts it inside its site's own gloo group
-while it receives the next bucket into its other slot. A site is what a receiver states (`Settings.site`,
-REFIT_SITE, `Receiver(..., site=...)`): the replicas behind one link; a receiver that states none is a site of
-its own, so with no sites stated this is gloo's broadcast.
+site (the trunk group: the trainer and the relays); each relay sends it on to each member of its site over the
+site's own gloo group while it receives the next bucket into its other slot. A site is what a receiver states
+(`Receiver(..., site=...)`, or REFIT_SITE): the replicas behind one link; a receiver that states none is a site
+of its own, so with no sites stated this is gloo's broadcast.
 
 Relays only move bytes: each replica still checks its own tensors against the trainer's fingerprint, which
 reaches it over its own authenticated channel, and a version commits fleet-wide as with any transport.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,7 +71,7 @@ class Sites:
 
 
 class _Relayed(Pending):
-    """A relay's receive: the trunk broadcast, then the start of its re-broadcast inside the site."""
+    """A relay's receive: the trunk broadcast, then the start of its sends on to the site's members."""
 
     def __init__(self, trunk: Pending, forward: Callable[[], None]) -> None:
         self._trunk, self._forward = trunk, forward
@@ -78,6 +79,30 @@ class _Relayed(Pending):
     def wait(self, timeout_s: float, interrupted: Callable[[], bool] | None = None) -> None:
         self._trunk.wait(timeout_s, interrupted)
         self._forward()
+
+
+class _All(Pending):
+    """Several transfers, done when each is."""
+
+    def __init__(self, parts: list[Pending]) -> None:
+        self._parts = parts
+
+    def wait(self, timeout_s: float, interrupted: Callable[[], bool] | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        for part in self._parts:
+            part.wait(max(deadline - time.monotonic(), 1e-3), interrupted)
+
+
+class _Checked(Pending):
+    """The trainer's broadcast, which fails once the group broke (`check` raises) even where its bytes left."""
+
+    def __init__(self, pending: Pending, check: Callable[[], None]) -> None:
+        self._pending, self._check = pending, check
+
+    def wait(self, timeout_s: float, interrupted: Callable[[], bool] | None = None) -> None:
+        self._check()
+        self._pending.wait(timeout_s, interrupted)
+        self._check()
 
 
 class RelayTransport(GlooTransport):
@@ -90,8 +115,12 @@ class RelayTransport(GlooTransport):
         self.sites: Sites | None = None
         self._site_pg: dist.ProcessGroup | None = None
         """Relays and members: the site's group (its relay is rank 0); None for a site of one."""
+        self._tag = 0
+        """Inside a site: the tag of the next bucket sent on (relay) or received (member)."""
+        self._broken = ""
+        """Trainer: why a site lost this group's refits (a receiver of a shared site left); '' while none did."""
         self._forwards: dict[int, Pending] = {}
-        """A relay's re-broadcasts in flight, by slot: waited before the slot is received into again."""
+        """A relay's sends on to its site in flight, by slot: waited before the slot is received into again."""
 
     def _group(self, store: dist.Store) -> dist.ProcessGroup | None:  # type: ignore[override]
         """Trainer: read every receiver's site, write the plan, make the trunk. Receiver: state the site, read the
@@ -136,11 +165,28 @@ class RelayTransport(GlooTransport):
 
     def send(self, slot: int, nbytes: int) -> Pending:
         assert self.sites is not None
-        return self._broadcast(slot, nbytes, f"relay broadcast of {nbytes} bytes to {len(self.sites.relays)} relay(s)")
+        self._check()
+        what = f"relay broadcast of {nbytes} bytes to {len(self.sites.relays)} relay(s)"
+        return _Checked(self._broadcast(slot, nbytes, what), self._check)
+
+    def left(self, rank: int) -> None:
+        """A receiver left mid-refit: where it shared a site, the others of that site miss what it relayed or
+        fail relaying to it, and wait for a new group (never for this refit's bytes)."""
+        if self.sites is None or self._broken:
+            return
+        k = self.sites.site_of(rank)
+        group = self.sites.members[k]
+        if len(group) > 1:
+            role = "the relay" if group[0] == rank else "a member"
+            self._broken = f"group rank {rank}, {role} of a site of {len(group)}, left mid-refit"
+
+    def _check(self) -> None:
+        if self._broken:
+            raise PeerError(f"the relay group broke: {self._broken}")
 
     def recv(self, slot: int, nbytes: int) -> Pending:
         if not self.relays:
-            return self._in_site(slot, nbytes, f"relay receive of {nbytes} bytes from the site's relay")
+            return self._in_site(slot, nbytes, f"relay receive of {nbytes} bytes from its site's relay")
         done = self._forwards.pop(slot, None)
         if done is not None:  # the slot's last bucket has left for the site before this one overwrites it
             done.wait(self._settings.timeout_s)
@@ -149,18 +195,39 @@ class RelayTransport(GlooTransport):
             return trunk
 
         def forward() -> None:
-            what = f"relay re-broadcast of {nbytes} bytes inside its site"
+            what = f"relay send of {nbytes} bytes on to its site"
             self._forwards[slot] = self._in_site(slot, nbytes, what)
 
         return _Relayed(trunk, forward)
 
     def _in_site(self, slot: int, nbytes: int, what: str) -> Pending:
-        if self._site_pg is None:
+        """Inside the site, the relay sends to each member itself (never gloo's tree, in which a member waits on
+        another member: a relay's death must reach every member of its site at once, not at the timeout)."""
+        pg = self._site_pg
+        if pg is None or self.sites is None:
             raise PeerError(f"{self.name} transport is closed or was never set up")
-        return self._pending(self._site_pg.broadcast([self.buffers[slot][:nbytes]], self._opts), what)
+        data, tag = [self.buffers[slot][:nbytes]], self._tag
+        self._tag = (tag + 1) % (1 << 30)  # both ends count the buckets: each send meets its own receive
+        try:  # a pair a dead peer closed refuses the operation at once
+            if not self.relays:
+                return self._pending(pg.recv(data, 0, tag), what)
+            size = len(self.sites.members[self.sites.site_of(self._rank)])
+            return _All([self._pending(pg.send(data, m, tag), what) for m in range(1, size)])
+        except RuntimeError as e:
+            if isinstance(e, PeerError):
+                raise
+            raise PeerError(f"{what} failed: {e}; did the relay or a member of its site exit?") from None
+
+    def _broadcast(self, slot: int, nbytes: int, what: str) -> Pending:
+        try:
+            return super()._broadcast(slot, nbytes, what)
+        except RuntimeError as e:  # as above: PeerError is a RuntimeError too, and passes unchanged
+            if isinstance(e, PeerError):
+                raise
+            raise PeerError(f"{what} failed: {e}; did a peer exit?") from None
 
     def flush(self) -> None:
-        """A relay: every re-broadcast it started is done (its site's members need them to commit)."""
+        """A relay: every send on to its site it started is done (its site's members need them to commit)."""
         forwards, self._forwards = self._forwards, {}
         for pending in forwards.values():
             pending.wait(self._settings.timeout_s)
