@@ -762,7 +762,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"refit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_demo_parser, _bench_parser, _plan_parser, _doctor_parser):
+    from refit.tools.verify_root import add_parser as _verify_root_parser
+
+    for add in (_demo_parser, _bench_parser, _plan_parser, _doctor_parser, _verify_root_parser):
         add(sub, common)
     return parser
 

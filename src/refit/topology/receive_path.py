@@ -17,6 +17,7 @@ from functools import partial
 import torch
 
 from refit.checks.bucket_checksum import checksum
+from refit.checks.root import verified_root
 from refit.engines.base import Engine
 from refit.errors import IntegrityError, PeerError, RefitError
 from refit.layout.manifest import Manifest
@@ -265,6 +266,8 @@ class ReceivePath:
                 ", ".join(sorted(unreadable)[:20])
                 + (f", ... and {len(unreadable) - 20} more" if len(unreadable) > 20 else ""),
             )
+        if not bad:
+            stats.root = verified_root(m.names, digests, unreadable, self.engine.optional_names)
         if bad:
             shown = ", ".join(bad[:20]) + (f", ... and {len(bad) - 20} more" if len(bad) > 20 else "")
             return IntegrityError(
