@@ -11,7 +11,7 @@ import contextlib
 import time
 from typing import Protocol
 
-from refit.checks import canary
+from refit.checks import canary, canary_bisect
 from refit.checks.manifest_check import validate
 from refit.engines.base import Engine
 from refit.engines.staging import Split
@@ -58,6 +58,8 @@ class ReceiveRound:
         self.probe: canary.Probe | None = None
         """The trainer's canary reference, when COMMIT carried one (refit.checks.canary)."""
         self.canary_s = 0.0
+        self.bisect: dict = {}
+        """After a failed canary: the engine's per-module sketches, sent with DONE (refit.checks.canary_bisect)."""
 
     def run(self) -> RefitStats | None:
         s, version, begin = self.s, self.version, self.begin
@@ -128,7 +130,10 @@ class ReceiveRound:
         if failure is not None:
             self._fail(str(failure))
             log.error("refit of version %d failed: %s", version, failure)
-            ch.send(Header(Kind.DONE, status=1, version=version), {"message": f"receiver {s.rank}: {failure}"})
+            ch.send(
+                Header(Kind.DONE, status=1, version=version),
+                {"message": f"receiver {s.rank}: {failure}", **self.bisect},
+            )
             raise failure
         ch.send(Header(Kind.DONE, version=version), done or None)
         if self.two_phase:
@@ -184,6 +189,9 @@ class ReceiveRound:
         assert m is not None
         dtypes = [spec.dtype for spec in engine.specs()] + [p.spec.dtype for p in m.entries]  # what it holds, as sent
         failure = canary.check(engine.scoring(), self.probe, dtypes, self.version)
+        if failure is not None:
+            tol = self.probe.tolerance if self.probe.tolerance is not None else canary.tolerance_for(dtypes)
+            self.bisect = canary_bisect.engine_half(engine, self.probe.tokens, tol)
         self.canary_s = time.perf_counter() - t
         return failure
 

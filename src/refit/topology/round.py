@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from refit.checks import canary_bisect
 from refit.errors import IntegrityError, RefitError
 from refit.layout.manifest import Manifest
 from refit.log import get_logger
@@ -121,16 +122,19 @@ class Round:
         failures: list[str] = []
         committed: list[Channel] = []
         names: set[str] = set()
+        bisected: dict = {}
 
         def done(ch: Channel) -> None:
             header, payload = ch.expect(Kind.DONE, f"commit of version {self.version}")
             try:
-                answer = Done.from_json(parse_json(payload, "DONE") if payload else {})
+                raw = parse_json(payload, "DONE") if payload else {}
+                answer = Done.from_json(raw)
             except IntegrityError as e:
                 failures.append(f"{ch.peer}: {e}")
                 return
             if header.status:
-                failures.append(f"{ch.peer}: {answer.message or 'unknown error'}")
+                where = canary_bisect.trainer_half(self.s.canary, raw.get(canary_bisect.FIELD), bisected)
+                failures.append(f"{ch.peer}: {answer.message or 'unknown error'}{where}")
             else:
                 committed.append(ch)
             stats.unverified = max(stats.unverified, answer.unverified)
