@@ -1,55 +1,87 @@
 """Root: one digest over a version's per-tensor fingerprints, a Merkle root in manifest order.
 
-A tensor's leaf is its fingerprint (the 8 bytes of its 16-hex-digit digest, `refit.topology.digest_plan`);
-an internal node is BLAKE2b-128 of a marker byte and its two children; a level of odd length carries its
-last node up unchanged. One wrong tensor changes the root, and a proof that a tensor belongs to a root is
-the path of sibling nodes from its leaf up. Leaves (8 bytes) and nodes (16 bytes) differ in length and nodes
-are hashed with their own marker, so a node can never pass for a leaf.
+A tensor's leaf is its fingerprint (the 64-bit digest `refit.topology.digest_plan` sends as 16 hex digits). A node
+is two 64-bit lanes: a leaf's are its fingerprint and a mix of it; a parent's lane j is
+`mix(left_j * P_j + mix(right_j ^ S_j))`, where `mix` is SplitMix64's finalizer (a bijection of 64-bit words) and
+P_j odd, so a change of either child changes each lane, and swapping two children changes it too. A level of
+odd length carries its last node up unchanged. The root is the last node's two lanes, 32 hex digits. A proof
+that a tensor belongs to a root is the path of sibling nodes from its leaf up.
 
+Like the digests it folds, it is a check against mistakes, not against an adversary: each level is a few
+vector operations over 64-bit words, so the fold of 10,000 fingerprints costs about a millisecond.
 The trainer folds the digests it sends each receiver; an engine folds those of what it holds
 (`held_leaves`). Equal roots for one version: the replica holds the trainer's bytes, tensor for tensor.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
+from refit.checks.copy_digest import prepared_digests
 from refit.checks.manifest_check import waived
 from refit.checks.tensor_digest import Pending
 
-NODE = b"\x01"
 UNREADABLE = "0" * 16
 """The leaf of a name an engine cannot read back: its root then differs from the trainer's (unproven)."""
 
 
-def _node(left: bytes, right: bytes) -> bytes:
-    return hashlib.blake2b(NODE + left + right, digest_size=16).digest()
+_P = np.array([0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93], dtype=np.uint64)
+_S = np.array([0x2545F4914F6CDD1D, 0xA0761D6478BD642F], dtype=np.uint64)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_K = (np.uint64(30), np.uint64(27), np.uint64(31))
 
 
-def _leaf(fingerprint: str) -> bytes:
-    if len(fingerprint) != 16:
-        raise ValueError(f"a leaf is a 16-hex-digit fingerprint, not {fingerprint!r}")
-    return bytes.fromhex(fingerprint)
+def _mix(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer, element-wise on uint64 words (wrapping)."""
+    z = (z ^ (z >> _K[0])) * _M1
+    z = (z ^ (z >> _K[1])) * _M2
+    return z ^ (z >> _K[2])
 
 
-def _up(level: list[bytes]) -> list[bytes]:
-    out = [_node(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
-    if len(level) % 2:
-        out.append(level[-1])
-    return out
+def _node(left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """Parents of (n, 2) lanes `left` and `right`, row by row (both lanes at once)."""
+    return _mix(left * _P + _mix(right ^ _S))
+
+
+def _leaves(fingerprints: Sequence[str]) -> np.ndarray:
+    """(n, 2) lanes of 16-hex-digit fingerprints."""
+    text = "".join(fingerprints)
+    if len(text) != 16 * len(fingerprints):
+        raise ValueError("a leaf is a 16-hex-digit fingerprint; got one of another length")
+    try:
+        words = np.frombuffer(bytes.fromhex(text), dtype=">u8").astype(np.uint64)
+    except ValueError:
+        raise ValueError("a leaf is a 16-hex-digit fingerprint; got one that is not hex") from None
+    return np.stack([words, _mix(words ^ _S[1])], 1)
+
+
+def _hex(node: np.ndarray) -> str:
+    return node.astype(">u8").tobytes().hex()
+
+
+def _unhex(text: str) -> np.ndarray:
+    if len(text) != 32:
+        raise ValueError(f"a node is 32 hex digits, not {text!r}")
+    return np.frombuffer(bytes.fromhex(text), dtype=">u8").astype(np.uint64)
+
+
+def _up(level: np.ndarray) -> np.ndarray:
+    pairs = level.shape[0] // 2
+    up = _node(level[0 : 2 * pairs : 2], level[1 : 2 * pairs : 2])
+    return np.concatenate([up, level[-1:]]) if level.shape[0] % 2 else up
 
 
 def root(leaves: Sequence[str]) -> str:
-    """The Merkle root of `leaves` (fingerprints in manifest order), as hex; the empty string for none."""
-    level = [_leaf(f) for f in leaves]
-    if not level:
+    """The Merkle root of `leaves` (fingerprints in manifest order), as 32 hex digits; the empty string for none."""
+    if not leaves:
         return ""
-    while len(level) > 1:
+    level = _leaves(leaves)
+    while level.shape[0] > 1:
         level = _up(level)
-    return level[0].hex()
+    return _hex(level[0])
 
 
 def proof(leaves: Sequence[str], index: int) -> list[str]:
@@ -57,11 +89,11 @@ def proof(leaves: Sequence[str], index: int) -> list[str]:
     (levels where the node has none, the carried last node, are skipped)."""
     if not 0 <= index < len(leaves):
         raise ValueError(f"index {index} is outside the {len(leaves)} leaves")
-    level, path = [_leaf(f) for f in leaves], []
-    while len(level) > 1:
+    level, path = _leaves(leaves), []
+    while level.shape[0] > 1:
         sibling = index ^ 1
-        if sibling < len(level):
-            path.append(level[sibling].hex())
+        if sibling < level.shape[0]:
+            path.append(_hex(level[sibling]))
         level, index = _up(level), index // 2
     return path
 
@@ -71,7 +103,7 @@ def verify_proof(root_hex: str, leaf: str, index: int, path: Sequence[str], num_
     if not 0 <= index < num_leaves:
         return False
     try:
-        node, steps = _leaf(leaf), [bytes.fromhex(p) for p in path]
+        node, steps = _leaves([leaf])[0], [_unhex(p) for p in path]
     except ValueError:
         return False
     width = num_leaves
@@ -80,9 +112,10 @@ def verify_proof(root_hex: str, leaf: str, index: int, path: Sequence[str], num_
             if not steps:
                 return False
             sibling = steps.pop(0)
-            node = _node(node, sibling) if index % 2 == 0 else _node(sibling, node)
+            pair = (node, sibling) if index % 2 == 0 else (sibling, node)
+            node = _node(pair[0][None], pair[1][None])[0]
         index, width = index // 2, (width + 1) // 2
-    return not steps and node.hex() == root_hex
+    return not steps and _hex(node) == root_hex.lower()
 
 
 def held_leaves(names: Sequence[str], held: Sequence[torch.Tensor | None], wire: Sequence[torch.dtype]) -> list[str]:
@@ -90,7 +123,13 @@ def held_leaves(names: Sequence[str], held: Sequence[torch.Tensor | None], wire:
     pending = Pending()
     where = [i for i, t in enumerate(held) if t is not None]
     with torch.no_grad():
-        pending.add([held[i].to(wire[i]) for i in where])  # type: ignore[union-attr]
+        views = [held[i].to(wire[i]) for i in where]  # type: ignore[union-attr]
+        on_cpu = views and all(v.device.type == "cpu" for v in views)
+        run = prepared_digests(views) if on_cpu else None  # the CPU kernel reads each once, no copy
+        if run is not None:
+            pending.add_digests(run())
+        else:
+            pending.add(views)
     out = [UNREADABLE] * len(names)
     for i, h in zip(where, pending.hexes()):
         out[i] = h
