@@ -135,8 +135,8 @@ def test_two_swapped_experts_are_named_at_that_layers_moe() -> None:
 class LoadsWrongOnce(ModuleEngine):
     """(e) The first load of one tensor writes a flipped value (a flaky copy); later loads are right."""
 
-    def __init__(self, model: torch.nn.Module, name: str) -> None:
-        super().__init__(model)
+    def __init__(self, model: torch.nn.Module, name: str, *, repair: bool = True) -> None:
+        super().__init__(model, repair=repair)
         self.name, self.flipped = name, False
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -147,17 +147,32 @@ class LoadsWrongOnce(ModuleEngine):
                 self.tensor(self.name).view(-1)[5] += 1.0
 
 
-def test_a_tensor_loaded_wrong_once_fails_the_fingerprint_naming_it_and_the_retry_commits() -> None:
-    trainer, name = _lm(0), "model.layers.1.mlp.down_proj.weight"
+def test_a_tensor_loaded_wrong_once_is_repaired_within_the_refit_which_commits_saying_so() -> None:
+    trainer, name = _lm(0), "model.layers.1.post_attention_layernorm.weight"
     engine = LoadsWrongOnce(_lm(1), name)
     with session(ModuleSource(trainer), engine, SETTINGS, canary=Canary(PROBE, causal_lm(trainer))) as (sender, peer):
         _step(trainer)
         stats, got = refit_both(sender, peer, 1)
+        assert isinstance(stats, RefitStats) and isinstance(got, RefitStats), (stats, got)
+        assert engine.flipped and stats.repaired == got.repaired == [name]
+        assert got.repair_bytes == 64 * 4 <= stats.repair_bytes <= 0.01 * stats.nbytes, stats
+        assert engine.weights.state == State.CURRENT and engine.root() == (1, stats.root) == (1, got.root)
+        assert torch.equal(engine.tensor(name), trainer.get_parameter(name))
+        _step(trainer)
+        stats, got = refit_both(sender, peer, 2)  # the next refit moves no repair
+        assert isinstance(stats, RefitStats) and stats.repaired == [] and stats.repair_bytes == 0, stats
+
+
+def test_without_repair_a_tensor_loaded_wrong_once_fails_the_version_and_the_retry_commits() -> None:
+    trainer, name = _lm(0), "model.layers.1.post_attention_layernorm.weight"
+    engine = LoadsWrongOnce(_lm(1), name, repair=False)
+    with session(ModuleSource(trainer), engine, SETTINGS) as (sender, peer):
+        _step(trainer)
+        stats, _ = refit_both(sender, peer, 1)
         assert isinstance(stats, RefitError) and f"for 1 tensor(s): {name}" in str(stats), stats
         assert engine.weights.state == State.FAILED
-        stats, got = refit_both(sender, peer, 1)
-        assert isinstance(stats, RefitStats) and isinstance(got, RefitStats), (stats, got)
-        assert engine.root() == (1, stats.root)
+        stats, _ = refit_both(sender, peer, 1)
+        assert isinstance(stats, RefitStats) and stats.repaired == [] and engine.root() == (1, stats.root)
 
 
 def test_bisection_costs_no_probe_pass_when_the_canary_passes_and_two_when_it_fails(

@@ -37,6 +37,7 @@ class ModuleEngine(Engine):
         shards: Mapping[str, Slice] | None = None,
         fp8: Mapping[str, BlockFormat] | BlockFormat | None = None,
         probe: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        repair: bool = False,
     ) -> None:
         """`name_map` maps sender names to this module's names where they differ; `ignore`: sender names
         (or fnmatch patterns) never loaded nor checked, whether or not the module has them (reported).
@@ -46,9 +47,12 @@ class ModuleEngine(Engine):
         each FP8 tensor with float32 scales beside it named `<name>_scale_inv` is taken as 128 x 128 blocks
         (DeepSeek-V3's layout) when the scales' shape fits that (`formats`).
         `probe`: how this engine scores a canary probe (refit.checks.canary); by default a module is scored as a
-        causal language model (`causal_lm`: its forward maps input_ids to logits)."""
+        causal language model (`causal_lm`: its forward maps input_ids to logits).
+        `repair`: when the fingerprint check names a few tensors wrong, fetch just those again from the trainer
+        and check them within the same refit (refit.topology.repair) instead of failing the version."""
         super().__init__()
         self.optional_names = frozenset(ignore)
+        self.repair = repair
         self.module = module
         self._probe = probe
         self._layout = StateLayout(module) if isinstance(module, nn.Module) else None

@@ -74,6 +74,8 @@ class ReceivePath:
         """Per names list an engine returned (its plans return the same list every refit): their positions."""
         self._where: dict[str, int] | None = None
         self.stages = stages or []
+        self.wrong: tuple[list[str], list[str], RefitError] | None = None
+        """The last failed fingerprint check: (names, VERIFY's digests, its error)."""
         self._flags, self._resizing = Bucket.CHECKSUM, Bucket(0)
         for stage in self.stages:
             self._flags |= stage.flags
@@ -270,10 +272,12 @@ class ReceivePath:
             stats.root = verified_root(m.names, digests, unreadable, self.engine.optional_names)
         if bad:
             shown = ", ".join(bad[:20]) + (f", ... and {len(bad) - 20} more" if len(bad) > 20 else "")
-            return IntegrityError(
+            err = IntegrityError(
                 f"fingerprint check failed: the engine does not hold what the trainer holds for "
                 f"{len(bad)} tensor(s): {shown}"
             )
+            self.wrong = (bad, digests, err)  # what refit.topology.repair may fetch again
+            return err
         return None
 
 

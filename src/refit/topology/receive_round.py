@@ -20,6 +20,7 @@ from refit.layout.manifest import Manifest
 from refit.layout.spec import TensorSpec, changes
 from refit.log import get_logger
 from refit.protocol.wire import Begin, Channel, Header, Kind, PeerFailed, parse_json
+from refit.topology import repair
 from refit.topology.landing import Live
 from refit.topology.receive_path import ReceivePath
 from refit.topology.stats import RefitStats
@@ -84,6 +85,7 @@ class ReceiveRound:
             raise
         t = time.perf_counter()
         self._flush()
+        failure = repair.on_receiver(s, failure, stats, version)  # a few wrong tensors fetched again
         self._commit(failure, done)
         if self.probe is not None:
             stats.add("canary", self.canary_s)

@@ -15,6 +15,7 @@ from refit.layout.manifest import Manifest
 from refit.log import get_logger
 from refit.protocol.wire import Begin, Channel, Done, Header, Kind, parse_json
 from refit.stages import Stage
+from refit.topology import repair
 from refit.topology.seat import SenderInterface
 from refit.topology.send_path import each
 from refit.topology.stats import RefitStats
@@ -126,6 +127,8 @@ class Round:
 
         def done(ch: Channel) -> None:
             header, payload = ch.expect(Kind.DONE, f"commit of version {self.version}")
+            if header.status == repair.ASK:
+                header, payload = repair.on_sender(self.s, ch, payload, self.version, stats)
             try:
                 raw = parse_json(payload, "DONE") if payload else {}
                 answer = Done.from_json(raw)
