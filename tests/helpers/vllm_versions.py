@@ -1,7 +1,8 @@
 """Run in its own process: an offline vLLM (default multiprocess mode, dummy weights, backend 'refit') refitted
 as versions 1 and 2 by VllmRefit, a refused manifest in between; after each step the version as vLLM's own API
 reads it (`LLM.get_weight_version`, each request's `weight_versions` spans), the worker's WeightsVersion, and
-whether the worker's tensors equal the trainer's live ones. Prints one JSON line."""
+whether the worker's tensors equal the trainer's live ones, and the worker's (version, root) beside the root of the
+trainer's tensors. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ def main() -> int:
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     driver = VllmRefit(llm, Sender(ModuleSource(trainer), transport="shm", settings=Settings(bucket_bytes=1 << 20)))
 
+    def proven(stats: object) -> list:
+        """(the worker's root reading, the root of the trainer's tensors with the names it left unverified unread)."""
+        from refit.checks.root import held_leaves, root
+
+        m = driver.sender.manifest
+        live, skip = dict(trainer.state_dict()), set(stats.unverified_names)
+        held = [None if n in skip else live[n] for n in m.names]
+        want = root(held_leaves(m.names, held, [m.entry(n).spec.dtype for n in m.names]))
+        return [llm.collective_rpc("refit_root")[0], {"version": stats.version, "root": want}]
+
     def seen() -> dict:
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
         live = {n: p.detach() for n, p in trainer.named_parameters()}
@@ -37,12 +48,12 @@ def main() -> int:
         }
 
     result = {"start": llm.get_weight_version()}
-    driver.refit(1)
+    result["root1"] = proven(driver.refit(1))
     result["1"] = seen()
     with torch.no_grad():
         for p in trainer.parameters():
             p.mul_(0.5)
-    driver.refit(2)
+    result["root2"] = proven(driver.refit(2))
     result["2"] = seen()
     broken = {**dict(trainer.state_dict()), "model.norm.weight": torch.zeros(3)}
     driver.sender.source = ModuleSource(broken)

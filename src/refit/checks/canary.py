@@ -121,6 +121,7 @@ def causal_lm(model: torch.nn.Module) -> Logprobs:
         logp = logits[0, :-1].float().log_softmax(-1)
         return logp.gather(-1, ids[1:, None].to(logp.device))[:, 0].cpu()
 
+    score.module = model  # type: ignore[attr-defined] # the model a failed canary bisects (canary_bisect)
     return score
 
 

@@ -11,7 +11,9 @@ from refit.checks.canary import causal_lm
 from refit.checks.copy_digest import FusedCopy, widens
 from refit.checks.manifest_check import waived
 from refit.engines.base import Engine
+from refit.engines.root import engine_root
 from refit.layout.fp8 import FP8_DTYPES, BlockFormat, scale_shape
+from refit.layout.manifest import Manifest
 from refit.layout.packing import CopyPlan, LayoutGuard
 from refit.layout.spec import Slice, TensorSpec
 from refit.layout.state_layout import StateLayout, non_persistent_buffers
@@ -35,6 +37,7 @@ class ModuleEngine(Engine):
         shards: Mapping[str, Slice] | None = None,
         fp8: Mapping[str, BlockFormat] | BlockFormat | None = None,
         probe: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        repair: bool = False,
     ) -> None:
         """`name_map` maps sender names to this module's names where they differ; `ignore`: sender names
         (or fnmatch patterns) never loaded nor checked, whether or not the module has them (reported).
@@ -44,9 +47,12 @@ class ModuleEngine(Engine):
         each FP8 tensor with float32 scales beside it named `<name>_scale_inv` is taken as 128 x 128 blocks
         (DeepSeek-V3's layout) when the scales' shape fits that (`formats`).
         `probe`: how this engine scores a canary probe (refit.checks.canary); by default a module is scored as a
-        causal language model (`causal_lm`: its forward maps input_ids to logits)."""
+        causal language model (`causal_lm`: its forward maps input_ids to logits).
+        `repair`: when the fingerprint check names a few tensors wrong, fetch just those again from the trainer
+        and check them within the same refit (refit.topology.repair) instead of failing the version."""
         super().__init__()
         self.optional_names = frozenset(ignore)
+        self.repair = repair
         self.module = module
         self._probe = probe
         self._layout = StateLayout(module) if isinstance(module, nn.Module) else None
@@ -68,6 +74,8 @@ class ModuleEngine(Engine):
         self._targets: dict[str, torch.Tensor] = {}
         self._specs: list[TensorSpec] | None = None
         """The specs of the targets as of the last `_refresh` that saw them change (one list while they hold)."""
+        self._manifest: Manifest | None = None
+        """The epoch's manifest (`prepare`): the names and wire dtypes `root` folds."""
         self._refresh()
         self._shards = dict(shards or {})
         self._fp8 = fp8
@@ -124,6 +132,19 @@ class ModuleEngine(Engine):
         self._fused = {k: v for k, v in self._fused.items() if k in self._used}
         self._used = set()
         super().begin(version)
+
+    def prepare(self, manifest: Manifest) -> None:
+        self._manifest = manifest
+        super().prepare(manifest)
+
+    def root(self) -> tuple[int | None, str]:
+        """(committed version, Merkle root over the fingerprints of what this module holds now, in manifest
+        order: refit.checks.root), read together; equal to the trainer's `RefitStats.root` of that version
+        exactly when every tensor is the trainer's. ValueError before the first handshake or while a refit
+        is under way."""
+        if self._manifest is None:
+            raise ValueError("no manifest yet: the root is defined once a sender's handshake named the tensors")
+        return engine_root(self, self._manifest)
 
     def formats(self) -> dict[str, BlockFormat]:
         specs = {n: s for s in self.specs() for n in s.names}

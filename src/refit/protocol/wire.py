@@ -46,6 +46,7 @@ class Kind(IntEnum):
     AUTH = 16  # both ways, after HELLO: sender's nonce and proof, then the receiver's proof (refit.protocol.auth)
     LEAVE = 17  # receiver -> sender: it closes on purpose, JSON {"reason": ...}; the sender drops it (elastic)
     REGROUP = 18  # sender -> receiver, elastic gloo/nccl between refits: join a new group (JSON as WELCOME, MAC'd)
+    REPAIR = 19  # sender -> receiver, after DONE asked for it: the tensors asked for again (refit.topology.repair)
 
 
 class Begin(IntFlag):
@@ -121,6 +122,7 @@ WITH_PAYLOAD = {
     Kind.AUTH,
     Kind.LEAVE,
     Kind.REGROUP,
+    Kind.REPAIR,
 }
 MAX_REASON_CHARS = 500
 """Longest LEAVE reason kept (a reason is for a log line and RefitStats, not a document)."""

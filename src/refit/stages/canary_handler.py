@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from refit.checks import canary
+from refit.checks import canary, canary_bisect
 from refit.engines.base import Engine
 from refit.errors import RefitError
 from refit.layout.manifest import Manifest
@@ -48,6 +48,10 @@ class CanaryHandler(Handler):
         elif self.since is not None:
             self.since += 1
 
+    def diagnose(self, done: dict, cache: dict) -> str:
+        """Where a failed canary's outputs first leave the trainer's: one more pass of the probe, per refit."""
+        return canary_bisect.trainer_half(self.canary, done.get(canary_bisect.FIELD), cache)
+
     @classmethod
     def stated(cls, engine: Engine) -> dict:
         return {"canary": True} if engine.scoring() is not None else {}
@@ -62,3 +66,11 @@ class CanaryHandler(Handler):
         assert isinstance(parsed, canary.Probe)
         dtypes = [spec.dtype for spec in engine.specs()] + [p.spec.dtype for p in manifest.entries]  # held, as sent
         return canary.check(engine.scoring(), parsed, dtypes, version)
+
+    @classmethod
+    def explain(cls, parsed: object, engine: Engine, manifest: Manifest) -> dict:
+        """The engine's per-module sketches of the probe, for the trainer's bisection (one more probe pass)."""
+        assert isinstance(parsed, canary.Probe)
+        dtypes = [spec.dtype for spec in engine.specs()] + [p.spec.dtype for p in manifest.entries]
+        tol = parsed.tolerance if parsed.tolerance is not None else canary.tolerance_for(dtypes)
+        return canary_bisect.engine_half(engine, parsed.tokens, tol)

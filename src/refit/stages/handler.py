@@ -11,11 +11,13 @@ handler at the same fixed points and names none of them:
 - before each refit's handshake, `due` gives what that refit's COMMIT carries under the handler's name, for the
   engines' check before they commit (a check's veto point: a failed check fails the version everywhere it runs);
   None carries nothing;
-- after each refit commits, `committed` is told on which receivers, and whether it carried something.
+- after each refit commits, `committed` is told on which receivers, and whether it carried something;
+- when a receiver's DONE fails the version, `diagnose` reads it and may say where it went wrong.
 
 Its engine half is class-level (an engine process makes no session): `stated` adds to the engine's READY
 statement, `parse` reads what COMMIT carried under the handler's name (before the engine loads a byte more),
-and `veto`, after the engine's own commit ran and before the version reads current there, may fail it.
+and `veto`, after the engine's own commit ran and before the version reads current there, may fail it; then
+`explain` adds to the failing DONE what the trainer's `diagnose` needs.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ class Handler:
     def committed(self, ranks: list[int], carried: bool) -> None:
         """A refit committed on `ranks`; `carried`: its COMMIT carried what `due` gave (never called on failure)."""
 
+    def diagnose(self, done: dict, cache: dict) -> str:
+        """A receiver's failing DONE (its JSON, with what `explain` added there): the text appended to its
+        failure that says where it went wrong, or ''. `cache` lives for one refit, shared by its receivers."""
+        return ""
+
     # -- the engine's half -------------------------------------------------------------------------
 
     @classmethod
@@ -73,6 +80,12 @@ class Handler:
     def veto(cls, parsed: object, engine: Engine, manifest: Manifest, version: int) -> RefitError | None:
         """Before `version` reads current on `engine` (its own commit ran): the reason it fails here, or None."""
         return None
+
+    @classmethod
+    def explain(cls, parsed: object, engine: Engine, manifest: Manifest) -> dict:
+        """After `veto` failed the version: fields (JSON-able) the engine adds to its failing DONE for the
+        trainer's `diagnose`; advice only, never needed for the verdict."""
+        return {}
 
 
 def adapt(handlers: Iterable[Handler], source: Source, statements: Sequence[bytes]) -> tuple[Source, tuple[str, ...]]:

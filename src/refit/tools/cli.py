@@ -1,4 +1,4 @@
-"""Command line: `refit demo`, `refit bench`, `refit plan`, `refit doctor`, one module each in
+"""Command line: `refit demo`, `refit bench`, `refit plan`, `refit doctor`, `refit verify-root`, one module each in
 refit.tools.commands, registered in COMMANDS.
 
 Mistakes a user can make get one line naming the problem and the fix, and exit code 2.
@@ -18,13 +18,13 @@ from rich.markup import escape
 
 from refit.log import configure, get_logger
 from refit.settings import check_environment, unknown_variables
-from refit.tools.commands import bench, demo, doctor, plan
+from refit.tools.commands import bench, demo, doctor, plan, verify_root
 from refit.tools.commands.common import Help, Parser, common_options, json_through_a_file, writable
 from refit.tools.console import console_for, silence_libraries
 
 log = get_logger("cli")
 
-COMMANDS = (demo, bench, plan, doctor)
+COMMANDS = (demo, bench, plan, doctor, verify_root)
 """The subcommands, in `refit --help`'s order: each a module with `add_parser(sub, common)`, whose parser sets
 `func` to its `run(args, console)`. A new command is one module and one entry here."""
 

@@ -17,6 +17,7 @@ from functools import partial
 import torch
 
 from refit.checks.bucket_checksum import checksum
+from refit.checks.root import verified_root
 from refit.engines.base import Engine
 from refit.errors import IntegrityError, PeerError, RefitError
 from refit.layout.manifest import Manifest
@@ -73,6 +74,8 @@ class ReceivePath:
         """Per names list an engine returned (its plans return the same list every refit): their positions."""
         self._where: dict[str, int] | None = None
         self.stages = stages or []
+        self.wrong: tuple[list[str], list[str], RefitError] | None = None
+        """The last failed fingerprint check: (names, VERIFY's digests, its error)."""
         self._flags, self._resizing = Bucket.CHECKSUM, Bucket(0)
         for stage in self.stages:
             self._flags |= stage.flags
@@ -274,12 +277,16 @@ class ReceivePath:
                 ", ".join(sorted(unreadable)[:20])
                 + (f", ... and {len(unreadable) - 20} more" if len(unreadable) > 20 else ""),
             )
+        if not bad:
+            stats.root = verified_root(m.names, digests, unreadable, self.engine.optional_names)
         if bad:
             shown = ", ".join(bad[:20]) + (f", ... and {len(bad) - 20} more" if len(bad) > 20 else "")
-            return IntegrityError(
+            err = IntegrityError(
                 f"fingerprint check failed: the engine does not hold what the trainer holds for "
                 f"{len(bad)} tensor(s): {shown}"
             )
+            self.wrong = (bad, digests, err)  # what refit.topology.repair may fetch again
+            return err
         return None
 
 

@@ -21,6 +21,7 @@ from refit.layout.manifest import Manifest
 from refit.layout.spec import TensorSpec, changes
 from refit.log import get_logger
 from refit.protocol.wire import Begin, Channel, Header, Kind, PeerFailed, parse_json
+from refit.topology import repair
 from refit.topology.landing import Live
 from refit.topology.receive_path import ReceivePath
 from refit.topology.stats import RefitStats
@@ -60,6 +61,8 @@ class ReceiveRound:
         self.carried: dict[str, object] = {}
         """What COMMIT carried for the handlers' checks before commit, by handler name (refit.stages.handler)."""
         self.checks_s: dict[str, float] = {}
+        self.explained: dict = {}
+        """After a check vetoed the version: what its handler adds to DONE to say where (refit.stages.handler)."""
 
     def run(self) -> RefitStats | None:
         s, version, begin = self.s, self.version, self.begin
@@ -90,6 +93,7 @@ class ReceiveRound:
             raise
         t = time.perf_counter()
         self._flush()
+        failure = repair.on_receiver(s, failure, stats, version)  # a few wrong tensors fetched again
         self._commit(failure, done)
         for name, seconds in self.checks_s.items():
             stats.add(name, seconds)
@@ -138,7 +142,10 @@ class ReceiveRound:
         if failure is not None:
             self._fail(str(failure))
             log.error("refit of version %d failed: %s", version, failure)
-            ch.send(Header(Kind.DONE, status=1, version=version), {"message": f"receiver {s.rank}: {failure}"})
+            ch.send(
+                Header(Kind.DONE, status=1, version=version),
+                {"message": f"receiver {s.rank}: {failure}", **self.explained},
+            )
             raise failure
         if self.two_phase:
             ch.send(Header(Kind.DONE, version=version), done or None)
@@ -197,6 +204,8 @@ class ReceiveRound:
         for name, parsed in self.carried.items():
             t, handler = time.perf_counter(), stages.handler_class(name)
             failure = handler.veto(parsed, self.s.engine, m, self.version) if handler else None
+            if failure is not None and handler is not None:
+                self.explained = handler.explain(parsed, self.s.engine, m)
             self.checks_s[name] = time.perf_counter() - t
             if failure is not None:
                 return failure

@@ -14,6 +14,7 @@ from refit.layout.manifest import Manifest
 from refit.log import get_logger
 from refit.protocol.wire import Begin, Channel, Done, Header, Kind, parse_json
 from refit.stages import Handler, Stage
+from refit.topology import repair
 from refit.topology.seat import SenderInterface
 from refit.topology.send_path import each
 from refit.topology.stats import RefitStats
@@ -123,16 +124,21 @@ class Round:
         failures: list[str] = []
         committed: list[Channel] = []
         names: set[str] = set()
+        bisected: dict = {}
 
         def done(ch: Channel) -> None:
             header, payload = ch.expect(Kind.DONE, f"commit of version {self.version}")
+            if header.status == repair.ASK:
+                header, payload = repair.on_sender(self.s, ch, payload, self.version, stats)
             try:
-                answer = Done.from_json(parse_json(payload, "DONE") if payload else {})
+                raw = parse_json(payload, "DONE") if payload else {}
+                answer = Done.from_json(raw)
             except IntegrityError as e:
                 failures.append(f"{ch.peer}: {e}")
                 return
             if header.status:
-                failures.append(f"{ch.peer}: {answer.message or 'unknown error'}")
+                where = "".join(h.diagnose(raw, bisected) for h in self.s.handlers)
+                failures.append(f"{ch.peer}: {answer.message or 'unknown error'}{where}")
             else:
                 committed.append(ch)
             stats.unverified = max(stats.unverified, answer.unverified)

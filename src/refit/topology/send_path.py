@@ -17,6 +17,7 @@ import torch
 
 from refit.checks.bucket_checksum import checksum
 from refit.checks.copy_digest import FusedCopy
+from refit.checks.root import roots
 from refit.errors import IntegrityError, PeerError
 from refit.layout.manifest import Manifest
 from refit.layout.packing import Packer, copy_share
@@ -238,6 +239,8 @@ class SendPath:
         verify = Header(Kind.VERIFY, epoch=m.epoch, version=version, digest=m.digest)
         sends = digests.payloads()
         each(self.channels, lambda ch: ch.send(verify, {"digests": sends[ch.rank]}), self.on_lost)
+        stats.roots = roots(sends)
+        stats.root = next(iter(stats.roots.values())) if len(set(stats.roots.values())) == 1 else ""
         stats.add("verify", time.perf_counter() - t)
 
     def _digest_all(self, source: Source, digests: DigestPlan, generation: int) -> None:

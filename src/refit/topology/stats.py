@@ -53,6 +53,18 @@ class RefitStats:
     """Sender, delta: buckets sent full, uncompared, because the link was measured faster than the scan."""
     num_full_dense: int = 0
     """Sender, delta: buckets sent full because too many of their values changed (found now, or lately)."""
+    root: str = ""
+    """Fingerprint mode: the Merkle root of this version over the per-tensor fingerprints in manifest order
+    (refit.checks.root). Sender: the root every receiver holds when all hold the same tensors (else "", see
+    `roots`); receiver: the root of what its engine was proven to hold (an engine's `root()` reads it again)."""
+    roots: dict[int, str] = field(default_factory=dict)
+    """Sender, fingerprint mode: the root each receiver (by rank) must hold; they differ where receivers hold
+    different shards."""
+    repaired: list[str] = field(default_factory=list)
+    """Fingerprint mode: the tensors a receiver's check named wrong and that were fetched again and proven within
+    this refit (refit.topology.repair); sender: every receiver's, together."""
+    repair_bytes: int = 0
+    """The bytes those repairs moved (sender: REPAIR messages whole; receiver: the tensors' bytes)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Seconds per stage; 'total' is the refit's wall time. Sender: handshake, pack, send, wait, verify (its
     digests sent), commit (COMMIT sent until every DONE: the receivers' fingerprint check and engine commit),

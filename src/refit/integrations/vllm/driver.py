@@ -83,6 +83,11 @@ class HttpEngine:
     def resume_generation(self) -> None:
         self._post("resume")
 
+    def collective_rpc(self, method: str) -> list:
+        """vLLM's /collective_rpc (dev mode): `method` run by every worker, one result each (no arguments)."""
+        results = self._post("collective_rpc", {"method": method}).get("results")
+        return results if isinstance(results, list) else []
+
 
 class VllmRefit:
     """Refits an offline `vllm.LLM` made with `weight_transfer_config={"backend": "refit"}`, or a

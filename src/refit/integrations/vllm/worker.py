@@ -67,6 +67,25 @@ def worker_parameters(worker: Any) -> dict[str, str]:
     return out
 
 
+def worker_root(worker: Any) -> dict:
+    """See `RefitWorkerExtension.refit_root`; raises RefitError where no refit committed a version yet."""
+    from refit.engines.root import engine_root
+
+    engine = worker_engine(worker)
+    receivers = (
+        getattr(getattr(worker, "weight_transfer_engine", None), "receiver", None),
+        getattr(worker, "refit_receiver", None),
+    )
+    manifest = next((r.manifest for r in receivers if r is not None and r.manifest is not None), None)
+    if engine is None or manifest is None:
+        raise RefitError("no refit receiver with a manifest in this vLLM worker: the root needs a completed handshake")
+    try:
+        version, top = engine_root(engine, manifest)
+    except ValueError as e:
+        raise RefitError(str(e)) from None
+    return {"version": version, "root": top}
+
+
 # -- worker extension ----------------------------------------------------------------------------
 
 
@@ -102,6 +121,11 @@ class RefitWorkerExtension:
             raise RefitError("no refit receiver in this vLLM worker: call init_weight_transfer_engine or refit_connect")
         w = engine.weights
         return {"state": w.state.value, "version": w.version, "target": w.target, "reason": w.reason}
+
+    def refit_root(self) -> dict:
+        """{"version", "root"}: this worker's committed version and the Merkle root over what it holds now, read
+        together (refit.engines.root); a router compares them with the trainer's `RefitStats.root`."""
+        return worker_root(self)
 
     def refit_fail(self, version: int, reason: str) -> None:
         """Mark `version` failed in this worker's state (the driver's canary refused what vLLM computes with)."""
