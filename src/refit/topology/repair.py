@@ -4,10 +4,10 @@ After COMMIT, instead of DONE with status 1, such a receiver answers DONE with s
 `{"repair": [names]}`. The sender answers REPAIR: its live tensors of those names in their wire dtypes, as a
 JSON index and the bytes after it (`pack`). The receiver loads them, digests what its engine now holds for
 those names against the fingerprints of this refit's VERIFY, and goes on to commit (its engine's commit, the
-canary, DONE) as if nothing had been wrong; if anything fails (a name it did not ask for, sizes that do not
+pre-commit checks, DONE) as if nothing had been wrong; if anything fails (a name it did not ask for, sizes that do not
 fit, a digest that still differs), the version fails as without repair. Only an engine that asks for it
 (`ModuleEngine(..., repair=True)`) repairs. One repair per refit, only of whole
-tensors sent without stages (FP8, delta, LoRA) and held whole; at most `MAX_REPAIR_FRACTION` of the model's
+tensors sent without stages and held whole; at most `MAX_REPAIR_FRACTION` of the model's
 bytes, else the version fails and a retry resends everything.
 """
 
