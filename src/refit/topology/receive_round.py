@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from refit.checks import canary
 from refit.checks.manifest_check import validate
@@ -27,7 +26,6 @@ from refit.topology.stats import RefitStats
 from refit.transports.base import Transport
 
 log = get_logger("receiver")
-T = TypeVar("T")
 
 
 class Session(Protocol):
@@ -129,9 +127,11 @@ class ReceiveRound:
                 "sender sent COMMIT without the digests (VERIFY) of what it sent; nothing unverified is committed"
             )
         try:
-            self.probe = _parsed(lambda: _probe(payload), "COMMIT")
+            self.probe = _probe(payload)
         except RefitError as e:
             failure = failure or e
+        except Exception as e:  # noqa: BLE001 - whatever a malformed field raises, the refit fails, named
+            failure = failure or IntegrityError(f"COMMIT is malformed: {type(e).__name__}: {str(e)[:200]}")
         return failure, done
 
     def _commit(self, failure: RefitError | None, done: dict) -> None:
@@ -252,17 +252,6 @@ def _probe(payload: bytes) -> canary.Probe | None:
     if set(obj) - {"canary"}:
         raise IntegrityError(f"COMMIT carries unknown fields {sorted(obj)[:5]}; only 'canary' is defined")
     return canary.parse(obj.get("canary"))
-
-
-def _parsed(parse: Callable[[], T], what: str) -> T:
-    """`parse()` of a peer's post-handshake message; any error it raises beyond RefitError is still the peer's
-    malformed `what` (an IntegrityError), which fails this refit and keeps the session."""
-    try:
-        return parse()
-    except RefitError:
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever a malformed field raises, the refit fails, named
-        raise IntegrityError(f"{what} is malformed: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _count_staged(stats: RefitStats, split: Split | None) -> None:
