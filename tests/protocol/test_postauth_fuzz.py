@@ -252,3 +252,22 @@ def test_a_malformed_commit_fails_its_refit_at_once_and_the_next_refit_commits(
         stats, got = refit_both(sender, peer, 1)
         assert isinstance(got, RefitStats) and "canary" in got.seconds, got
         assert (engine.weights.state, engine.weights.version) == (State.CURRENT, 1)
+
+
+def test_an_unexpected_error_in_a_refit_fails_the_engine_and_tells_the_trainer_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from refit.topology.receive_path import ReceivePath
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ZeroDivisionError("a bug on the engine's side")
+
+    trainer, engine = _model(0), ModuleEngine(_model(1))
+    with session(ModuleSource(trainer), engine, Settings(bucket_bytes=64 << 10, timeout_s=60.0)) as (sender, peer):
+        assert isinstance(refit_both(sender, peer, 1)[1], RefitStats)
+        monkeypatch.setattr(ReceivePath, "take", broken)
+        t = time.monotonic()
+        stats, got = refit_both(sender, peer, 2)
+        assert time.monotonic() - t < 30  # told at once, not at the timeout
+        assert isinstance(got, ZeroDivisionError) and "a bug on the engine's side" in str(stats), (stats, got)
+        assert (engine.weights.state, engine.weights.version) == (State.FAILED, 1)

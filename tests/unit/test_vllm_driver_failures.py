@@ -123,6 +123,7 @@ def _join(llm: _FakeLlm, tensors: dict, request: dict) -> None:
     llm.receivers.append(r)
 
 
+@pytest.mark.slow  # importing vLLM takes tens of seconds
 def test_vllms_contract_words_say_what_is_missing() -> None:
     """vLLM's own tests and users' code match these words: 'not initialized', 'requires a WeightSource'."""
     pytest.importorskip("vllm")

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from refit import stages
 from refit.checks.manifest_check import validate
@@ -28,7 +27,6 @@ from refit.topology.stats import RefitStats
 from refit.transports.base import Transport
 
 log = get_logger("receiver")
-T = TypeVar("T")
 
 
 class Session(Protocol):
@@ -129,9 +127,11 @@ class ReceiveRound:
         if header.kind != Kind.COMMIT:
             raise PeerError(f"{ch.peer} sent {header.kind.name} during commit of version {version}, expected COMMIT")
         try:
-            self.carried = _parsed(lambda: _carried(payload), "COMMIT")
+            self.carried = _carried(payload)
         except RefitError as e:
             failure = failure or e
+        except Exception as e:  # noqa: BLE001 - whatever a malformed field raises, the refit fails, named
+            failure = failure or IntegrityError(f"COMMIT is malformed: {type(e).__name__}: {str(e)[:200]}")
         return failure, done
 
     def _commit(self, failure: RefitError | None, done: dict) -> None:
@@ -265,17 +265,6 @@ def _carried(payload: bytes) -> dict[str, object]:
         raise IntegrityError(f"COMMIT carries unknown fields {unknown[:5]}; no handler registered here reads them")
     parsed = {name: handler.parse(value) for name, value in obj.items() if (handler := stages.handler_class(name))}
     return {name: value for name, value in parsed.items() if value is not None}
-
-
-def _parsed(parse: Callable[[], T], what: str) -> T:
-    """`parse()` of a peer's post-handshake message; any error it raises beyond RefitError is still the peer's
-    malformed `what` (an IntegrityError), which fails this refit and keeps the session."""
-    try:
-        return parse()
-    except RefitError:
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever a malformed field raises, the refit fails, named
-        raise IntegrityError(f"{what} is malformed: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _count_staged(stats: RefitStats, split: Split | None) -> None:
