@@ -330,11 +330,10 @@ class LoraSource(ModuleSource):
         flat, views = kept[1]
         if flat is None:
             return live
-        parts = [t.detach().reshape(-1) for t in live]
         if flat.device.type == "cpu":
-            torch.cat(parts, out=flat)
-        else:  # CUDA's cat batches its inputs into an output of their own dtype only: then one cast
-            flat.copy_(torch.cat(parts))
+            torch._foreach_copy_(views, [t.detach() for t in live])  # one call: C++ loops over the pairs
+        else:  # CUDA batches a cat's inputs into an output of their own dtype only: then one cast
+            flat.copy_(torch.cat([t.detach().reshape(-1) for t in live]))
         return views
 
     def held_bytes(self) -> int:
