@@ -108,10 +108,11 @@ def test_delta_worst_case_changes_every_value_so_every_refit_moves_the_full_byte
 def test_bench_passes_verify_explicitly_to_every_refit_method(monkeypatch: pytest.MonkeyPatch) -> None:
     """`refit` and `zero_copy` stay unverified and the fingerprint methods verified whatever Sender's default."""
     from refit.tools.bench import runner
+    from refit.tools.bench.config import BenchConfig
 
     seen: dict[str, dict] = {}
-    monkeypatch.setattr(runner, "_refit", lambda *a, name, **kw: seen.setdefault(name, kw))
-    cfg = runner.BenchConfig(preset="tiny", transport="shm")
+    monkeypatch.setattr(runner, "refit_method", lambda *a, name, **kw: seen.setdefault(name, kw))
+    cfg = BenchConfig(preset="tiny", transport="shm")
     for m in ("refit", "serial", "checksum", "fingerprint"):
         runner._method(m, None, None, {}, [], cfg, None, 0)  # type: ignore[arg-type]
     cfg.transport = "cuda-ipc"  # (zero-copy methods apply to cuda-ipc only; nothing is started here)
@@ -277,14 +278,14 @@ def test_fp8_engine_bench_options_that_do_not_combine_are_refused(argv: list[str
 def test_the_colocated_floor_copies_in_chunks_that_fit_beside_the_receivers() -> None:
     import torch
 
-    from refit.tools.bench.runner import _copy_in_chunks, floor_chunk
+    from refit.tools.bench.floors import copy_in_chunks, floor_chunk
 
     assert floor_chunk(28 << 30, None) == 28 << 30  # no limit known: one flat copy
     assert floor_chunk(28 << 30, 40 << 30) == 10 << 30  # two buffers in half of what is free
     assert floor_chunk(28 << 30, 1 << 20) == 1 << 20  # never below 1 MiB
     assert floor_chunk(4096, 40 << 30) == 4096
     src, dst = torch.arange(100, dtype=torch.uint8), torch.zeros(100, dtype=torch.uint8)
-    _copy_in_chunks(dst, src, 250)  # 100 + 100 + 50 bytes
+    copy_in_chunks(dst, src, 250)  # 100 + 100 + 50 bytes
     assert torch.equal(dst, src)
 
 

@@ -246,8 +246,8 @@ def test_the_parsers_choices_are_the_modules_own() -> None:
     from refit import transports
     from refit.tools import choices
     from refit.tools.bench.colocated import METHODS as COLOCATED
+    from refit.tools.bench.config import METHODS
     from refit.tools.bench.presets import PRESETS
-    from refit.tools.bench.runner import METHODS
 
     assert choices.TRANSPORTS == tuple(transports.names())[: len(choices.TRANSPORTS)]
     assert (choices.PRESETS, choices.BENCH_METHODS, choices.COLOCATED_METHODS) == (tuple(PRESETS), METHODS, COLOCATED)
@@ -471,7 +471,7 @@ def test_bench_defaults_and_quick_fill_the_presets_and_repeats() -> None:
 
 def test_bench_help_lists_every_method() -> None:
     from refit.tools.bench.colocated import METHODS as COLOCATED
-    from refit.tools.bench.runner import METHODS
+    from refit.tools.bench.config import METHODS
 
     text = " ".join(_subparsers(build_parser())["bench"].format_help().split())
     assert len(METHODS) == 17
@@ -501,7 +501,7 @@ def test_bench_refuses_methods_that_do_not_apply_naming_those_that_do(
 
 
 def test_the_methods_that_apply_depend_on_the_transport() -> None:
-    from refit.tools.bench.runner import applicable
+    from refit.tools.bench.config import applicable
 
     shm, gloo = applicable("shm"), applicable("gloo")
     assert "foreach" in shm and not {"kernel", "zero_copy", "zero_copy_fingerprint", "copy_digest"} & set(shm)

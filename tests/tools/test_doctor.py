@@ -20,6 +20,7 @@ from refit.settings import Settings
 from refit.tools import doctor
 from refit.tools.cli import main
 from refit.tools.doctor import FAIL, OK, WARN, Check, Report, diagnose, verdict
+from refit.tools.ipc_probe import IPC_FIX
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 
@@ -91,7 +92,7 @@ def test_expandable_segments_make_cuda_ipc_stage_through_host_memory() -> None:
 
 def test_a_failed_ipc_probe_with_no_dev_shm_to_fall_back_on_rules_cuda_ipc_out() -> None:
     ok = lambda name: Check(name=name, status=OK, detail="")  # noqa: E731
-    probe = Check(name="cuda-ipc probe", status=FAIL, detail="opening the handle failed", fix=doctor._IPC_FIX)
+    probe = Check(name="cuda-ipc probe", status=FAIL, detail="opening the handle failed", fix=IPC_FIX)
     report = Report(
         checks=[
             ok("cuda"),

@@ -111,7 +111,7 @@ def _reached(name: str, settings: Settings, env: dict[str, str]) -> bool:
 def recorded(monkeypatch: pytest.MonkeyPatch) -> list:
     """Each command's work replaced: what it would have run with is recorded as (settings, environment)."""
     from refit.tools import doctor, plan
-    from refit.tools.bench import report, runner
+    from refit.tools.bench import harness, report, runner
     from refit.tools.demo import engines, run
 
     seen: list = []
@@ -123,7 +123,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list:
         return True
 
     def bench_run(cfg, on_method=None):  # type: ignore[no-untyped-def]
-        seen.append((runner.session_settings(cfg, cfg.bucket_bytes), dict(os.environ)))
+        seen.append((harness.session_settings(cfg, cfg.bucket_bytes), dict(os.environ)))
         return {}
 
     def plan_report(args):  # type: ignore[no-untyped-def]

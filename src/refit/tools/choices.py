@@ -13,6 +13,6 @@ BENCH_METHODS = (
     "digest", "copy_digest", "serial", "per_tensor", "per_tensor_meta", "step_full", "step_delta",
     "step_delta_worst", "quantize",
 )  # fmt: skip
-"""The bench's methods (refit.tools.bench.runner.METHODS)."""
+"""The bench's methods (refit.tools.bench.config.METHODS)."""
 COLOCATED_METHODS = ("floor", "per_rank", "per_rank_schedule", "rank0_led", "m_to_n")
 """The bench's methods with --ranks (refit.tools.bench.colocated.METHODS)."""

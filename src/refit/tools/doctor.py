@@ -6,7 +6,6 @@ processes where a GPU is present) and turns them into one verdict per transport.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import resource
@@ -15,7 +14,6 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
 from importlib import metadata, util
 
 import torch
@@ -24,60 +22,22 @@ from refit.errors import PeerError
 from refit.layout.budget import NUM_SLOTS, bucket_capacity, free_bytes
 from refit.log import get_logger
 from refit.settings import DEFAULT_HOST, Settings
-from refit.transports import get as transport_class
+from refit.tools.diagnosis import FAIL as FAIL
+from refit.tools.diagnosis import INFO as INFO
+from refit.tools.diagnosis import OK as OK
+from refit.tools.diagnosis import WARN as WARN
+from refit.tools.diagnosis import Check as Check
+from refit.tools.diagnosis import Report as Report
+from refit.tools.diagnosis import Verdict as Verdict
+from refit.tools.ipc_probe import probe_cuda_ipc
+from refit.tools.verdicts import USE as USE
+from refit.tools.verdicts import verdict
 from refit.transports.address import interface_address
 
 log = get_logger("doctor")
-OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
 GiB, MiB = 1 << 30, 1 << 20
 SMALL_SHM = 1 << 30
 """Below this, /dev/shm is a container's default (Docker gives 64 MiB), too small for NCCL or large buckets."""
-PROBE_TIMEOUT_S = 300.0
-"""For the IPC probe's child: its Python, torch and CUDA start on a loaded machine, then one small copy."""
-
-
-@dataclass(kw_only=True, slots=True)
-class Check:
-    """One fact about this machine."""
-
-    name: str
-    status: str
-    """'ok', 'warn' (works, with a cost or a caveat), 'fail' (rules something out) or 'info'."""
-    detail: str
-    fix: str = ""
-    """What to change, where status is 'warn' or 'fail'."""
-
-
-@dataclass(kw_only=True, slots=True)
-class Verdict:
-    """Whether one transport will work here, and if not, why and what to change."""
-
-    transport: str
-    status: str
-    """'ok', 'warn' (works, degraded or only in some layouts) or 'fail' (cannot work here)."""
-    reason: str = ""
-    fix: str = ""
-
-
-@dataclass(kw_only=True, slots=True)
-class Report:
-    """Every check, and a verdict for each transport asked about."""
-
-    checks: list[Check] = field(default_factory=list)
-    verdicts: list[Verdict] = field(default_factory=list)
-
-    def by_name(self, name: str) -> Check | None:
-        return next((c for c in self.checks if c.name == name), None)
-
-    def failed(self, transports: list[str]) -> list[str]:
-        """The transports among `transports` that cannot work here."""
-        return [v.transport for v in self.verdicts if v.transport in transports and v.status == FAIL]
-
-    def to_json(self) -> dict:
-        return {
-            "checks": [asdict(c) for c in self.checks],
-            "transports": {v.transport: asdict(v) for v in self.verdicts},
-        }
 
 
 def diagnose(*, transports: list[str], settings: Settings | None = None, probe: bool = True) -> Report:
@@ -451,176 +411,3 @@ def _version(*dists: str) -> str:
 
 
 # -- the CUDA IPC probe -----------------------------------------------------------------------------
-
-
-def probe_cuda_ipc(device: int = 0, timeout_s: float = PROBE_TIMEOUT_S) -> Check:
-    """Export a device buffer, open it in a second process, read it there and write back: the real thing."""
-    from refit.transports.cuda_ipc import export
-
-    name = "cuda-ipc probe"
-    buf = torch.arange(256, device=f"cuda:{device}").to(torch.uint8)
-    torch.cuda.synchronize(device)
-    try:
-        handle = export(buf)
-    except Exception as e:  # noqa: BLE001 - a driver or container that refuses IPC
-        return Check(name=name, status=FAIL, detail=f"exporting a handle failed: {e}", fix=_IPC_FIX)
-    code = "from refit.tools.doctor import ipc_child; ipc_child()"
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", code],
-            input=json.dumps(handle),
-            capture_output=True,
-            text=True,
-            env=_child_env(),
-            timeout=timeout_s,
-        )
-    except subprocess.TimeoutExpired:
-        return Check(
-            name=name, status=FAIL, detail=f"the second process did not answer in {timeout_s:.0f}s", fix=_IPC_FIX
-        )
-    answer = next((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")), None)
-    if not answer or "error" in answer:
-        why = (answer or {}).get("error") or f"exit code {proc.returncode}: {proc.stderr.strip()[-300:]}"
-        return Check(
-            name=name, status=FAIL, detail=f"opening the handle in a second process failed: {why}", fix=_IPC_FIX
-        )
-    torch.cuda.synchronize(device)
-    if not bool(buf[128:].eq(7).all()):
-        return Check(name=name, status=FAIL, detail="the second process's write did not arrive", fix=_IPC_FIX)
-    return Check(
-        name=name, status=OK, detail=f"exported on cuda:{device}, opened, read and written by a second process"
-    )
-
-
-_IPC_FIX = (
-    "run trainer and engine in one container or with a shared IPC namespace (docker: --ipc=host), "
-    "without expandable_segments; else cuda-ipc stages through host memory (REFIT_CUDA_IPC=0), or use nccl"
-)
-
-
-def _child_env() -> dict[str, str]:
-    import refit
-
-    pkg_root = os.path.dirname(os.path.dirname(refit.__file__))
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p)}
-
-
-def ipc_child() -> None:
-    """The probe's second process: open the handle from stdin, check the bytes, write 7s into the upper half."""
-    from refit.transports.cuda_ipc import open_tensor
-
-    try:
-        t = open_tensor(json.loads(sys.stdin.read()))
-        if t[:128].sum().item() != sum(range(128)):
-            raise RuntimeError("the bytes read through the handle differ from the bytes written")
-        t[128:].fill_(7)
-        torch.cuda.synchronize(t.device)
-        print(json.dumps({"ok": True}), flush=True)
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which names it
-        print(json.dumps({"error": str(e)}), flush=True)
-
-
-# -- verdicts -------------------------------------------------------------------------------------
-
-
-def verdict(report: Report, transport: str) -> Verdict:
-    """Turn the checks into whether `transport` works here."""
-    if transport not in NEEDS:
-        return _registered_verdict(report, transport)
-    need = list(NEEDS[transport])
-    if transport in ("cuda-ipc", "nccl"):
-        need += [c.name for c in report.checks if c.name.startswith("memory cuda")]
-    failed = _first_failure(report, transport, need)
-    if failed is not None:
-        return failed
-    if transport == "cuda-ipc":
-        return _cuda_ipc_verdict(report)
-    nixl = report.by_name("nixl")
-    if transport == "nixl" and nixl is not None and nixl.status != OK:
-        return Verdict(transport=transport, status=FAIL, reason=f"nixl: {nixl.detail}", fix=nixl.fix)
-    if transport == "nccl" and torch.cuda.device_count() < 2:
-        return Verdict(
-            transport=transport,
-            status=WARN,
-            reason="one GPU here: NCCL cannot put two ranks on one GPU, "
-            "so nccl works only towards an engine on another host",
-            fix="colocated on one GPU, use cuda-ipc",
-        )
-    shm = report.by_name("/dev/shm")
-    if transport == "nccl" and shm is not None and shm.status != OK:
-        return Verdict(transport=transport, status=WARN, reason=f"/dev/shm: {shm.detail}", fix=shm.fix)
-    return Verdict(transport=transport, status=OK, reason=USE[transport])
-
-
-NEEDS = {
-    "shm": ["torch", "rendezvous", "/dev/shm", "memory cpu"],
-    "gloo": ["torch", "rendezvous", "memory cpu"],
-    "cuda-ipc": ["cuda", "rendezvous"],
-    "nccl": ["cuda", "rendezvous", "nccl"],
-    "nixl": ["torch", "rendezvous", "memory cpu", "nixl"],
-}
-"""The checks each built-in transport needs to pass."""
-
-
-def _first_failure(report: Report, transport: str, need: list[str]) -> Verdict | None:
-    for name in need:
-        c = report.by_name(name)
-        if c is not None and c.status == FAIL:
-            return Verdict(transport=transport, status=FAIL, reason=f"{name}: {c.detail}", fix=c.fix)
-    return None
-
-
-def _registered_verdict(report: Report, transport: str) -> Verdict:
-    """A transport from `refit.transports.register` or an entry point: refit knows only where its buffers live."""
-    try:
-        cls = transport_class(transport)
-    except ValueError as e:
-        return Verdict(transport=transport, status=FAIL, reason=str(e))
-    if cls.device_type == "cuda":
-        need = ["cuda", "rendezvous"] + [c.name for c in report.checks if c.name.startswith("memory cuda")]
-    else:
-        need = ["torch", "rendezvous", "memory cpu"]
-    failed = _first_failure(report, transport, need)
-    if failed is not None:
-        return failed
-    return Verdict(
-        transport=transport,
-        status=OK,
-        reason=f"{cls.__module__}:{cls.__qualname__}, not built in: checked only what any {cls.device_type} "
-        "transport needs",
-    )
-
-
-USE = {
-    "shm": "colocated CPU: trainer and engine on this host share buffers in memfds (anonymous shared memory)"
-    + ("" if hasattr(os, "memfd_create") else "; here, without memfd, files in /dev/shm"),
-    "gloo": "CPU, any placement: a gloo broadcast over TCP, across hosts too",
-    "cuda-ipc": "colocated GPU: the engine reads the trainer's device buffers through CUDA IPC handles",
-    "nccl": "disaggregated GPU: an NCCL broadcast to engine GPUs on this or other hosts",
-    "nixl": "CPU (or GPU with device=cuda), any placement: engines READ the trainer's registered buffers "
-    "one-sided through NIXL over UCX, across hosts too; its data connections are not authenticated (docs/SECURITY.md)",
-}
-
-
-def _cuda_ipc_verdict(report: Report) -> Verdict:
-    for name in ("allocator", "cuda-ipc probe"):
-        c = report.by_name(name)
-        if c is not None and c.status != OK:
-            staged = report.by_name("/dev/shm")
-            if staged is not None and staged.status == FAIL:
-                return Verdict(
-                    transport="cuda-ipc",
-                    status=FAIL,
-                    reason=f"{name}: {c.detail}; and /dev/shm for the fallback: {staged.detail}",
-                    fix=c.fix,
-                )
-            return Verdict(
-                transport="cuda-ipc",
-                status=WARN,
-                reason=f"{name}: {c.detail}; the Sender falls back to "
-                "staging through pinned host memory (slower; zero_copy=True fails)",
-                fix=c.fix,
-            )
-    if report.by_name("cuda-ipc probe") is None:
-        return Verdict(transport="cuda-ipc", status=OK, reason=USE["cuda-ipc"] + " (probe not run)")
-    return Verdict(transport="cuda-ipc", status=OK, reason=USE["cuda-ipc"] + " (probed)")

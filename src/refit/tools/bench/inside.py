@@ -8,8 +8,9 @@ import json
 import sys
 from dataclasses import asdict
 
+from refit.tools.bench.config import BenchConfig
 from refit.tools.bench.link import Link
-from refit.tools.bench.runner import INSIDE_MARK, BenchConfig, measure
+from refit.tools.bench.runner import INSIDE_MARK, measure
 
 
 def _emit(obj: dict) -> None:

@@ -37,8 +37,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
             )
         check_listen(args)
         return json_through_a_file(args, __import__("refit.tools.bench.colocated", fromlist=["cli"]).cli, console)
+    from refit.tools.bench.config import default_transport
     from refit.tools.bench.report import plot, show, show_scaling, write_json
-    from refit.tools.bench.runner import default_transport, run_bench
+    from refit.tools.bench.runner import run_bench
 
     presets = ["tiny", "moe-small"] if args.quick else args.preset.split(",")
     receivers = ints(args.receivers, "--receivers")
@@ -105,8 +106,8 @@ def check(args: argparse.Namespace) -> None:
 def _check_link(args: argparse.Namespace) -> None:
     """--link-rate: a rate tc takes, a disaggregated transport (gloo unless told), and the right to make
     network namespaces."""
+    from refit.tools.bench.config import LINKED
     from refit.tools.bench.link import can_make_links, rate_bits
-    from refit.tools.bench.runner import LINKED
 
     for rate in args.link_rate.split(","):
         rate_bits(rate)
@@ -139,8 +140,8 @@ def _bench_methods(
     """The methods asked for (default: every one that applies; across a link, the floor and refits full and
     delta; with an FP8 engine, the refits and the quantizer); one that measures nothing over `transport` is
     refused rather than left out of the table."""
+    from refit.tools.bench.config import LINK_METHODS, METHODS, STEPPED, applicable
     from refit.tools.bench.quantize import FP8_ENGINE, FP8_METHODS
-    from refit.tools.bench.runner import LINK_METHODS, METHODS, STEPPED, applicable
 
     applies = applicable(transport)
     if not text:
@@ -185,7 +186,7 @@ def _bench_config(  # type: ignore[no-untyped-def]
     transport: str = "",
     link_rate: str | None = None,
 ):
-    from refit.tools.bench.runner import BenchConfig
+    from refit.tools.bench.config import BenchConfig
 
     log.info("bench: %s, %d receiver(s)", preset, n)
     return BenchConfig(
