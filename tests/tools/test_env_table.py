@@ -56,7 +56,7 @@ INVALID = {
     "REFIT_NIXL_ERROR_MODE": "loud",
 }
 """A value each variable refuses on every command (REFIT_HOST, REFIT_IFNAME: only where a Sender listens;
-REFIT_TOKEN: any value is a token)."""
+REFIT_TOKEN, REFIT_SITE: any value is a token, a site)."""
 LISTEN_INVALID = {"REFIT_HOST": "not.a.host", "REFIT_IFNAME": "no-such-if0"}
 VALID = {
     "REFIT_BUFFER_MEMORY_RATIO": "0.05",
@@ -67,6 +67,7 @@ VALID = {
     "REFIT_HOST": "127.0.0.1",
     "REFIT_IFNAME": "lo",
     "REFIT_TOKEN": "sesame",
+    "REFIT_SITE": "rack-1",
     "REFIT_CUDA_IPC": "0",
     "REFIT_CUDA_IPC_EVENTS": "0",
     "REFIT_CPU_KERNEL": "0",
@@ -92,6 +93,7 @@ def _reached(name: str, settings: Settings, env: dict[str, str]) -> bool:
         "REFIT_HOST": ("host", value),
         "REFIT_IFNAME": ("ifname", value),
         "REFIT_TOKEN": ("token", value),
+        "REFIT_SITE": ("site", value),
         "REFIT_CUDA_IPC": ("cuda_ipc", False),
         "REFIT_CUDA_IPC_EVENTS": ("cuda_ipc_events", False),
     }
