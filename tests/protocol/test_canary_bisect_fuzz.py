@@ -16,7 +16,7 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(json_values)
 def test_any_json_is_parsed_or_refused_without_raising(raw: object) -> None:
     got = parse(raw)
@@ -25,7 +25,7 @@ def test_any_json_is_parsed_or_refused_without_raising(raw: object) -> None:
     assert isinstance(out, str)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(json_values)
 def test_a_hostile_tolerance_or_field_is_refused_as_malformed(raw: object) -> None:
     out = trainer_half(object(), {"tolerance": raw, "points": {"a": [1.0] * (1 + SKETCH)}}, {})

@@ -210,6 +210,8 @@ class _Peer:
         self.live: _Engine = _RowsEngine(own, region) if region is not None else _Engine(own)
         self.calls: list[int] = []
         """What on_commit was called with."""
+        self.root = ""
+        """The root its last committed refit proved (RefitStats.root)."""
         self.receiver = Receiver(
             self.live,
             rendezvous,
@@ -695,6 +697,9 @@ class Sessions(RuleBasedStateMachine):
             assert stats.receivers == sorted(p.rank for p in survivors), (
                 f"refit {version} committed on {stats.receivers}, expected {survivors}"
             )
+        if error is None and stats is not None and stats.roots:  # the root the trainer folded is each one's
+            for p in survivors:
+                assert p.root == stats.roots[p.rank], f"{p!r} proved root {p.root} of {version}, not {stats.roots}"
         if error is None and survivors:
             assert self.sender.manifest is not None
             wire = {p.name: p.spec.dtype for p in self.sender.manifest.entries}
@@ -727,6 +732,7 @@ class Sessions(RuleBasedStateMachine):
             event("receiver: refused at its join")
         elif isinstance(out, RefitStats):
             assert out.version == version, f"{p!r} committed {out.version} during refit {version}"
+            p.root = out.root
             if p.staging == "partial":  # the pause ends with the apply, in the engine loop
                 applied = p.pause_outcome()
                 assert applied is True, f"{p!r} committed {version} but its pause ended in {applied!r}"

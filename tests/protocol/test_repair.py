@@ -43,7 +43,7 @@ def test_repair_payload_round_trips_and_refuses_a_tensor_not_asked_for() -> None
         repair.unpack(body + b"x", m, ["b", "a"])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.binary(max_size=300), st.lists(st.sampled_from(["a", "b", "c", ""]), max_size=3))
 def test_any_repair_payload_is_parsed_or_refused_with_an_integrity_error(raw: bytes, asked: list[str]) -> None:
     for payload in (raw, struct.pack("<Q", len(raw)) + raw):
@@ -53,7 +53,7 @@ def test_any_repair_payload_is_parsed_or_refused_with_an_integrity_error(raw: by
             pass
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.recursive(st.none() | st.integers() | st.text(max_size=4), lambda x: st.lists(x, max_size=4), max_leaves=10))
 def test_any_repair_request_is_parsed_or_refused_with_an_integrity_error(names: object) -> None:
     payload = json.dumps({"repair": names}).encode()
