@@ -11,7 +11,7 @@ R=/tmp/$TAG; mkdir -p $R/prof
 exec > >(tee "$OUT/log-$TAG.txt") 2>&1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'
-t0=$SECONDS; say() { echo "[$((SECONDS - t0))s] $*"; }
+t0=$SECONDS; say() { echo "[$((SECONDS - t0))s] $*"; tar czf "$OUT/res-$TAG.tgz" -C /tmp $TAG 2>/dev/null; }
 show() {
   python3 - "$1" <<'PY'
 import json, sys
