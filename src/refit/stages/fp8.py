@@ -317,9 +317,13 @@ class Quantized(Source):
         raise ValueError("M:N refits do not quantize to FP8 yet: give the engine workers float weights")
 
     def held_bytes(self) -> int:
-        """The quantized copies kept for the epoch: one FP8 byte per value of each tensor quantized, plus its
-        scales (what `nbytes` measures once every bucket has asked for them)."""
-        return sum(fp8.wire_nbytes(s.shape, f) for s in self.source.specs() if (f := self.formats.get(s.name)))
+        """The quantized copies kept for the epoch: one FP8 byte per value of each tensor quantized outside its
+        bucket, plus its scales (what `nbytes` measures once every bucket has asked for them)."""
+        placed = {n for _, places in self._placed.values() for n in places}
+        specs = self.source.specs()
+        return sum(
+            fp8.wire_nbytes(s.shape, f) for s in specs if (f := self.formats.get(s.name)) and s.name not in placed
+        )
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [t for pair in self._buffers.values() for t in pair]
