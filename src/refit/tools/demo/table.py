@@ -35,7 +35,7 @@ STAGES_LEGEND = (
 LORA_LEGEND = "--lora: MB is the adapter's bytes; full MB the whole model's in bf16, what a full refit would move."
 DELTA_LEGEND = (
     "--delta: Δ marks a refit where some buckets went as a delta (only the wire units changed since the last "
-    "commit); Δ bkts: those buckets of all; the lines below say why the others went full."
+    "commit); Δ bkts: those buckets of all; the lines under the table say why the others went full."
 )
 FP8_LEGEND = (
     "--engine-dtype fp8: MB counts the decoder's linears in FP8 with their scales; params compares the engine's "
