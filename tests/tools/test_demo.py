@@ -58,6 +58,29 @@ def test_demo_canary_with_an_fp8_engine_is_refused_in_one_line(capsys: pytest.Ca
     assert len(err) == 1 and "--canary (1) runs with the plain trainer" in err[0], err
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("dtype", "held"), [("fp8", "block FP8 (e4m3, 128 x 128"), ("mxfp8", "MXFP8 (e4m3, 1 x 32")])
+def test_demo_with_a_quantized_engine_verifies_its_values_and_scales(dtype, held, tmp_path, capsys) -> None:
+    """The engine's decoder linears hold `dtype` with scales: every refit equals the trainer's own quantization
+    of its live weights, bitwise, and the engine generates as the trainer does with what it holds."""
+    out_json = tmp_path / "demo.json"
+    argv = ["demo", "--engine-dtype", dtype, "--transport", "shm", "--steps", "2", "--json", str(out_json), *SMALL]
+    code = main(argv)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"sent as {held}" in out and f"--engine-dtype {dtype}: MB counts" in out and "all refits verified" in out
+    [result] = json.loads(out_json.read_text())
+    assert [(r["params_ok"], r["generate_ok"]) for r in result["refits"]] == [(True, True)] * 2
+    assert result["refits"][0]["nbytes"] < 0.75 * 2 * result["params"]  # the linears in 1 byte each, not bf16's 2
+
+
+def test_the_demos_engine_dtypes_are_its_choices() -> None:
+    from refit.tools.choices import DEMO_ENGINE_DTYPES
+    from refit.tools.demo.fp8 import ENGINE_DTYPES
+
+    assert DEMO_ENGINE_DTYPES == ("float", *ENGINE_DTYPES)
+
+
 STAGES = ("handshake", "pack", "send", "wait", "verify", "commit", "other")
 """The trainer's columns that add up to the total, 'other' being what the named stages leave."""
 

@@ -16,3 +16,5 @@ BENCH_METHODS = (
 """The bench's methods (refit.tools.bench.config.METHODS)."""
 COLOCATED_METHODS = ("floor", "per_rank", "per_rank_schedule", "rank0_led", "m_to_n")
 """The bench's methods with --ranks (refit.tools.bench.colocated.METHODS)."""
+DEMO_ENGINE_DTYPES = ("float", "fp8", "mxfp8")
+"""The demo's engine dtypes: 'float' and the quantized ones (refit.tools.demo.fp8.ENGINE_DTYPES)."""

@@ -11,7 +11,7 @@ import tempfile
 
 from rich.console import Console
 
-from refit.tools.choices import TRANSPORTS
+from refit.tools.choices import DEMO_ENGINE_DTYPES, TRANSPORTS
 from refit.tools.commands.common import (
     at_least_one,
     bucket_bytes,
@@ -190,10 +190,10 @@ def add_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no
     demo.add_argument("--lr", type=float, help="the trainer's AdamW learning rate (default 3e-3; --trainer plain)")
     demo.add_argument(
         "--engine-dtype",
-        choices=("float", "fp8"),
+        choices=DEMO_ENGINE_DTYPES,
         default="float",
-        help="fp8: the engine's decoder linears hold block FP8 with scales, which the trainer quantizes for at "
-        "every refit (--engine module, --trainer plain)",
+        help="fp8 or mxfp8: the engine's decoder linears hold block FP8 or MXFP8 with scales, which the trainer "
+        "quantizes for at every refit (--engine module, --trainer plain)",
     )
     demo.add_argument(
         "--lora",

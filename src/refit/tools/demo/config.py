@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from refit.settings import Settings
+from refit.tools.choices import DEMO_ENGINE_DTYPES
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,8 +48,8 @@ class DemoConfig:
     lr: float = 3e-3
     """The plain trainer's AdamW learning rate (RL post-training runs at 1e-6 to 1e-5)."""
     engine_dtype: str = "float"
-    """'float' (the engine holds what the wire carries) or 'fp8' (the engine's decoder linears hold block FP8
-    with scales: the trainer quantizes for it, refit.stages.fp8)."""
+    """'float' (the engine holds what the wire carries), 'fp8' or 'mxfp8' (the engine's decoder linears hold block
+    FP8 or MXFP8 with scales: the trainer quantizes for it, refit.stages.fp8 and refit.stages.mxfp8)."""
     lora: int = 0
     """LoRA rank: > 0 trains a PEFT LoRA adapter of this rank on every linear layer, over a base the engine
     already holds, and refits the adapter alone (refit.stages.lora); 0 trains and refits the whole model."""
@@ -82,14 +83,14 @@ class DemoConfig:
             raise ValueError(f"lr ({self.lr}) must be > 0")
         if self.engine not in ("module", "vllm"):
             raise ValueError(f"engine must be 'module' or 'vllm', got {self.engine!r}")
-        if self.engine_dtype not in ("float", "fp8"):
-            raise ValueError(f"engine_dtype must be 'float' or 'fp8', got {self.engine_dtype!r}")
-        if self.engine_dtype == "fp8" and (self.engine != "module" or self.trainer != "plain"):
-            raise ValueError("--engine-dtype fp8 runs with --engine module and --trainer plain")
+        if self.engine_dtype not in DEMO_ENGINE_DTYPES:
+            raise ValueError(f"engine_dtype must be one of {', '.join(DEMO_ENGINE_DTYPES)}, got {self.engine_dtype!r}")
+        if self.engine_dtype != "float" and (self.engine != "module" or self.trainer != "plain"):
+            raise ValueError(f"--engine-dtype {self.engine_dtype} runs with --engine module and --trainer plain")
         if self.lora < 0 or (self.lora and (self.trainer, self.engine) != ("plain", "module")):
             raise ValueError(f"--lora ({self.lora}) is a rank >= 1, with the plain trainer and the module engine")
         if self.lora and self.engine_dtype != "float":
-            raise ValueError("--lora and --engine-dtype fp8 do not combine: the adapter moves alone, in bf16")
+            raise ValueError(f"--lora and --engine-dtype {self.engine_dtype} do not combine: the adapter moves alone")
         if self.canary < 0 or (self.canary and (self.trainer, self.engine_dtype, self.lora) != ("plain", "float", 0)):
             raise ValueError(f"--canary ({self.canary}) runs with the plain trainer, a float engine and no --lora")
         if self.canary and self.engine_tp > 1:

@@ -20,7 +20,7 @@ from refit.layout.state_layout import non_persistent_buffers
 from refit.log import configure, get_logger
 from refit.settings import Settings
 from refit.stages.lora import LoraEngine
-from refit.tools.demo.fp8 import refresh, to_fp8
+from refit.tools.demo.fp8 import ENGINE_DTYPES, QuantizedLinear, quantize_linears, refresh
 from refit.tools.demo.model import build_model, greedy, model_config
 from refit.topology.receiver import Receiver
 
@@ -64,17 +64,20 @@ def _model(args: dict) -> torch.nn.Module:
 
         return wrap(build_model(model_config(**args["model"]), seed=BASE_SEED), args["lora"]).eval()
     model = build_model(model_config(**args["model"]), seed=12345)  # random: the first refit installs the weights
-    if args.get("fp8"):
-        to_fp8(model)  # the decoder's linears in block FP8: the trainer quantizes for them
+    quantize_linears(model, args.get("dtype", "float"))  # fp8, mxfp8: the trainer quantizes for them
     return model
 
 
-def _engine(model: torch.nn.Module, *, computed: bool = False) -> ModuleEngine | LoraEngine:
+def _engine(model: torch.nn.Module, *, computed: bool = False, dtype: str = "float") -> ModuleEngine | LoraEngine:
     """`computed`: the trainer sends no non-persistent buffers (the rotary tables, computed from the config
     on both sides): waived here by name, as a user would."""
     if hasattr(model, "peft_config"):
         return LoraEngine(model)
-    return ModuleEngine(model, ignore=[name for name, _, _ in non_persistent_buffers(model)] if computed else ())
+    ignore = [name for name, _, _ in non_persistent_buffers(model)] if computed else ()
+    if dtype in ENGINE_DTYPES:  # its decoder's linears quantized: an engine that states them
+        held = [f"{path}.weight" for path, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+        return ENGINE_DTYPES[dtype].engine(model, held, ignore=ignore)
+    return ModuleEngine(model, ignore=ignore)
 
 
 def _held(engine: ModuleEngine | LoraEngine, wire: dict, prompts: list[list[int]]) -> dict:
@@ -93,7 +96,7 @@ def _held(engine: ModuleEngine | LoraEngine, wire: dict, prompts: list[list[int]
 
 def _session(args: dict, model: torch.nn.Module) -> int:
     """One Receiver session into `model`, reporting after every refit, until the sender closes (0)."""
-    engine = _engine(model, computed=bool(args.get("computed")))
+    engine = _engine(model, computed=bool(args.get("computed")), dtype=args.get("dtype", "float"))
     log.info("engine model built; connecting to %s:%s", args["rendezvous"]["host"], args["rendezvous"]["port"])
     settings = Settings(bucket_bytes=args.get("bucket_bytes"), timeout_s=args.get("timeout_s", 120.0))
     with Receiver(engine, args["rendezvous"], settings=settings) as receiver:
@@ -113,7 +116,7 @@ def _session(args: dict, model: torch.nn.Module) -> int:
             assert receiver.manifest is not None
             wire = {n: p.spec.dtype for p in receiver.manifest.entries for n in p.spec.names}  # aliases too (tied)
             engine.ensure_current()
-            refresh(model)  # an FP8 model's dequantized weights are of the last version
+            refresh(model)  # a quantized model's dequantized weights are of the last version
             emit(
                 {
                     "event": "refit",

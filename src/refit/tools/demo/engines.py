@@ -213,7 +213,7 @@ def spawn_engine(cfg: DemoConfig) -> EngineProcess:
             "bucket_bytes": cfg.bucket_bytes,
             "timeout_s": cfg.timeout_s,
             "verbosity": cfg.verbosity,
-            "fp8": cfg.engine_dtype == "fp8",
+            "dtype": cfg.engine_dtype,
             "lora": cfg.lora,
             "computed": cfg.trainer == "megatron",  # Megatron's GPT sends no rotary tables: the engine keeps its own
         }

@@ -21,7 +21,7 @@ from refit.tools.demo.config import DemoConfig as DemoConfig
 from refit.tools.demo.config import model_size, session_settings
 from refit.tools.demo.engines import EngineNotJoined as EngineNotJoined
 from refit.tools.demo.engines import EngineProcess, VllmSide, spawn_engine, wire_dtypes
-from refit.tools.demo.fp8 import as_held, refresh, to_fp8
+from refit.tools.demo.fp8 import ENGINE_DTYPES, as_held, quantize_linears, refresh
 from refit.tools.demo.kernels import prebuild
 from refit.tools.demo.lora import reference_greedy, targets, wrap
 from refit.tools.demo.model import PROMPTS, TEXT, build_model, build_tokenizer, model_config
@@ -104,7 +104,7 @@ def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | No
         mcfg, model, tok, ids, prompts = demo_model(cfg)
         trainer = trainer or make_trainer(cfg, model, ids)
         reference = build_model(model_config(**mcfg), seed=0)
-        quantized = to_fp8(reference) if cfg.engine_dtype == "fp8" else []
+        quantized = quantize_linears(reference, cfg.engine_dtype)
         if cfg.lora:
             reference = wrap(reference, cfg.lora).eval()
     source = trainer.source
@@ -160,9 +160,13 @@ def _run(cfg: DemoConfig, console: Console, trainer, process: EngineProcess | No
 
 
 def _sent_as(cfg: DemoConfig) -> str:
-    if cfg.engine_dtype == "fp8":
-        return "block FP8 (e4m3, 128 x 128, fp32 scales) for the decoder's linears and bf16 for the rest"
+    if cfg.engine_dtype in ENGINE_DTYPES:
+        return f"{ENGINE_DTYPES[cfg.engine_dtype].sent_as} for the decoder's linears and bf16 for the rest"
     return "bf16"
+
+
+def _legend(cfg: DemoConfig) -> str:
+    return ENGINE_DTYPES[cfg.engine_dtype].legend if cfg.engine_dtype in ENGINE_DTYPES else ""
 
 
 def _plural(n: int, word: str) -> str:
@@ -214,7 +218,7 @@ def _loop(
     prompts: list,
 ) -> tuple[bool, list[dict]]:
     """Train, refit and check `cfg.steps` times: whether all verified, and one row per refit. `reference`: the
-    trainer's reference model and the names it holds in FP8 (as the engine does)."""
+    trainer's reference model and the names it holds quantized (as the engine does)."""
     ok, rows = True, []
     with progress(quiet=cfg.verbosity < 0) as bar:
         task = bar.add_task("", total=cfg.steps)
@@ -227,7 +231,7 @@ def _loop(
             bar.update(task, description=f"step {step}: refitting{first}")
             stats = trainer.refit(engine, step)
             bar.update(task, description=f"step {step}: checking the engine's weights and generation")
-            weights = as_held(trainer.full_weights(), reference[1])  # as the engine holds them (FP8: quantized)
+            weights = as_held(trainer.full_weights(), reference[1], cfg.engine_dtype)  # as the engine holds them
             expected = _expected_generation(weights, reference[0], engine.sender, prompts)  # while the engine generates
             report = engine.report(weights)
             if report.get("event") != "refit":
@@ -251,7 +255,7 @@ def _show(cfg: DemoConfig, console: Console, rows: list[dict], mem: dict, ok: bo
     if cfg.delta:
         for line in delta_lines(rows):
             print_wrapped(console, line)
-    for text in legends(wide=wide, lora=bool(cfg.lora), delta=cfg.delta, fp8=cfg.engine_dtype == "fp8"):
+    for text in legends(wide=wide, lora=bool(cfg.lora), delta=cfg.delta, dtype_legend=_legend(cfg)):
         print_wrapped(console, text)
     first = rows[0] if rows else {}
     if first.get("connect_seconds", 0.0) >= 5e-5:  # the engine connects during the first refit only

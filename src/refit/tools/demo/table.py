@@ -37,10 +37,6 @@ DELTA_LEGEND = (
     "--delta: Δ marks a refit where some buckets went as a delta (only the wire units changed since the last "
     "commit); Δ bkts: those buckets of all; the lines under the table say why the others went full."
 )
-FP8_LEGEND = (
-    "--engine-dtype fp8: MB counts the decoder's linears in FP8 with their scales; params compares the engine's "
-    "FP8 bytes and scales with the trainer's own quantization of its live weights."
-)
 FULL_WHY = {
     "full-base": "a full refit (the first of an epoch)",
     "full-link": "the link moved them faster than the scan for changed values pays",
@@ -133,14 +129,15 @@ def delta_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def legends(*, wide: bool, lora: bool, delta: bool, fp8: bool) -> list[str]:
-    """The legends for what was asked: the table's own, the stages' with --wide, one per flag given."""
+def legends(*, wide: bool, lora: bool, delta: bool, dtype_legend: str = "") -> list[str]:
+    """The legends for what was asked: the table's own, the stages' with --wide, one per flag given
+    (`dtype_legend`: the engine dtype's)."""
     return [
         LEGEND,
         *((STAGES_LEGEND,) if wide else ()),
         *((LORA_LEGEND,) if lora else ()),
         *((DELTA_LEGEND,) if delta else ()),
-        *((FP8_LEGEND,) if fp8 else ()),
+        *((dtype_legend,) if dtype_legend else ()),
     ]
 
 
