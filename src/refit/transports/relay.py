@@ -93,6 +93,17 @@ class _All(Pending):
             part.wait(max(deadline - time.monotonic(), 1e-3), interrupted)
 
 
+class _Whole(Pending):
+    """A receive from the relay, waited in one piece: gloo closes the pair of a point-to-point receive whose wait
+    times out, so it is never waited in slices (a dead relay closes the pair itself; a stalled one: the timeout)."""
+
+    def __init__(self, pending: Pending) -> None:
+        self._pending = pending
+
+    def wait(self, timeout_s: float, interrupted: Callable[[], bool] | None = None) -> None:
+        self._pending.wait(timeout_s)
+
+
 class _Checked(Pending):
     """The trainer's broadcast, which fails once the group broke (`check` raises) even where its bytes left."""
 
@@ -210,7 +221,7 @@ class RelayTransport(GlooTransport):
         self._tag = (tag + 1) % (1 << 30)  # both ends count the buckets: each send meets its own receive
         try:  # a pair a dead peer closed refuses the operation at once
             if not self.relays:
-                return self._pending(pg.recv(data, 0, tag), what)
+                return _Whole(self._pending(pg.recv(data, 0, tag), what))
             size = len(self.sites.members[self.sites.site_of(self._rank)])
             return _All([self._pending(pg.send(data, m, tag), what) for m in range(1, size)])
         except RuntimeError as e:
