@@ -42,9 +42,11 @@ if [ -d old/src ]; then  # the code before this round, beside it on the same car
 fi
 bench float-ds2 70 --preset deepseek-v3 --layers 2 --engine-dtype float --methods floor,refit,fingerprint
 bench quant-ds4 70 --preset deepseek-v3 --layers 4 --engine-dtype fp8 --methods floor,quantize
+if [ -z "${SHORT:-}" ]; then  # SHORT=1: the FP8 rows, LoRA, the canary and the FP8 trace alone
 for p in qwen2-7b moe; do bench packed-$p 70 --preset $p --methods floor,refit,fingerprint; done
 bench packed-ds4 70 --preset deepseek-v3 --layers 4 --methods floor,refit,fingerprint
 bench delta-q05 70 --preset qwen2-0.5b --methods floor,step_full,step_delta,step_delta_worst
+fi
 say "lora"
 timeout 70 python3 benchmarks/lora_refit.py --preset qwen2-7b --rank 16 --device cuda --refits 15 2>$R/lora.err | tee $R/lora.json
 say "canary"
@@ -53,6 +55,7 @@ say "traces"
 PP=$PWD/src:$PWD/benchmarks/prof
 PYTHONPATH=$PP REFIT_PROF=$R/prof/fp8 timeout 45 $B --repeats 5 --preset deepseek-v3 --layers 2 --engine-dtype fp8 \
     --methods refit >/dev/null 2>&1; say "fp8 trace rc $?"
+[ -n "${SHORT:-}" ] && { tar czf "$OUT/res-$TAG.tgz" -C /tmp $TAG; say done; exit 0; }
 PYTHONPATH=$PP REFIT_PROF=$R/prof/delta timeout 45 $B --repeats 5 --preset qwen2-0.5b --methods step_delta_worst \
     >/dev/null 2>&1; say "delta trace rc $?"
 PYTHONPATH=$PP REFIT_PROF=$R/prof/lora timeout 45 python3 benchmarks/lora_refit.py --preset qwen2-7b --rank 16 \
