@@ -9,10 +9,24 @@ TRANSPORTS = ("shm", "gloo", "cuda-ipc", "nccl", "nixl")
 PRESETS = ("tiny", "qwen2-0.5b", "qwen2-7b", "moe", "moe-small", "deepseek-v3")
 """The bench's and plan's presets (refit.tools.bench.presets.PRESETS)."""
 BENCH_METHODS = (
-    "floor", "foreach", "kernel", "refit", "checksum", "fingerprint", "zero_copy", "zero_copy_fingerprint",
-    "digest", "copy_digest", "serial", "per_tensor", "per_tensor_meta", "step_full", "step_delta",
-    "step_delta_worst", "quantize",
-)  # fmt: skip
+    "floor",
+    "foreach",
+    "kernel",
+    "refit",
+    "checksum",
+    "fingerprint",
+    "zero_copy",
+    "zero_copy_fingerprint",
+    "digest",
+    "copy_digest",
+    "serial",
+    "per_tensor",
+    "per_tensor_meta",
+    "step_full",
+    "step_delta",
+    "step_delta_worst",
+    "quantize",
+)
 """The bench's methods (refit.tools.bench.config.METHODS)."""
 COLOCATED_METHODS = ("floor", "per_rank", "per_rank_schedule", "rank0_led", "m_to_n")
 """The bench's methods with --ranks (refit.tools.bench.colocated.METHODS)."""
