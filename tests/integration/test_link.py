@@ -114,8 +114,8 @@ def test_m_to_n_across_the_link_two_trainer_ranks_into_two_workers_bitwise(link:
     """FSDP2 on two trainer ranks in the trainer's namespace, two engine workers in the engine's, each
     receiving its slices from the rank that holds them over gloo: every byte crosses the veth, bitwise."""
     args = {"kind": "mlp", "workers": 2, "transport": "gloo", "steps": 3, "verify": "fingerprint"}
-    env = {"REFIT_HOST": A_ADDR}
-    ranks = start(args, script="mesh_trainer.py", envs=[env, env], within=lambda argv: link.command("a", argv))
+    host = {"REFIT_HOST": A_ADDR}
+    ranks = start(args, script="mesh_trainer.py", envs=[host, host], within=lambda argv: link.command("a", argv))
     workers: list[subprocess.Popen] = []
     try:
         info = line(ranks[0])
