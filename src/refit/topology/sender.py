@@ -210,8 +210,8 @@ class Sender:
         session = {
             "delta_threshold": self.options.delta_threshold,
             "delta_costs": self.delta_costs,
-            "source": self.source,  # FP8: the stage reads the quantizer's non-finite flags once, at the last bucket
-            "bucket_buffer": lambda b: s.bucket_buffer(b) if (s := me()) is not None else None,  # FP8: into the bucket
+            "source": self.source,  # a stage may read the source it sends from (its checks, once per refit)
+            "bucket_buffer": lambda b: s.bucket_buffer(b) if (s := me()) is not None else None,  # written in place
         }
         made = stages.make(manifest.stages, manifest, self.device, trainer=True, session=session)
         path = self._paths(
