@@ -97,10 +97,18 @@ def parse(raw: object) -> Sketches | None:
             return None
         if not values or len(values) % (1 + SKETCH) or len(values) > (1 << 20):
             return None
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        if not all(_finite(v) for v in values):
             return None
         out[name] = [float(v) for v in values]
     return out
+
+
+def _finite(v: object) -> bool:
+    """A JSON number a float holds (an integer of 400 digits overflows it: not finite here)."""
+    try:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def first_divergence(reference: Sketches, engine: Sketches, tol: float) -> str:

@@ -209,8 +209,8 @@ class ShardTarget:
         with torch.no_grad():
             if staged:
                 self.engine.load_shards(staged)  # type: ignore[arg-type]
+            self.engine.versions.hold(version)  # 'updating' until the ranks' verdict, never current before it
             self.engine.commit(version)
-        self.engine.versions.begin(version)  # the state only: no second begin of the engine's own work
         return ""
 
     def held(self, name: str) -> torch.Tensor | None:

@@ -27,4 +27,7 @@ def engine_root(engine: Engine, manifest: Manifest) -> tuple[int | None, str]:
     for name in names:
         got = None if engine.optional_names and waived(name, engine.optional_names) else engine.held(name)
         held.append(None if got is None else got[0])
-    return w.version, root(held_leaves(names, held, [manifest.entry(n).spec.dtype for n in names]))
+    found = root(held_leaves(names, held, [manifest.entry(n).spec.dtype for n in names]))
+    if engine.weights is not w:  # a refit began while the tensors were read: they belong to no one version
+        raise ValueError(f"a refit began while the root of version {w.version} was read: read it again")
+    return w.version, found

@@ -39,6 +39,8 @@ class Versions:
 
     def __init__(self) -> None:
         self.weights = WeightsVersion(State.EMPTY, None)
+        self._held: int | None = None
+        """A version whose engine commit, next, must leave the state 'updating' (`hold`)."""
 
     def assume_current(self, version: int) -> None:
         if self.weights.state != State.EMPTY:
@@ -49,20 +51,26 @@ class Versions:
         self.weights = replace(self.weights, staged=version)
 
     def begin(self, version: int) -> None:
+        self._held = None
         self.weights = WeightsVersion(State.UPDATING, self.weights.version, version)
+
+    def hold(self, version: int) -> None:
+        """The engine's own commit of `version`, next, leaves the weights 'updating' (the last committed version
+        still the one before): a verdict or a check decides later, and no reader ever sees `version` current
+        before it does. The commit after that decision makes it current."""
+        self._held = version
 
     def commit(self, version: int) -> None:
         w = self.weights
         if w.state != State.UPDATING or w.target != version:
             raise RefitError(f"commit of version {version} without a matching begin (state: {w})")
+        if self._held == version:
+            self._held = None  # the engine's own commit ran; the state waits for the verdict or the checks
+            return
         self.weights = WeightsVersion(State.CURRENT, version)
 
-    def await_verdict(self, version: int, last: int | None) -> None:
-        """Two-phase: the engine committed `version` but not every worker has yet; until the verdict it is
-        'updating' and the last committed version is still `last` (so a failed verdict leaves it there)."""
-        self.weights = WeightsVersion(State.UPDATING, last, version)
-
     def fail(self, version: int, reason: str) -> None:
+        self._held = None
         self.weights = WeightsVersion(State.FAILED, self.weights.version, version, reason)
 
     def ensure_current(self, *, allow_failed: bool = False) -> None:

@@ -218,13 +218,15 @@ def parse(raw: bytes, who: str) -> dict | None:
 
 
 def _target(v: object) -> bool:
-    return (
-        isinstance(v, list)
-        and len(v) == 2
-        and type(v[0]) is int
-        and isinstance(v[1], (int, float))
-        and math.isfinite(v[1])
-    )
+    return isinstance(v, list) and len(v) == 2 and type(v[0]) is int and _finite(v[1])
+
+
+def _finite(v: object) -> bool:
+    """A JSON number a float holds (an integer of 400 digits overflows it: not finite here)."""
+    try:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def differs(mine: Mapping, theirs: Mapping | None) -> str:

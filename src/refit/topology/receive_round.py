@@ -15,6 +15,7 @@ from refit import stages
 from refit.checks.manifest_check import validate
 from refit.engines.base import Engine
 from refit.engines.staging import Split
+from refit.engines.versions import State
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.spec import TensorSpec, changes
@@ -61,6 +62,9 @@ class ReceiveRound:
         self.checks_s: dict[str, float] = {}
         self.explained: dict = {}
         """After a check vetoed the version: what its handler adds to DONE to say where (refit.stages.handler)."""
+        self.malformed: RefitError | None = None
+        """COMMIT's fields could not be read: the refit fails, whatever a repair mends."""
+        """After a check vetoed the version: what its handler adds to DONE to say where (refit.stages.handler)."""
 
     def run(self) -> RefitStats | None:
         s, version, begin = self.s, self.version, self.begin
@@ -84,15 +88,21 @@ class ReceiveRound:
                 return s.after_broken_group(version, e)
             raise
         except Exception as e:  # a bug here still leaves the engine failed and tells the sender at once
-            msg = f"receiver {s.rank}: refit of version {version} stopped: {type(e).__name__}: {e}"
-            self._fail(msg)
-            with contextlib.suppress(PeerError):
-                ch.send(Header(Kind.ERROR), {"message": msg})
+            self._stopped(e)
             raise
         t = time.perf_counter()
         self._flush()
-        failure = repair.on_receiver(s, failure, stats, version)  # a few wrong tensors fetched again
-        self._commit(failure, done)
+        try:
+            failure = repair.on_receiver(s, failure, stats, version)  # a few wrong tensors fetched again
+            self._commit(failure or self.malformed, done)
+        except RefitError as e:
+            w = s.engine.versions.weights
+            if not (w.state == State.FAILED and w.target == version):  # `_commit` failed it already
+                self._fail(str(e))
+            raise
+        except Exception as e:  # as above: a repair's or a check's error fails the engine and tells the sender
+            self._stopped(e)
+            raise
         for name, seconds in self.checks_s.items():
             stats.add(name, seconds)
         log.info("committed version %d (%d bytes, %d bucket(s))", version, m.nbytes, m.num_buckets)
@@ -128,11 +138,20 @@ class ReceiveRound:
             raise PeerError(f"{ch.peer} sent {header.kind.name} during commit of version {version}, expected COMMIT")
         try:
             self.carried = _carried(payload)
-        except RefitError as e:
-            failure = failure or e
+        except RefitError as e:  # kept apart: a repair of the fingerprint's failure must not hide it
+            self.malformed = e
         except Exception as e:  # noqa: BLE001 - whatever a malformed field raises, the refit fails, named
-            failure = failure or IntegrityError(f"COMMIT is malformed: {type(e).__name__}: {str(e)[:200]}")
+            self.malformed = IntegrityError(f"COMMIT is malformed: {type(e).__name__}: {str(e)[:200]}")
         return failure, done
+
+    def _stopped(self, e: Exception) -> None:
+        """An unexpected error stopped this refit: the engine reads failed and the sender hears it at once."""
+        s, ch = self.s, self.s.channel
+        msg = f"receiver {s.rank}: refit of version {self.version} stopped: {type(e).__name__}: {e}"
+        self._fail(msg)
+        if ch is not None:
+            with contextlib.suppress(PeerError):
+                ch.send(Header(Kind.ERROR), {"message": msg})
 
     def _commit(self, failure: RefitError | None, done: dict) -> None:
         """Commit the engine and answer DONE; two-phase, hold the version open until the verdict."""
@@ -241,14 +260,13 @@ class ReceiveRound:
             raise PeerError(msg) from None
 
     def _finalize(self) -> RefitError | None:
-        """Commit the engine; one that fails here still answers the sender. In a two-phase refit the
-        engine goes back to 'updating' (the state only, none of its own begin work) until the verdict."""
+        """Commit the engine; one that fails here still answers the sender. In a two-phase refit, or with checks
+        COMMIT carried, the engine's commit leaves it 'updating' (the state only) until the verdict or checks."""
         engine, version = self.s.engine, self.version
-        last = engine.versions.weights.version  # updating since BEGIN: the last committed version
         try:
+            if self.two_phase or self.carried:  # never reads current before the verdict or the checks
+                engine.versions.hold(version)
             engine.commit(version)
-            if self.two_phase or self.carried:  # a failed verdict or check leaves `last` current
-                engine.versions.await_verdict(version, last)
         except Exception as e:  # noqa: BLE001 - any engine error fails the commit, reported to the sender
             return RefitError(f"engine failed to commit version {version}: {type(e).__name__}: {e}")
         return None

@@ -99,7 +99,7 @@ def unpack(payload: bytes, m: Manifest, asked: list[str]) -> list[tuple[str, tor
     out, at = [], _LEN.size + size
     for name, nbytes in items:  # type: ignore[union-attr]
         spec = m.entry(name).spec
-        if nbytes != spec.nbytes or at + nbytes > len(payload):
+        if type(nbytes) is not int or nbytes != spec.nbytes or at + nbytes > len(payload):
             raise IntegrityError(f"REPAIR's {name!r} is {nbytes!r} bytes, not the manifest's {spec.nbytes}")
         raw = torch.frombuffer(bytearray(payload[at : at + nbytes]), dtype=torch.uint8)
         out.append((name, raw.view(spec.dtype).reshape(spec.shape)))

@@ -137,7 +137,7 @@ class Round:
                 failures.append(f"{ch.peer}: {e}")
                 return
             if header.status:
-                where = "".join(h.diagnose(raw, bisected) for h in self.s.handlers)
+                where = _diagnosed(self.s.handlers, raw, bisected)
                 failures.append(f"{ch.peer}: {answer.message or 'unknown error'}{where}")
             else:
                 committed.append(ch)
@@ -159,6 +159,15 @@ class Round:
             if verdict
             else ""
         )
+
+
+def _diagnosed(handlers: list[Handler], done: dict, cache: dict) -> str:
+    """What the handlers say of a receiver's failing DONE: advice, so an error in it only drops the advice."""
+    try:
+        return "".join(h.diagnose(done, cache) for h in handlers)
+    except Exception as e:  # noqa: BLE001 - the failure itself is already counted; its explanation is not needed
+        log.warning("could not explain a receiver's failure: %s: %s", type(e).__name__, e)
+        return ""
 
 
 def _due(handlers: list[Handler], ranks: frozenset[int]) -> tuple[dict[str, object], dict[str, float]]:

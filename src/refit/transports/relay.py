@@ -64,8 +64,9 @@ class Sites:
             groups = json.loads(raw)
         except ValueError:
             groups = None
-        ranks = [r for g in groups or () for r in (g if isinstance(g, list) else [None])]
-        if not groups or sorted(r for r in ranks if isinstance(r, int)) != list(range(1, size)) or None in ranks:
+        ok = isinstance(groups, list) and bool(groups)
+        ok = ok and all(isinstance(g, list) and g and all(type(r) is int for r in g) for g in groups)
+        if not ok or sorted(r for g in groups for r in g) != list(range(1, size)):
             raise PeerError(f"the relay plan in the group's store is malformed: {raw[:200]!r}")
         return cls(tuple(tuple(g) for g in groups))
 
