@@ -15,7 +15,6 @@ from refit import stages
 from refit.checks.manifest_check import validate
 from refit.engines.base import Engine
 from refit.engines.staging import Split
-from refit.engines.versions import State
 from refit.errors import HandshakeError, IntegrityError, PeerError, RefitError
 from refit.layout.manifest import Manifest
 from refit.layout.spec import TensorSpec, changes
@@ -63,6 +62,8 @@ class ReceiveRound:
         self.explained: dict = {}
         """After a check vetoed the version: what its handler adds to DONE to say where (refit.stages.handler)."""
         self.malformed: RefitError | None = None
+        self.failed = False
+        """The engine was told this refit failed (told once)."""
         """COMMIT's fields could not be read: the refit fails, whatever a repair mends."""
         """After a check vetoed the version: what its handler adds to DONE to say where (refit.stages.handler)."""
 
@@ -96,8 +97,7 @@ class ReceiveRound:
             failure = repair.on_receiver(s, failure, stats, version)  # a few wrong tensors fetched again
             self._commit(failure or self.malformed, done)
         except RefitError as e:
-            w = s.engine.versions.weights
-            if not (w.state == State.FAILED and w.target == version):  # `_commit` failed it already
+            if not self.failed:  # `_commit` and `_await_verdict` fail the engine themselves
                 self._fail(str(e))
             raise
         except Exception as e:  # as above: a repair's or a check's error fails the engine and tells the sender
@@ -178,6 +178,7 @@ class ReceiveRound:
             stage.committed(version, [s.rank])
 
     def _fail(self, reason: str) -> None:
+        self.failed = True
         self.s.engine.fail(self.version, reason)
         if self.s.path is not None:
             for stage in self.s.path.stages:
