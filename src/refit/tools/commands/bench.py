@@ -64,6 +64,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         task = bar.add_task("bench", total=sum(len(methods[t]) for t, *_ in runs))
         for transport, preset, n, layers, rate in runs:
             cfg = _bench_config(args, preset, n, layers, methods[transport], transport, rate)
+            cfg.sites = args.sites
             reports.append(run_bench(cfg, _step(bar, task, preset)))
             bar.advance(task)  # the run's last method
             show(reports[-1:], console)
@@ -98,6 +99,7 @@ def check(args: argparse.Namespace) -> None:
         need("matplotlib", "--plot", PLOT_INSTALL)
     if args.link_rate is not None:
         _check_link(args)
+    _check_sites(args)
     _resolve_quick(args)
     args.bucket_bytes = bucket_bytes(args, BENCH_BUCKET_BYTES)
     args.timeout_s = args.settings.timeout_s if given("REFIT_TIMEOUT") else BENCH_TIMEOUT_S
@@ -120,6 +122,18 @@ def _check_link(args: argparse.Namespace) -> None:
     why = can_make_links()
     if why:
         raise ValueError(f"--link-rate {args.link_rate} {why}; run the bench as root, or drop --link-rate")
+
+
+def _check_sites(args: argparse.Namespace) -> None:
+    """--sites S: across a link only, and S dividing every receiver count."""
+    if not args.sites:
+        return
+    if args.sites < 0 or args.link_rate is None:
+        raise ValueError(f"--sites {args.sites} puts the receivers behind S links: give --link-rate too, with S >= 1")
+    uneven = [n for n in ints(args.receivers, "--receivers") if n % args.sites]
+    if uneven:
+        raise ValueError(f"--sites {args.sites} does not divide --receivers {','.join(map(str, uneven))}: "
+                         "give receiver counts that are multiples of it")  # fmt: skip
 
 
 def _resolve_quick(args: argparse.Namespace) -> None:
@@ -222,8 +236,8 @@ def add_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no
     bench.add_argument("--dtype", default="bfloat16", help="wire dtype of every tensor")
     bench.add_argument(
         "--transport",
-        help="comma-separated, each run side by side: shm, gloo, cuda-ipc, nccl, nixl (default: cuda-ipc with CUDA, "
-        "else shm)",
+        help="comma-separated, each run side by side: shm, gloo, relay, cuda-ipc, nccl, nixl (default: cuda-ipc "
+        "with CUDA, else shm)",
     )
     bench.add_argument("--receivers", default="1", help="comma-separated receiver counts, e.g. 1,2,4")
     bench.add_argument(
@@ -257,7 +271,15 @@ def add_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no
         "--link-rate",
         help="comma-separated rates, one run each: the receivers in their own network namespace, joined to the "
         "sender's by a veth limited to this rate (e.g. 1gbit,10gbit; none: the veth's own speed); the floor becomes "
-        "a raw TCP send of the model's bytes across it; --plot draws time against the rate (needs root; gloo, nixl)",
+        "a raw TCP send of the model's bytes across it; --plot draws time against the rate (needs root; gloo, "
+        "relay, nixl)",
+    )
+    bench.add_argument(
+        "--sites",
+        type=int,
+        default=0,
+        help="with --link-rate: S sites, each its own network namespace behind its own veth at that rate off one "
+        "bridge, with N/S of the receivers stating it (REFIT_SITE); the table adds the bytes into each site",
     )
     bench.add_argument(
         "--engine-dtype",
