@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 A_ADDR, B_ADDR = "10.232.0.1", "10.232.0.2"
 """The trainer's side (namespace a) and the engine's (namespace b)."""
 MAX_SITES = 64
+"""Site k listens on 10.232.0.(10 + k): the sites fit the /24 beside A_ADDR and B_ADDR."""
 UNITS = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
 
 
@@ -62,9 +63,10 @@ def _sh(*cmd: str) -> str:
 
 @dataclass
 class Link:
-    """Namespaces `a` (the trainer's, A_ADDR on veth `dev_a`) and `b` (the engine's, B_ADDR on `dev_b`).
-    `rate`: a token-bucket (tc tbf) rate on both directions ("1gbit", "10gbit"), or None / "none" for the
-    veth's own speed."""
+    """Namespaces `a` (the trainer's, A_ADDR on veth `dev_a`) and `b` (the engine's, B_ADDR on `dev_b`); with
+    `sites`, `a` and one namespace per site (`site_addr(k)` on veth `site_dev(k)`), every veth's other end on
+    the hub's bridge. `rate`: a token-bucket (tc tbf) rate on both directions of every veth ("1gbit",
+    "10gbit"), or None / "none" for the veth's own speed."""
 
     rate: str | None = None
     tag: str = field(default_factory=lambda: str(os.getpid()))

@@ -64,7 +64,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
         task = bar.add_task("bench", total=sum(len(methods[t]) for t, *_ in runs))
         for transport, preset, n, layers, rate in runs:
             cfg = _bench_config(args, preset, n, layers, methods[transport], transport, rate)
-            cfg.sites = args.sites
             reports.append(run_bench(cfg, _step(bar, task, preset)))
             bar.advance(task)  # the run's last method
             show(reports[-1:], console)
@@ -216,6 +215,7 @@ def _bench_config(  # type: ignore[no-untyped-def]
         timeout_s=args.timeout_s,
         methods=methods,
         link_rate=link_rate,
+        sites=args.sites,
         engine_dtype=args.engine_dtype,
     )
 
