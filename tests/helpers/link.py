@@ -1,5 +1,5 @@
-"""Two hosts on one machine for tests: refit's own `Link` (refit.tools.bench.link, which `refit bench
---link-rate` uses too), plus starting a Python process in either namespace."""
+"""Two hosts, or a fleet of sites, on one machine for tests: refit's own `Link` (refit.tools.bench.link, which
+`refit bench --link-rate` uses too), plus starting a Python process in any of its namespaces."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ __all__ = ["A_ADDR", "B_ADDR", "Link", "can_make_links", "env", "first_json", "r
 
 
 class Link(_Link):
-    def popen(self, side: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        """Start `python argv...` in namespace `side` ("a" or "b")."""
+    def popen(self, side: str | int, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        """Start `python argv...` in namespace `side` ("a", "b", or a site of a fleet: `Link(sites=S)`)."""
         return subprocess.Popen(self.command(side, [sys.executable, *argv]), stdout=subprocess.PIPE, text=True, env=env)
 
 

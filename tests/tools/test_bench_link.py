@@ -49,6 +49,22 @@ def test_a_transport_the_link_does_not_run_is_refused_in_one_line(
     assert len(err.splitlines()) == 1 and f"not {transport}" in err, err
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--sites", "2", "--receivers", "4"], "give --link-rate too"),
+        (["--sites", "2", "--receivers", "2,3", "--link-rate", "1gbit"], "does not divide --receivers 3"),
+    ],
+)
+def test_sites_without_a_link_or_dividing_no_receiver_count_is_one_line(
+    argv: list[str], says: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setattr(bench_link, "can_make_links", lambda: "")
+    assert main(["bench", "--preset", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
 def _namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
@@ -89,6 +105,30 @@ def test_bench_across_a_1gbit_link_reports_the_floor_and_our_rows_and_the_bytes_
     assert res["step_delta"]["delta_refits"] == 3 and res["step_full"]["delta_refits"] == 0
     assert res["step_delta"]["wire_bytes"] < res["step_full"]["wire_bytes"] / 2
     assert f"refit-la-{os.getpid()} " not in _namespaces() + " ", "the bench left its namespaces behind"
+
+
+@pytest.mark.slow
+def test_two_sites_of_two_over_relay_take_one_copy_into_each_site_and_two_across_the_trainers_veth(
+    root: None, tmp_path, capsys: pytest.CaptureFixture
+) -> None:
+    """Each site behind its own veth: relay sends each bucket once per site, so the trainer's veth carries the
+    model twice and each site's veth once (its relay passes it on inside the site); every replica verified."""
+    out, repeats = tmp_path / "bench.json", 2
+    argv = ["bench", "--link-rate", "1gbit", "--preset", "tiny", "--transport", "relay", "--receivers", "4"]
+    argv += ["--sites", "2", "--methods", "floor,refit,fingerprint", "--repeats", str(repeats), "--warmup", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert "MB into each site" in capsys.readouterr().out
+    (report,) = json.loads(out.read_text())
+    assert report["link"] == {"rate": "1gbit", "rate_bits": 10**9, "sites": 2}
+    model = report["nbytes"] * (1 + repeats)  # the warmup refit crosses too
+    for name in ("refit", "fingerprint"):
+        r = report["results"][name]
+        assert 2 * model <= r["link_bytes"] <= 2.1 * model + (1 << 20), (name, r["link_bytes"], model)
+        for k, into in enumerate(r["site_bytes"]):
+            assert model <= into <= 1.05 * model + (1 << 20), (name, k, into, model)
+        assert r["link_bytes"] >= r["wire_bytes"] > 0
+    assert report["results"]["fingerprint"]["ratio_to_floor"] > 0
+    assert f"refit-ls0-{os.getpid()} " not in _namespaces() + " ", "the bench left its namespaces behind"
 
 
 @pytest.mark.slow

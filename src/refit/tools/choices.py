@@ -4,7 +4,7 @@ the modules that own them."""
 
 from __future__ import annotations
 
-TRANSPORTS = ("shm", "gloo", "cuda-ipc", "nccl", "nixl")
+TRANSPORTS = ("shm", "gloo", "cuda-ipc", "nccl", "nixl", "relay")
 """The built-in transports (refit.transports.names(), before entry points)."""
 PRESETS = ("tiny", "qwen2-0.5b", "qwen2-7b", "moe", "moe-small", "deepseek-v3")
 """The bench's and plan's presets (refit.tools.bench.presets.PRESETS)."""

@@ -53,7 +53,7 @@ STEP_LR = 1e-6
 WORST_LR = 1e-2
 """AdamW moves each value by about its learning rate: at 1e-2, far over a bf16 step of any weight drawn at std
 0.02, so every trained value changes every step (delta's worst case: it must cost no more than a full refit)."""
-LINKED = ("gloo", "nixl")
+LINKED = ("gloo", "relay", "nixl")
 """Transports the bench runs across a namespaced link. Not nixl yet: this process enters the trainer's
 namespace per thread (setns) and keeps the host's /sys, where UCX lists network devices, so UCX's TCP
 transport finds no veth; the sender needs its own process under `ip netns exec` for that."""
@@ -121,6 +121,9 @@ class BenchConfig:
     """Put the receivers in their own network namespace, joined to the sender's by a veth pair limited to this
     tc rate ("1gbit", "10gbit"; "none": the veth's own speed), and measure the floor as a raw TCP transfer
     across it (refit.tools.bench.link; needs root). None: no link, everything in this namespace."""
+    sites: int = 0
+    """With `link_rate`: 0, the receivers in one namespace behind one veth; S, a fleet of S sites, each its own
+    namespace behind its own veth off one bridge, `receivers` / S replicas in each stating their site."""
     engine_dtype: str | None = None
     """What the engine holds (refit.tools.bench.quantize.sides): None, the shape as it is on both sides;
     `float`, no FP8 anywhere; `fp8`, every linear weight in FP8 blocks, quantized by the trainer each refit."""
@@ -143,6 +146,8 @@ class BenchConfig:
             rate_bits(self.link_rate)
             if self.transport not in LINKED:
                 raise ValueError(f"--link-rate runs {', '.join(LINKED)} for now, not {self.transport}")
+        if self.sites and (self.link_rate is None or self.receivers % self.sites):
+            raise ValueError(f"--sites {self.sites} needs --link-rate and a receiver count it divides")
 
     @property
     def shape(self) -> Shape:

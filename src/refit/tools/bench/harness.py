@@ -39,6 +39,8 @@ class Result:
     """Bytes the method put on the data plane over all its transfers, warmup included (where it knows)."""
     link_bytes: int | None = None
     """Across a namespaced link: bytes the sender's veth sent while the method ran (headers and control too)."""
+    site_bytes: list[int] | None = None
+    """In a fleet: bytes each site's veth took in while the method ran."""
     delta_refits: int | None = None
     """Stepped refits: how many of the timed ones went as a delta."""
 
@@ -59,6 +61,17 @@ class Result:
         }
 
 
+def _placed(command: list[str], link: Link | None, r: int, n: int) -> tuple[list[str], dict[str, str]]:
+    """Worker `r` of `n`: its command and environment. Across two hosts, in namespace b; in a fleet of S sites,
+    in site r * S // n (n / S replicas each, contiguous), listening on the site's address and stating it."""
+    if link is None:
+        return command, {}
+    if not link.sites:
+        return link.command("b", command), {"REFIT_HOST": B_ADDR}
+    k = r * link.sites // n
+    return link.command(k, command), {"REFIT_HOST": link.site_addr(k), "REFIT_SITE": f"site-{k}"}
+
+
 class Workers:
     """Receiver processes, one per engine rank, fed jobs as JSON lines."""
 
@@ -66,18 +79,10 @@ class Workers:
         """With `link`: each in the link's namespace b, listening on its address there."""
         env = {**os.environ, "PYTHONPATH": pythonpath()}
         command = module_command("refit.tools.bench.worker")
-        if link is not None:
-            env["REFIT_HOST"], command = B_ADDR, link.command("b", command)
         payload = [[s.name, list(s.shape), dtype_name(s.dtype)] for s in spec_list]
         self.procs = [
-            subprocess.Popen(
-                command,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            for _ in devices
+            subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**env, **extra})
+            for argv, extra in (_placed(command, link, r, len(devices)) for r in range(len(devices)))
         ]
         for p, d in zip(self.procs, devices):
             assert p.stdin is not None

@@ -20,7 +20,7 @@ def _emit(obj: dict) -> None:
 def main(argv: list[str]) -> int:
     job = json.loads(argv[1])
     cfg = BenchConfig(**{**job["config"], "methods": tuple(job["config"]["methods"])})
-    link = Link(rate=job["rate"], tag=job["tag"], borrowed=True)
+    link = Link(rate=job["rate"], tag=job["tag"], borrowed=True, sites=job.get("sites", 0))
     try:
         results = measure(cfg, link, lambda m: _emit({"method": m}))
     except ValueError as e:

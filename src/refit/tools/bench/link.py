@@ -1,4 +1,9 @@
-"""Two hosts on one machine: two network namespaces joined by a veth pair, optionally rate-limited with tc.
+"""Hosts on one machine: network namespaces joined by veth pairs, optionally rate-limited with tc.
+
+Two hosts: the trainer's namespace `a` and the engine's `b`, joined by one veth. A fleet (`sites`=S): the
+trainer's namespace and S site namespaces, each joined by its own veth to one bridge in a hub namespace, so
+that what the trainer sends crosses its own veth and then the veth of each site it reaches, and replicas of one
+site talk inside their namespace without crossing any.
 
 `Link` makes them, runs processes in either, lets this process's calling thread enter one, reads the veth's
 byte counters and removes everything on exit (also on an error or Ctrl-C). Every process that crosses it
@@ -21,6 +26,8 @@ from dataclasses import dataclass, field
 
 A_ADDR, B_ADDR = "10.232.0.1", "10.232.0.2"
 """The trainer's side (namespace a) and the engine's (namespace b)."""
+MAX_SITES = 64
+"""Site k listens on 10.232.0.(10 + k): the sites fit the /24 beside A_ADDR and B_ADDR."""
 UNITS = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
 
 
@@ -56,38 +63,63 @@ def _sh(*cmd: str) -> str:
 
 @dataclass
 class Link:
-    """Namespaces `a` (the trainer's, A_ADDR on veth `dev_a`) and `b` (the engine's, B_ADDR on `dev_b`).
-    `rate`: a token-bucket (tc tbf) rate on both directions ("1gbit", "10gbit"), or None / "none" for the
-    veth's own speed."""
+    """Namespaces `a` (the trainer's, A_ADDR on veth `dev_a`) and `b` (the engine's, B_ADDR on `dev_b`); with
+    `sites`, `a` and one namespace per site (`site_addr(k)` on veth `site_dev(k)`), every veth's other end on
+    the hub's bridge. `rate`: a token-bucket (tc tbf) rate on both directions of every veth ("1gbit",
+    "10gbit"), or None / "none" for the veth's own speed."""
 
     rate: str | None = None
     tag: str = field(default_factory=lambda: str(os.getpid()))
     borrowed: bool = False
     """The namespaces exist already (made by the process that started this one): used, never made or deleted."""
+    sites: int = 0
+    """0: two hosts (a and b). S >= 1: a fleet, S site namespaces each behind its own veth off a hub's bridge."""
 
     def __post_init__(self) -> None:
         if self.rate is not None and rate_bits(self.rate) == 0:
             self.rate = None
-        self.a, self.b = f"refit-la-{self.tag}", f"refit-lb-{self.tag}"
+        if not 0 <= self.sites <= MAX_SITES:
+            raise ValueError(f"sites must be 0 to {MAX_SITES}, got {self.sites}")
+        self.a, self.b, self.hub = f"refit-la-{self.tag}", f"refit-lb-{self.tag}", f"refit-lh-{self.tag}"
         self.dev_a, self.dev_b = f"rla{self.tag}"[:15], f"rlb{self.tag}"[:15]
+
+    def _names(self) -> list[str]:
+        return [self.a, self.b] if not self.sites else [self.a, self.hub, *map(self.site_namespace, range(self.sites))]
 
     def __enter__(self) -> Link:
         if self.borrowed:
             return self
         try:
-            _sh("ip", "netns", "add", self.a)
-            _sh("ip", "netns", "add", self.b)
-            _sh("ip", "link", "add", self.dev_a, "netns", self.a, "type", "veth", "peer", "name", self.dev_b,
-                "netns", self.b)  # fmt: skip
-            for ns, dev, addr in ((self.a, self.dev_a, A_ADDR), (self.b, self.dev_b, B_ADDR)):
-                _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                _sh("ip", "-n", ns, "link", "set", dev, "up")
+            for ns in self._names():
+                _sh("ip", "netns", "add", ns)
                 _sh("ip", "-n", ns, "link", "set", "lo", "up")
-                self._shape(ns, dev)
+            if self.sites:
+                self._make_fleet()
+            else:
+                self._join(self.a, self.dev_a, A_ADDR, self.b, self.dev_b, B_ADDR)
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def _join(self, ns: str, dev: str, addr: str | None, peer_ns: str, peer: str, peer_addr: str | None) -> None:
+        """A veth from `ns` to `peer_ns`, both ends up and shaped, each with its address (None: a bridge port)."""
+        _sh("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", peer, "netns", peer_ns)
+        for side, name, address in ((ns, dev, addr), (peer_ns, peer, peer_addr)):
+            if address is None:
+                _sh("ip", "-n", side, "link", "set", name, "master", "rlbr")
+            else:
+                _sh("ip", "-n", side, "addr", "add", f"{address}/24", "dev", name)
+            _sh("ip", "-n", side, "link", "set", name, "up")
+            self._shape(side, name)
+
+    def _make_fleet(self) -> None:
+        _sh("ip", "-n", self.hub, "link", "add", "rlbr", "type", "bridge")
+        _sh("ip", "-n", self.hub, "link", "set", "rlbr", "up")
+        self._join(self.a, self.dev_a, A_ADDR, self.hub, f"rha{self.tag}"[:15], None)
+        for k in range(self.sites):
+            self._join(self.site_namespace(k), self.site_dev(k), self.site_addr(k), self.hub, f"rh{k}.{self.tag}"[:15],
+                       None)  # fmt: skip
 
     def _shape(self, ns: str, dev: str) -> None:
         if self.rate is None:
@@ -99,20 +131,49 @@ class Link:
     def __exit__(self, *exc: object) -> None:
         if self.borrowed:
             return
-        for ns in (self.a, self.b):
+        for ns in self._names():
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
 
-    def namespace(self, side: str) -> str:
-        if side not in ("a", "b"):
-            raise ValueError(f"side must be 'a' or 'b', got {side!r}")
+    def namespace(self, side: str | int) -> str:
+        """ "a": the trainer's; "b": the engine's (two hosts); an int: that site's (a fleet)."""
+        if isinstance(side, int) and 0 <= side < self.sites:
+            return self.site_namespace(side)
+        if side not in ("a", "b") or (side == "b" and self.sites):
+            raise ValueError(f"side must be 'a', 'b' or a site below {self.sites} for this link, got {side!r}")
         return self.a if side == "a" else self.b
+
+    def site_namespace(self, k: int) -> str:
+        return f"refit-ls{k}-{self.tag}"
+
+    def site_dev(self, k: int) -> str:
+        return f"rs{k}.{self.tag}"[:15]
+
+    def site_addr(self, k: int) -> str:
+        """Site `k`'s address: every replica of the site listens on it."""
+        return f"10.232.0.{10 + k}"
+
+    def bytes_into_sites(self) -> list[int]:
+        """Bytes each site's veth has taken in so far (its rx counter inside the site)."""
+        return [
+            int(
+                _sh(
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.site_namespace(k),
+                    "cat",
+                    f"/sys/class/net/{self.site_dev(k)}/statistics/rx_bytes",
+                )
+            )  # fmt: skip
+            for k in range(self.sites)
+        ]
 
     def bytes_a_to_b(self) -> int:
         """Bytes the trainer's side has sent over the veth so far (its tx counter)."""
         return int(_sh("ip", "netns", "exec", self.a, "cat", f"/sys/class/net/{self.dev_a}/statistics/tx_bytes"))
 
-    def command(self, side: str, argv: list[str]) -> list[str]:
-        """`argv` run inside namespace `side` ("a" or "b")."""
+    def command(self, side: str | int, argv: list[str]) -> list[str]:
+        """`argv` run inside namespace `side` ("a", "b" or a site)."""
         return ["ip", "netns", "exec", self.namespace(side), *argv]
 
 

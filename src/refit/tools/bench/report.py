@@ -57,13 +57,16 @@ def table(report: dict) -> Table:
     engine = report.get("engine_dtypes")
     if engine and engine != report.get("dtypes"):
         dtypes += f" in the trainer, {'+'.join(engine)} in the engine (GB on the wire)"
+    sites = (link or {}).get("sites") or 0
     across = f" across a namespaced veth ({link['rate']})" if link else ""
+    across = f" in {sites} site(s), each behind its own veth ({link['rate']})" if sites else across
     t = Table(
         title=f"{_name(report)}: {report['tensors']} tensors, {report['nbytes'] / 1e9:.3f} GB {dtypes}, "
         f"{c['transport']} to {c['receivers']} receiver(s) on {report['device']}{across}"
     )
     cols = ["method", "median ms", "min-max ms", "GB/s", "x floor", "x unverified"]
-    cols += ["% of link rate", "veth MB", "delta refits"] if link else []
+    cols += ["% of link rate", "refit MB", "veth MB", "delta refits"] if link else []
+    cols += ["MB into each site"] if sites else []
     for col in (*cols, "stages (median ms)"):
         t.add_column(col, justify="left" if col in ("method", "stages (median ms)") else "right", no_wrap=True)
     for key, r in report["results"].items():
@@ -77,16 +80,19 @@ def table(report: dict) -> Table:
             "-" if ratio is None else f"{ratio:.2f}",
             "-" if plain is None else f"{plain:.2f}",
         ]
-        t.add_row(label, *cells, *(_link_cells(r, len(r["times"])) if link else []), stages)
+        into = [",".join(f"{b / 1e6:.1f}" for b in r.get("site_bytes") or [])] if sites else []
+        t.add_row(label, *cells, *(_link_cells(r, len(r["times"])) if link else []), *into, stages)
     return t
 
 
 def _link_cells(r: dict, timed: int) -> list[str]:
-    """Across a link: the share of its rate the model's bytes reached, the bytes the sender's veth sent during
-    the method (warmup included), and how many timed refits went as deltas."""
+    """Across a link: the share of its rate the model's bytes reached, the bytes refit says it sent and the
+    bytes the sender's veth sent during the method (warmup included), and how many timed refits went as deltas."""
     share, crossed, deltas = r.get("link_fraction"), r.get("link_bytes"), r.get("delta_refits")
+    said = r.get("wire_bytes")
     return [
         "-" if share is None else f"{share * 100:.0f}%",
+        "-" if said is None else f"{said / 1e6:.1f}",
         "-" if crossed is None else f"{crossed / 1e6:.1f}",
         "-" if deltas is None else f"{deltas}/{timed}",
     ]

@@ -54,6 +54,7 @@ def _methods(  # type: ignore[no-untyped-def]
         if on_method:
             on_method(m)
         before = link.bytes_a_to_b() if link else 0
+        into = link.bytes_into_sites() if link else []
         if m == "quantize":
             times, moved, floors = measured(tensors, engine_specs, lambda fn: time_runs(fn, device, cfg))
             release(device)
@@ -62,13 +63,16 @@ def _methods(  # type: ignore[no-untyped-def]
             result = _method(m, workers, source, tensors, spec_list, cfg, device, nbytes)
         if result is not None:
             result.link_bytes = link.bytes_a_to_b() - before if link else None
+            if link and link.sites:
+                result.site_bytes = [b - a for a, b in zip(into, link.bytes_into_sites())]
             results[m] = result
 
 
 def measured_inside(cfg: BenchConfig, link: Link, on_method: Callable[[str], None] | None) -> dict[str, Result]:
     """`measure` run by a child process inside the link's namespace a (as `ip netns exec` starts it: its own
     view of the network devices in /sys, which a thread that only switched namespaces lacks)."""
-    job = json.dumps({"config": {**asdict(cfg), "methods": list(cfg.methods)}, "tag": link.tag, "rate": link.rate})
+    job = json.dumps({"config": {**asdict(cfg), "methods": list(cfg.methods)}, "tag": link.tag, "rate": link.rate,
+                      "sites": link.sites})  # fmt: skip
     env = {**os.environ, **{k: v for k, v in NET_ONLY.items() if k not in os.environ}, "PYTHONPATH": pythonpath()}
     argv = link.command("a", [*module_command("refit.tools.bench.inside"), job])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
@@ -150,7 +154,7 @@ def run_bench(cfg: BenchConfig, on_method: Callable[[str], None] | None = None) 
     if cfg.link_rate is None:
         results = measure(cfg, None, on_method)
     else:
-        with Link(rate=cfg.link_rate) as link:
+        with Link(rate=cfg.link_rate, sites=cfg.sites) as link:
             results = measured_inside(cfg, link, on_method)
     floor = results["floor"].median if "floor" in results else None
     summaries = {k: r.summary(floor) for k, r in results.items()}
@@ -170,5 +174,10 @@ def run_bench(cfg: BenchConfig, on_method: Callable[[str], None] | None = None) 
         "torch": torch.__version__,
         "cpu_kernel": device.type == "cpu" and kernel_built(),  # the notes under the table explain figures by it
         "results": summaries,
-        "link": None if cfg.link_rate is None else {"rate": cfg.link_rate, "rate_bits": rate_bits(cfg.link_rate)},
+        "link": None if cfg.link_rate is None else _link(cfg),
     }
+
+
+def _link(cfg: BenchConfig) -> dict:
+    assert cfg.link_rate is not None
+    return {"rate": cfg.link_rate, "rate_bits": rate_bits(cfg.link_rate), **({"sites": cfg.sites} if cfg.sites else {})}

@@ -98,6 +98,7 @@ def check(args: argparse.Namespace) -> None:
         need("matplotlib", "--plot", PLOT_INSTALL)
     if args.link_rate is not None:
         _check_link(args)
+    _check_sites(args)
     _resolve_quick(args)
     args.bucket_bytes = bucket_bytes(args, BENCH_BUCKET_BYTES)
     args.timeout_s = args.settings.timeout_s if given("REFIT_TIMEOUT") else BENCH_TIMEOUT_S
@@ -120,6 +121,18 @@ def _check_link(args: argparse.Namespace) -> None:
     why = can_make_links()
     if why:
         raise ValueError(f"--link-rate {args.link_rate} {why}; run the bench as root, or drop --link-rate")
+
+
+def _check_sites(args: argparse.Namespace) -> None:
+    """--sites S: across a link only, and S dividing every receiver count."""
+    if not args.sites:
+        return
+    if args.sites < 0 or args.link_rate is None:
+        raise ValueError(f"--sites {args.sites} puts the receivers behind S links: give --link-rate too, with S >= 1")
+    uneven = [n for n in ints(args.receivers, "--receivers") if n % args.sites]
+    if uneven:
+        raise ValueError(f"--sites {args.sites} does not divide --receivers {','.join(map(str, uneven))}: "
+                         "give receiver counts that are multiples of it")  # fmt: skip
 
 
 def _resolve_quick(args: argparse.Namespace) -> None:
@@ -202,6 +215,7 @@ def _bench_config(  # type: ignore[no-untyped-def]
         timeout_s=args.timeout_s,
         methods=methods,
         link_rate=link_rate,
+        sites=args.sites,
         engine_dtype=args.engine_dtype,
     )
 
@@ -222,8 +236,8 @@ def add_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no
     bench.add_argument("--dtype", default="bfloat16", help="wire dtype of every tensor")
     bench.add_argument(
         "--transport",
-        help="comma-separated, each run side by side: shm, gloo, cuda-ipc, nccl, nixl (default: cuda-ipc with CUDA, "
-        "else shm)",
+        help="comma-separated, each run side by side: shm, gloo, relay, cuda-ipc, nccl, nixl (default: cuda-ipc "
+        "with CUDA, else shm)",
     )
     bench.add_argument("--receivers", default="1", help="comma-separated receiver counts, e.g. 1,2,4")
     bench.add_argument(
@@ -257,7 +271,15 @@ def add_parser(sub, common: argparse.ArgumentParser) -> None:  # type: ignore[no
         "--link-rate",
         help="comma-separated rates, one run each: the receivers in their own network namespace, joined to the "
         "sender's by a veth limited to this rate (e.g. 1gbit,10gbit; none: the veth's own speed); the floor becomes "
-        "a raw TCP send of the model's bytes across it; --plot draws time against the rate (needs root; gloo, nixl)",
+        "a raw TCP send of the model's bytes across it; --plot draws time against the rate (needs root; gloo, "
+        "relay, nixl)",
+    )
+    bench.add_argument(
+        "--sites",
+        type=int,
+        default=0,
+        help="with --link-rate: S sites, each its own network namespace behind its own veth at that rate off one "
+        "bridge, with N/S of the receivers stating it (REFIT_SITE); the table adds the bytes into each site",
     )
     bench.add_argument(
         "--engine-dtype",
