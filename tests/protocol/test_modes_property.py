@@ -1026,17 +1026,18 @@ class StageSessions(RuleBasedStateMachine):
     @rule(how=st.sampled_from(sorted(MALFORMED)))
     def refit_with_a_malformed_canary(self, how: str) -> None:
         """COMMIT carries a canary number the engine must refuse: the refit fails, the session goes on."""
-        real = self.sender.canary_probe
+        handler = next(h for h in self.sender.handlers if h.name == "canary")  # what COMMIT carries for it
+        real = handler.due
 
-        def broken(ranks: frozenset[int]) -> dict | None:
+        def broken(ranks: frozenset[int]) -> object | None:
             got = real(ranks)
             return None if got is None else MALFORMED[how](got)
 
-        self.sender.canary_probe = broken  # type: ignore[method-assign]
+        handler.due = broken  # type: ignore[method-assign]
         try:
             self._refit(self.top + 1, fails=f"a malformed canary ({how})")
         finally:
-            del self.sender.canary_probe
+            del handler.due
 
     @precondition(lambda self: self.kind == "fp8")
     @rule(data=st.data(), name=st.sampled_from(["a.weight", Q8]), value=st.sampled_from([math.nan, math.inf]))

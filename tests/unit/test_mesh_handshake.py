@@ -184,6 +184,8 @@ def test_a_worker_tensor_recast_or_reshaped_since_the_plan_is_refused_before_any
         pair.begin(version)
         pair.load(bucket)
         pair.commit(version)
+        assert engine.weights.state.value == "updating"  # never current before the ranks' verdict
+        engine.versions.commit(version)  # the verdict, as MeshReceiver applies it
 
     refit(1)
     t = held["x"]
