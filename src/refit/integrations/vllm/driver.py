@@ -142,11 +142,13 @@ class VllmRefit:
         self._thread: threading.Thread | None = None
         self._rpc_warned = False
         config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
-        workers = config.parallel_config.world_size if config is not None else sender.options.num_receivers
-        if workers != sender.options.num_receivers:
+        # a Sender's count is its option; a per-rank or M:N session counts its workers itself
+        expected = getattr(sender, "num_receivers", None) or sender.options.num_receivers
+        workers = config.parallel_config.world_size if config is not None else expected
+        if workers != expected:
             raise ValueError(
                 f"this vLLM has {workers} workers (TP x PP), each a receiver: make the Sender with "
-                f"num_receivers={workers}, not {sender.options.num_receivers}"
+                f"num_receivers={workers}, not {expected}"
             )
         self.failure = ""
         """Why the last refit failed partway (vLLM then holds mixed weights); empty when current."""
