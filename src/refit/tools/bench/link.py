@@ -118,15 +118,31 @@ class Link:
         _sh("ip", "-n", self.hub, "link", "set", "rlbr", "up")
         self._join(self.a, self.dev_a, A_ADDR, self.hub, f"rha{self.tag}"[:15], None)
         for k in range(self.sites):
-            self._join(self.site_namespace(k), self.site_dev(k), self.site_addr(k), self.hub, f"rh{k}.{self.tag}"[:15],
-                       None)  # fmt: skip
+            self._join(
+                self.site_namespace(k), self.site_dev(k), self.site_addr(k), self.hub, f"rh{k}.{self.tag}"[:15], None
+            )
 
     def _shape(self, ns: str, dev: str) -> None:
         if self.rate is None:
             return
         burst = max(rate_bits(self.rate) // 8 // 250, 1 << 16)  # a 4 ms bucket: the rate holds above 250 Hz timers
-        _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", str(burst),
-            "latency", "50ms")  # fmt: skip
+        _sh(
+            "tc",
+            "-n",
+            ns,
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            self.rate,
+            "burst",
+            str(burst),
+            "latency",
+            "50ms",
+        )
 
     def __exit__(self, *exc: object) -> None:
         if self.borrowed:
@@ -164,7 +180,7 @@ class Link:
                     "cat",
                     f"/sys/class/net/{self.site_dev(k)}/statistics/rx_bytes",
                 )
-            )  # fmt: skip
+            )
             for k in range(self.sites)
         ]
 

@@ -71,8 +71,14 @@ def _methods(  # type: ignore[no-untyped-def]
 def measured_inside(cfg: BenchConfig, link: Link, on_method: Callable[[str], None] | None) -> dict[str, Result]:
     """`measure` run by a child process inside the link's namespace a (as `ip netns exec` starts it: its own
     view of the network devices in /sys, which a thread that only switched namespaces lacks)."""
-    job = json.dumps({"config": {**asdict(cfg), "methods": list(cfg.methods)}, "tag": link.tag, "rate": link.rate,
-                      "sites": link.sites})  # fmt: skip
+    job = json.dumps(
+        {
+            "config": {**asdict(cfg), "methods": list(cfg.methods)},
+            "tag": link.tag,
+            "rate": link.rate,
+            "sites": link.sites,
+        }
+    )
     env = {**os.environ, **{k: v for k, v in NET_ONLY.items() if k not in os.environ}, "PYTHONPATH": pythonpath()}
     argv = link.command("a", [*module_command("refit.tools.bench.inside"), job])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)

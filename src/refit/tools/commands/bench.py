@@ -131,8 +131,10 @@ def _check_sites(args: argparse.Namespace) -> None:
         raise ValueError(f"--sites {args.sites} puts the receivers behind S links: give --link-rate too, with S >= 1")
     uneven = [n for n in ints(args.receivers, "--receivers") if n % args.sites]
     if uneven:
-        raise ValueError(f"--sites {args.sites} does not divide --receivers {','.join(map(str, uneven))}: "
-                         "give receiver counts that are multiples of it")  # fmt: skip
+        raise ValueError(
+            f"--sites {args.sites} does not divide --receivers {','.join(map(str, uneven))}: "
+            "give receiver counts that are multiples of it"
+        )
 
 
 def _resolve_quick(args: argparse.Namespace) -> None:
